@@ -1,0 +1,201 @@
+"""Prometheus metrics of one service, on its own registry, served over HTTP.
+
+    metrics = ServiceMetrics("draft_service", model_name="llama-3-8b")
+    start_metrics_server(args.metrics_port, metrics.registry)   # port 0: no server
+    metrics.observe_spec_step(num_drafts=4, num_draft_tokens=32, accepted_per_pos=[4, 3, 1])
+
+Names follow vLLM's (`vllm:` -> `specdec:`). prometheus_client appends `_total` to a counter's name when it
+exposes it, exactly as it does for vLLM's counters, so the scraped names are vLLM's with the new prefix:
+`specdec:spec_decode_num_drafts_total`, `specdec:requests_total`, ... (docs/observability.md lists them all).
+Every series carries `service` and `model_name` labels.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+logger = logging.getLogger(__name__)
+
+# Bucket upper bounds in seconds (vLLM's, with finer steps below 10 ms: speculation makes tokens cheap).
+TTFT_BUCKETS_S = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+)
+TPOT_BUCKETS_S = (
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+)
+E2E_BUCKETS_S = (
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)
+
+PREFIX = "specdec:"
+BASE_LABELS = ("service", "model_name")
+
+
+def start_metrics_server(port: int, registry: CollectorRegistry, addr: str = "0.0.0.0") -> Any | None:
+    """Serve `registry` at http://addr:port/metrics from a daemon thread; port 0 = no server (returns None).
+
+    Returns the HTTP server (call `.shutdown()` to stop it).
+    """
+    if port == 0:
+        return None
+    server, _thread = start_http_server(port, addr=addr, registry=registry)
+    logger.info("metrics on http://%s:%d/metrics", addr, port)
+    return server
+
+
+class ServiceMetrics:
+    """The metrics one service records; each method is cheap enough to call once per step or request."""
+
+    def __init__(self, service: str, model_name: str = "", registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        base = (service, model_name)
+
+        def make(kind: type, name: str, doc: str, extra: Sequence[str] = (), **kwargs: Any) -> Any:
+            metric = kind(PREFIX + name, doc, (*BASE_LABELS, *extra), registry=self.registry, **kwargs)
+            return metric if extra else metric.labels(*base)
+
+        self._base = base
+        self._requests = make(Counter, "requests", "Finished requests by gRPC status name.", ("status",))
+        self._errors = make(Counter, "request_errors", "Failed requests by gRPC status name.", ("code",))
+        self._ttft = make(
+            Histogram, "time_to_first_token_seconds", "Time to first token.", buckets=TTFT_BUCKETS_S
+        )
+        self._tpot = make(
+            Histogram,
+            "time_per_output_token_seconds",
+            "Mean time per output token after the first, per request.",
+            buckets=TPOT_BUCKETS_S,
+        )
+        self._e2e = make(
+            Histogram, "e2e_request_latency_seconds", "End-to-end request latency.", buckets=E2E_BUCKETS_S
+        )
+        self._running = make(Gauge, "num_requests_running", "Requests in the running batch.")
+        self._waiting = make(Gauge, "num_requests_waiting", "Requests queued, not yet running.")
+        self._kv_used = make(Gauge, "kv_pages_used", "KV cache pages in use.")
+        self._kv_free = make(Gauge, "kv_pages_free", "KV cache pages free.")
+        self._batch = make(Histogram, "batch_size", "Requests per step.", buckets=BATCH_SIZE_BUCKETS)
+        self._drafts = make(Counter, "spec_decode_num_drafts", "Drafts proposed (one per request per step).")
+        self._draft_tokens = make(Counter, "spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        self._accepted = make(Counter, "spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self._accepted_per_pos = make(
+            Counter,
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens by position (depth) in the draft.",
+            ("position",),
+        )
+        self._per_pos_children: list[Any] = []
+
+    def observe_request(
+        self,
+        status: str,
+        ttft_s: float | None = None,
+        tpot_s: float | None = None,
+        e2e_s: float | None = None,
+    ) -> None:
+        """One finished request. `status` is a gRPC status name ("OK", "CANCELLED", ...) or a StatusCode;
+        latencies that do not apply (no token produced, a single token) are None."""
+        status = getattr(status, "name", status)
+        self._requests.labels(*self._base, status).inc()
+        if status != "OK":
+            self._errors.labels(*self._base, status).inc()
+        if ttft_s is not None:
+            self._ttft.observe(ttft_s)
+        if tpot_s is not None:
+            self._tpot.observe(tpot_s)
+        if e2e_s is not None:
+            self._e2e.observe(e2e_s)
+
+    def set_running(self, n: int) -> None:
+        self._running.set(n)
+
+    def set_waiting(self, n: int) -> None:
+        self._waiting.set(n)
+
+    def set_kv(self, used: int, free: int) -> None:
+        self._kv_used.set(used)
+        self._kv_free.set(free)
+
+    def observe_batch(self, n: int) -> None:
+        self._batch.observe(n)
+
+    def observe_spec_step(
+        self, num_drafts: int, num_draft_tokens: int, accepted_per_pos: Sequence[int]
+    ) -> None:
+        """One verify step: `num_drafts` requests' drafts, `num_draft_tokens` draft tokens in all of them, and
+        `accepted_per_pos[i]` = how many of the drafts had their token at depth i + 1 accepted (bonus tokens
+        are not draft tokens and are not counted). Example: 2 drafts accepting 3 and 1 -> [2, 1, 1]."""
+        self._drafts.inc(num_drafts)
+        self._draft_tokens.inc(num_draft_tokens)
+        self._accepted.inc(sum(accepted_per_pos))
+        children = self._per_pos_children
+        while len(children) < len(accepted_per_pos):
+            children.append(self._accepted_per_pos.labels(*self._base, str(len(children))))
+        for child, count in zip(children, accepted_per_pos, strict=False):
+            if count:
+                child.inc(count)

@@ -1,0 +1,157 @@
+"""OpenTelemetry tracing: set up from the environment, off (and free) when no collector is configured.
+
+    provider = setup_tracing("target_service")   # None: tracing off, every tracer is the no-op one
+    ...
+    shutdown_tracing()                             # flushes queued spans; call once at exit
+
+Spans leave through the OTLP/gRPC exporter behind a `BatchSpanProcessor` (export happens on a background
+thread, never on the event loop). Per-step spans of the speculative loop have their own, cheaper knob: see
+`StepSpanSampler`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import sampling as sdk_sampling
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+from specdec.telemetry.config import TelemetryConfig
+
+logger = logging.getLogger(__name__)
+
+TRACER_NAME = "specdec"
+
+_provider: TracerProvider | None = None
+
+
+def setup_tracing(service_name_default: str, config: TelemetryConfig | None = None) -> TracerProvider | None:
+    """Install the global tracer provider when an OTLP endpoint is set; return it (None: tracing is off).
+
+    `OTEL_SERVICE_NAME` overrides `service_name_default`. Calling it again returns the provider already set.
+    """
+    global _provider
+    config = config or TelemetryConfig.from_env()
+    if _provider is not None:
+        return _provider
+    if not config.tracing_enabled:
+        return None
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter  # only when on
+
+    resource = Resource.create({SERVICE_NAME: config.service_name or service_name_default})
+    provider = TracerProvider(resource=resource, sampler=build_sampler(config))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=config.traces_endpoint)))
+    trace.set_tracer_provider(provider)
+    _provider = provider
+    logger.info(
+        "tracing on: service=%s endpoint=%s sampler=%s",
+        resource.attributes[SERVICE_NAME],
+        config.traces_endpoint,
+        config.traces_sampler,
+    )
+    return provider
+
+
+def shutdown_tracing(timeout_s: float = 5.0) -> None:
+    """Export the spans still queued and stop the exporter; a no-op when tracing is off."""
+    global _provider
+    if _provider is None:
+        return
+    _provider.force_flush(int(timeout_s * 1000))
+    _provider.shutdown()
+    _provider = None
+
+
+def active_provider() -> TracerProvider | None:
+    """The provider `setup_tracing` installed, or None when tracing is off."""
+    return _provider
+
+
+def get_tracer(provider: trace.TracerProvider | None = None) -> trace.Tracer:
+    """The specdec tracer of `provider`, else of the global one (the no-op tracer when tracing is off)."""
+    return trace.get_tracer(TRACER_NAME, tracer_provider=provider)
+
+
+def build_sampler(config: TelemetryConfig) -> sdk_sampling.Sampler:
+    """The sampler named by `OTEL_TRACES_SAMPLER` (the spec's names); an unknown name gives the default."""
+    ratio = config.traces_sampler_arg
+    samplers: dict[str, Callable[[], sdk_sampling.Sampler]] = {
+        "always_on": lambda: sdk_sampling.ALWAYS_ON,
+        "always_off": lambda: sdk_sampling.ALWAYS_OFF,
+        "traceidratio": lambda: sdk_sampling.TraceIdRatioBased(ratio),
+        "parentbased_always_on": lambda: sdk_sampling.DEFAULT_ON,
+        "parentbased_always_off": lambda: sdk_sampling.DEFAULT_OFF,
+        "parentbased_traceidratio": lambda: sdk_sampling.ParentBasedTraceIdRatio(ratio),
+    }
+    if config.traces_sampler not in samplers:
+        logger.warning(
+            "OTEL_TRACES_SAMPLER=%r is not one of %s; using parentbased_always_on",
+            config.traces_sampler,
+            sorted(samplers),
+        )
+        return sdk_sampling.DEFAULT_ON
+    return samplers[config.traces_sampler]()
+
+
+class StepSpanSampler:
+    """Decides, once per speculative step, whether that step's spans (propose, verify, extend) are recorded.
+
+    `ratio` comes from `SPECDEC_STEP_SPAN_RATIO` (default 0.0: no step spans, so a long generation does not
+    emit thousands of spans; 1.0: every step). When tracing is off, or the step is not sampled, `span()`
+    returns a shared null context manager: the cost is one attribute check and a call. Build it after
+    `setup_tracing` (without a `tracer` it takes the one `setup_tracing` installed, if any).
+
+        sampled = step_spans.sample_step()
+        with step_spans.span("draft.propose", sampled, batch_size=b, num_draft_tokens=k):
+            ...
+        with step_spans.span("draft.verify", sampled, batch_size=b, num_draft_tokens=k) as span:
+            ...  # the Verify RPC: its client span and the target's server span become children
+            if span is not None:
+                span.set_attribute("accepted", num_accepted)
+        with step_spans.span("draft.extend", sampled, batch_size=b):
+            ...
+    """
+
+    def __init__(
+        self,
+        ratio: float,
+        tracer: trace.Tracer | None = None,
+        random_fn: Callable[[], float] = random.random,
+    ) -> None:
+        self.ratio = ratio
+        self._tracer = tracer if tracer is not None else (get_tracer() if _provider is not None else None)
+        self._random = random_fn
+        self._always = self._tracer is not None and ratio >= 1.0
+        self._never = self._tracer is None or ratio <= 0.0
+
+    @classmethod
+    def from_config(cls, config: TelemetryConfig, tracer: trace.Tracer | None = None) -> StepSpanSampler:
+        return cls(config.step_span_ratio, tracer)
+
+    def sample_step(self) -> bool:
+        """True when this step's spans should be recorded."""
+        if self._never:
+            return False
+        return self._always or self._random() < self.ratio
+
+    def span(
+        self, name: str, sampled: bool, links: Sequence[trace.Link] = (), **attributes: Any
+    ) -> contextlib.AbstractContextManager[trace.Span | None]:
+        """A current span named `name` with `attributes` when `sampled`, else a null context (yields None).
+
+        `links` can point at the spans of the requests in the batch (`trace.Link(span_context)`).
+        """
+        if not sampled:
+            return _NULL_SPAN
+        assert self._tracer is not None  # sampled is only ever True with a tracer
+        return self._tracer.start_as_current_span(name, links=links, attributes=attributes)
+
+
+_NULL_SPAN = contextlib.nullcontext(None)

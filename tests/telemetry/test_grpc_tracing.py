@@ -1,0 +1,183 @@
+"""Trace context over grpc.aio in one process: caller and server providers with in-memory exporters."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import grpc
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+from opentelemetry.trace import SpanKind, StatusCode
+
+from specdec.telemetry.grpc_tracing import client_interceptors, server_interceptors
+
+SERVICE = "specdec.test.Echo"
+identity = {"request_deserializer": None, "response_serializer": None}
+
+
+def make_provider(sampler=None) -> tuple[TracerProvider, InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(sampler=sampler)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider, exporter
+
+
+class EchoService:
+    def __init__(self) -> None:
+        self.metadata_seen: list[dict] = []
+
+    async def echo(self, request: bytes, context) -> bytes:
+        self.metadata_seen.append(dict(context.invocation_metadata()))
+        return request
+
+    async def fail(self, request: bytes, context) -> bytes:
+        await context.abort(grpc.StatusCode.NOT_FOUND, "no such request")
+
+    async def count(self, request: bytes, context):
+        for i in range(3):
+            yield bytes([i])
+
+    async def forever(self, request: bytes, context):
+        while True:
+            yield b"x"
+            await asyncio.sleep(0.01)
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        unary, stream = grpc.unary_unary_rpc_method_handler, grpc.unary_stream_rpc_method_handler
+        return grpc.method_handlers_generic_handler(
+            SERVICE,
+            {"Echo": unary(self.echo), "Fail": unary(self.fail), "Count": stream(self.count),
+             "Forever": stream(self.forever)},
+        )  # fmt: skip
+
+
+@contextlib.asynccontextmanager
+async def echo_pair(client_provider, server_provider, parent_required=()):
+    """An aio server with the tracing interceptors and a channel to it; yields (channel, service)."""
+    service = EchoService()
+    server = grpc.aio.server(interceptors=server_interceptors(server_provider, parent_required))
+    server.add_generic_rpc_handlers((service.handler(),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        interceptors = client_interceptors(client_provider)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", interceptors=interceptors) as channel:
+            yield channel, service
+    finally:
+        await server.stop(grace=None)
+
+
+def wait_for_spans(exporter: InMemorySpanExporter, count: int, timeout_s: float = 3.0) -> list:
+    deadline = time.monotonic() + timeout_s
+    while len(exporter.get_finished_spans()) < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return list(exporter.get_finished_spans())
+
+
+def test_interceptors_are_absent_when_tracing_is_off():
+    assert client_interceptors() == []
+    assert server_interceptors() == []
+
+
+def test_unary_call_links_client_and_server_spans_and_keeps_metadata():
+    (client_tp, client_spans), (server_tp, server_spans) = make_provider(), make_provider()
+
+    async def run():
+        async with echo_pair(client_tp, server_tp) as (channel, service):
+            with client_tp.get_tracer("t").start_as_current_span("caller") as caller:
+                metadata = (("x-request-id", "r1"),)
+                reply = await channel.unary_unary(f"/{SERVICE}/Echo")(b"hi", metadata=metadata)
+            return reply, caller, service.metadata_seen
+
+    reply, caller, seen = asyncio.run(run())
+    assert reply == b"hi"
+    assert seen[0]["x-request-id"] == "r1" and seen[0]["traceparent"].startswith("00-")
+    (server,) = wait_for_spans(server_spans, 1)
+    client = next(s for s in client_spans.get_finished_spans() if s.kind is SpanKind.CLIENT)
+    assert client.name == server.name == f"{SERVICE}/Echo"
+    assert client.parent.span_id == caller.get_span_context().span_id
+    assert server.kind is SpanKind.SERVER and server.parent.span_id == client.context.span_id
+    assert server.parent.is_remote and server.context.trace_id == caller.get_span_context().trace_id
+    assert server.attributes["specdec.request_id"] == "r1"
+    assert server.attributes["rpc.method"] == "Echo" and server.attributes["rpc.grpc.status_code"] == 0
+
+
+def test_abort_marks_both_spans_with_the_status():
+    (client_tp, client_spans), (server_tp, server_spans) = make_provider(), make_provider()
+
+    async def run():
+        async with echo_pair(client_tp, server_tp) as (channel, _):
+            caller = client_tp.get_tracer("t").start_as_current_span("caller")
+            with caller, pytest.raises(grpc.aio.AioRpcError) as err:
+                await channel.unary_unary(f"/{SERVICE}/Fail")(b"")
+        assert err.value.code() is grpc.StatusCode.NOT_FOUND
+
+    asyncio.run(run())
+    (server,) = wait_for_spans(server_spans, 1)
+    client = next(s for s in client_spans.get_finished_spans() if s.kind is SpanKind.CLIENT)
+    for span in (client, server):
+        assert span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.NOT_FOUND.value[0]
+        assert span.status.status_code is StatusCode.ERROR
+        assert span.status.description == "NOT_FOUND: no such request"
+
+
+def test_stream_spans_cover_the_stream_and_end_on_cancel():
+    (client_tp, client_spans), (server_tp, server_spans) = make_provider(), make_provider()
+
+    async def run():
+        async with echo_pair(client_tp, server_tp) as (channel, _):
+            with client_tp.get_tracer("t").start_as_current_span("caller"):
+                items = [item async for item in channel.unary_stream(f"/{SERVICE}/Count")(b"")]
+                call = channel.unary_stream(f"/{SERVICE}/Forever")(b"")
+                assert await call.read() == b"x"
+                call.cancel()
+            await asyncio.sleep(0.2)  # let the done callback and the server see the cancellation
+        return items
+
+    assert asyncio.run(run()) == [b"\x00", b"\x01", b"\x02"]
+    servers = {s.name: s for s in wait_for_spans(server_spans, 2)}
+    clients = {s.name: s for s in client_spans.get_finished_spans() if s.kind is SpanKind.CLIENT}
+    assert set(servers) == set(clients) == {f"{SERVICE}/Count", f"{SERVICE}/Forever"}
+    for spans in (servers, clients):
+        assert spans[f"{SERVICE}/Count"].attributes["rpc.grpc.status_code"] == 0
+        cancelled = spans[f"{SERVICE}/Forever"]
+        assert cancelled.attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
+    assert servers[f"{SERVICE}/Count"].parent.span_id == clients[f"{SERVICE}/Count"].context.span_id
+
+
+def test_calls_outside_a_trace_make_no_client_span_and_parent_required_methods_no_server_span():
+    (client_tp, client_spans), (server_tp, server_spans) = make_provider(), make_provider()
+    echo = f"/{SERVICE}/Echo"
+
+    async def run():
+        async with echo_pair(client_tp, server_tp, parent_required={echo}) as (channel, service):
+            await channel.unary_unary(echo)(b"")  # no current span: nothing sent, nothing recorded
+            async for _ in channel.unary_stream(f"/{SERVICE}/Count")(b""):
+                pass
+            return service.metadata_seen
+
+    seen = asyncio.run(run())
+    assert "traceparent" not in seen[0]
+    assert client_spans.get_finished_spans() == ()
+    (server,) = wait_for_spans(server_spans, 1)  # Count is not parent-required: a root span
+    assert server.name == f"{SERVICE}/Count" and server.parent is None
+
+
+def test_sampled_out_caller_propagates_the_decision():
+    (client_tp, client_spans), (server_tp, server_spans) = make_provider(ALWAYS_OFF), make_provider()
+
+    async def run():
+        async with echo_pair(client_tp, server_tp) as (channel, service):
+            with client_tp.get_tracer("t").start_as_current_span("caller"):
+                await channel.unary_unary(f"/{SERVICE}/Echo")(b"")
+            return service.metadata_seen
+
+    (seen,) = asyncio.run(run())
+    assert int(seen["traceparent"].rsplit("-", 1)[1], 16) & 1 == 0  # a valid context, sampled flag off
+    time.sleep(0.1)
+    assert client_spans.get_finished_spans() == () and server_spans.get_finished_spans() == ()

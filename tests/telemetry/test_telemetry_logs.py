@@ -1,0 +1,95 @@
+"""setup_logging in both formats; the request id follows awaits and tasks; trace ids appear inside spans."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import logging
+
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+
+from specdec.telemetry import bind_request_id, setup_logging
+
+logger = logging.getLogger("specdec.test")
+
+
+@pytest.fixture
+def capture():
+    """Yields fmt -> StringIO: (re)configures logging into a fresh buffer. Restores the root logger after."""
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level)
+
+    def configure(fmt: str) -> io.StringIO:
+        buffer = io.StringIO()
+        setup_logging("DEBUG", fmt, stream=buffer)
+        return buffer
+
+    yield configure
+    root.handlers[:] = saved[0]
+    root.setLevel(saved[1])
+
+
+def test_one_root_handler_and_bad_format_rejected(capture):
+    capture("text")
+    capture("json")
+    assert len(logging.getLogger().handlers) == 1
+    with pytest.raises(ValueError, match="text, json"):
+        setup_logging("INFO", "xml")
+
+
+def test_text_lines_carry_the_request_id(capture):
+    buffer = capture("text")
+    logger.info("outside")
+    with bind_request_id("r-42"):
+        logger.warning("inside %d", 7)
+    first, second = buffer.getvalue().splitlines()
+    assert first.endswith("INFO specdec.test [req=-] outside")
+    assert second.endswith("WARNING specdec.test [req=r-42] inside 7")
+
+
+def test_json_lines_have_fields_extras_and_trace_ids(capture):
+    buffer = capture("json")
+    tracer = TracerProvider().get_tracer("t")
+    with bind_request_id("r-1"), tracer.start_as_current_span("work") as span:
+        logger.info("admitted", extra={"num_prompt_tokens": 12})
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError:
+        logger.exception("failed")
+    inside, failed = (json.loads(line) for line in buffer.getvalue().splitlines())
+    assert {"ts", "level", "logger", "msg", "request_id"} <= set(inside)
+    assert (inside["level"], inside["logger"], inside["msg"]) == ("INFO", "specdec.test", "admitted")
+    assert inside["request_id"] == "r-1" and inside["num_prompt_tokens"] == 12
+    assert inside["trace_id"] == format(span.get_span_context().trace_id, "032x")
+    assert inside["span_id"] == format(span.get_span_context().span_id, "016x")
+    assert failed["request_id"] is None and "trace_id" not in failed
+    assert "RuntimeError: boom" in failed["exc"]
+
+
+def test_request_id_survives_awaits_and_stays_per_task(capture):
+    buffer = capture("json")
+
+    async def handle(request_id: str, delay_s: float) -> None:
+        with bind_request_id(request_id):
+            await asyncio.sleep(delay_s)
+            logger.info("after await")
+            await asyncio.create_task(child())  # a task started inside the block inherits the id
+
+    async def child() -> None:
+        await asyncio.sleep(0)
+        logger.info("in child task")
+
+    async def main() -> None:
+        await asyncio.gather(handle("a", 0.02), handle("b", 0.0))
+        logger.info("done")
+
+    asyncio.run(main())
+    records = [json.loads(line) for line in buffer.getvalue().splitlines()]
+    lines = [(record["request_id"], record["msg"]) for record in records if record["logger"] == logger.name]
+    assert lines == [
+        ("b", "after await"), ("b", "in child task"),
+        ("a", "after await"), ("a", "in child task"),
+        (None, "done"),
+    ]  # fmt: skip

@@ -1,0 +1,91 @@
+"""ServiceMetrics scraped over HTTP from start_metrics_server and parsed with prometheus_client's parser."""
+
+from __future__ import annotations
+
+import socket
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from specdec.telemetry import ServiceMetrics, start_metrics_server
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def scrape():
+    metrics = ServiceMetrics("draft_service", model_name="tiny")
+    server = start_metrics_server(free_port(), metrics.registry, addr="127.0.0.1")
+
+    def samples() -> dict[tuple, float]:
+        url = f"http://127.0.0.1:{server.server_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            text = response.read().decode()
+        return {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+        }
+
+    yield metrics, samples
+    server.shutdown()
+
+
+def labels(**extra: str) -> tuple:
+    return tuple(sorted({"service": "draft_service", "model_name": "tiny", **extra}.items()))
+
+
+def test_port_zero_starts_nothing():
+    assert start_metrics_server(0, ServiceMetrics("x").registry) is None
+
+
+def test_scraped_names_and_values(scrape):
+    metrics, samples = scrape
+    metrics.observe_request("OK", ttft_s=0.05, tpot_s=0.004, e2e_s=1.2)
+    metrics.observe_request("OK", ttft_s=0.5, tpot_s=None, e2e_s=0.6)
+    metrics.observe_request("RESOURCE_EXHAUSTED")
+    metrics.set_running(3)
+    metrics.set_waiting(1)
+    metrics.set_kv(used=120, free=904)
+    metrics.observe_batch(3)
+    metrics.observe_spec_step(num_drafts=3, num_draft_tokens=24, accepted_per_pos=[3, 2, 0])
+    metrics.observe_spec_step(num_drafts=2, num_draft_tokens=16, accepted_per_pos=[1, 1, 1, 1])
+    got = samples()
+
+    def value(name: str, **extra: str) -> float:
+        return got[(name, labels(**extra))]
+
+    assert value("specdec:requests_total", status="OK") == 2
+    assert value("specdec:requests_total", status="RESOURCE_EXHAUSTED") == 1
+    assert value("specdec:request_errors_total", code="RESOURCE_EXHAUSTED") == 1
+    assert ("specdec:request_errors_total", labels(code="OK")) not in got
+    assert value("specdec:time_to_first_token_seconds_count") == 2
+    assert value("specdec:time_to_first_token_seconds_sum") == pytest.approx(0.55)
+    assert value("specdec:time_to_first_token_seconds_bucket", le="0.06") == 1
+    assert value("specdec:time_per_output_token_seconds_count") == 1
+    assert value("specdec:e2e_request_latency_seconds_bucket", le="+Inf") == 2
+    assert value("specdec:num_requests_running") == 3
+    assert value("specdec:num_requests_waiting") == 1
+    assert (value("specdec:kv_pages_used"), value("specdec:kv_pages_free")) == (120, 904)
+    assert value("specdec:batch_size_bucket", le="4.0") == 1
+    assert value("specdec:spec_decode_num_drafts_total") == 5
+    assert value("specdec:spec_decode_num_draft_tokens_total") == 40
+    assert value("specdec:spec_decode_num_accepted_tokens_total") == 9
+    per_pos = [
+        value("specdec:spec_decode_num_accepted_tokens_per_pos_total", position=str(i)) for i in range(4)
+    ]
+    assert per_pos == [4, 3, 1, 1]
+
+
+def test_status_codes_are_accepted_as_enums(scrape):
+    grpc = pytest.importorskip("grpc")
+    metrics, samples = scrape
+    metrics.observe_request(grpc.StatusCode.CANCELLED, ttft_s=0.1)
+    got = samples()
+    assert got[("specdec:requests_total", labels(status="CANCELLED"))] == 1
+    assert got[("specdec:request_errors_total", labels(code="CANCELLED"))] == 1
