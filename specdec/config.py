@@ -1,0 +1,151 @@
+"""Model configuration read once from a Hugging Face checkpoint directory (`config.json`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdec.errors import ConfigError
+
+TARGET_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM")
+EAGLE1_ARCHS = ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM")
+EAGLE3_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency scaling (`rope_scaling.rope_type == "llama3"`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and kind of a target or draft model. `kind` is "target", "eagle1" or "eagle3"."""
+
+    path: str
+    kind: str
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str
+    # EAGLE-3 only: size of the draft vocabulary (== vocab_size when there is no reduced vocab)
+    draft_vocab_size: int
+    # EAGLE-3 only: target layers whose residual-stream *inputs* form the feature, in order
+    aux_layer_inputs: tuple[int, ...]
+    eagle1_fc_bias: bool = True
+
+    @property
+    def is_draft(self) -> bool:
+        return self.kind != "target"
+
+    @classmethod
+    def from_hf(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ConfigError(f"{path}: no config.json (expected a Hugging Face checkpoint directory)")
+        try:
+            raw = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{cfg_file}: not valid JSON ({exc})") from exc
+        return cls.from_dict(raw, str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict, path: str = "<memory>") -> ModelConfig:
+        archs = raw.get("architectures") or ["LlamaForCausalLM"]
+        arch = archs[0]
+        if arch in TARGET_ARCHS:
+            kind = "target"
+        elif arch in EAGLE1_ARCHS:
+            kind = "eagle1"
+        elif arch in EAGLE3_ARCHS:
+            kind = "eagle3"
+        else:
+            supported = ", ".join(TARGET_ARCHS + EAGLE1_ARCHS + EAGLE3_ARCHS)
+            raise ConfigError(f"{path}: unsupported architecture {arch!r}; supported: {supported}")
+        try:
+            hidden = int(raw["hidden_size"])
+            num_heads = int(raw["num_attention_heads"])
+            num_layers = int(raw["num_hidden_layers"])
+            vocab = int(raw["vocab_size"])
+            intermediate = int(raw["intermediate_size"])
+        except KeyError as exc:
+            raise ConfigError(f"{path}/config.json: missing field {exc.args[0]!r}") from exc
+        rope_params = raw.get("rope_parameters") or {}
+        rope_theta = float(raw.get("rope_theta", rope_params.get("rope_theta", 10000.0)))
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            path=path,
+            kind=kind,
+            architecture=arch,
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=int(raw.get("head_dim") or hidden // num_heads),
+            vocab_size=vocab,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=_parse_rope_scaling(raw.get("rope_scaling") or rope_params, path),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)) and kind != "eagle3",
+            eos_token_ids=eos_ids,
+            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            draft_vocab_size=int(raw.get("draft_vocab_size") or vocab),
+            aux_layer_inputs=_aux_layer_inputs(raw, kind),
+        )
+
+
+def _parse_rope_scaling(rs: dict, path: str) -> RopeScaling | None:
+    rope_type = rs.get("rope_type") or rs.get("type")
+    if rope_type in (None, "default"):
+        return None
+    if rope_type != "llama3":
+        raise ConfigError(f"{path}: rope_scaling type {rope_type!r} is not supported (supported: default, llama3)")
+    return RopeScaling(
+        factor=float(rs["factor"]),
+        low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _aux_layer_inputs(raw: dict, kind: str) -> tuple[int, ...]:
+    """EAGLE-3 aux features as target layer *inputs*.
+
+    `eagle_config.eagle_aux_hidden_state_layer_ids` lists layer outputs (SGLang's convention: id i = output of
+    layer i = input of layer i+1). Without it the default is the inputs of layers [2, L//2, L-3] of the target,
+    whose layer count an EAGLE-3 config gives as `target_num_hidden_layers` (resolved by the caller otherwise).
+    """
+    if kind != "eagle3":
+        return ()
+    ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids:
+        return tuple(int(i) + 1 for i in ids)
+    target_layers = raw.get("target_num_hidden_layers")
+    if target_layers:
+        return default_aux_layer_inputs(int(target_layers))
+    return ()
+
+
+def default_aux_layer_inputs(num_target_layers: int) -> tuple[int, ...]:
+    n = num_target_layers
+    return (2, n // 2, n - 3)

@@ -1,0 +1,200 @@
+"""The draft side: extend the EAGLE head's KV over committed tokens, and propose token trees (EAGLE-2 growth).
+
+Per-request draft state after an extend: `topk_p` [topk] and `topk_index` [topk] (target ids) of the head's
+distribution for the token after the last committed one, and `hidden` [hidden], the head's output there.
+
+Tree growth for one request (topk K, num_steps S, num_draft_tokens D):
+  level 1: the K candidates of the state, score = draft probability; all K form the frontier.
+  level d (2..S): one draft forward over the K frontier nodes (each sees the prefix and its own ancestors);
+    each yields K children with score = parent score x child probability; the K best of the K*K children form
+    the next frontier.
+  Finally the D best candidates by score (ties: earlier first) form the tree. A child's score never exceeds its
+  parent's and parents are generated earlier, so the chosen set is closed under parents.
+Draft K/V of frontier nodes live in temporary slots after the request's committed length and are dropped after
+the proposal; the committed tokens are re-run by the next extend.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from specdec.attention import AttentionBatch, SeqAttention, make_backend
+from specdec.errors import ConfigError, DuplicateRequest, OutOfPages, UnknownRequest
+from specdec.kv_cache import PagedKVCache
+from specdec.models.eagle import EagleDraft
+from specdec.tree import TokenTree
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    num_steps: int = 5
+    topk: int = 1
+    num_draft_tokens: int = 5
+
+    def validate(self) -> SpecConfig:
+        if self.num_steps < 1 or self.topk < 1 or self.num_draft_tokens < 1:
+            raise ConfigError("num_steps, topk and num_draft_tokens must all be >= 1")
+        most = self.topk + (self.num_steps - 1) * self.topk * self.topk
+        if self.num_draft_tokens > most:
+            raise ConfigError(
+                f"num_draft_tokens {self.num_draft_tokens} exceeds what {self.num_steps} steps of topk "
+                f"{self.topk} can grow ({most})"
+            )
+        return self
+
+
+@dataclass
+class DraftRequest:
+    kv_len: int
+    reserved_pages: int
+    topk_p: torch.Tensor | None = None  # [topk]
+    topk_index: torch.Tensor | None = None  # [topk] target ids
+    hidden: torch.Tensor | None = None  # [hidden]
+
+
+class DraftEngine:
+    def __init__(
+        self,
+        model: EagleDraft,
+        spec: SpecConfig,
+        num_pages: int,
+        page_size: int = 16,
+        attention_backend: str = "torch",
+        max_context: int = 2048,
+        device: str | torch.device = "cpu",
+    ):
+        self.model, self.spec, self.device = model, spec.validate(), torch.device(device)
+        cfg = model.cfg
+        self.dtype = next(model.parameters()).dtype
+        self.kv = PagedKVCache(1, cfg.num_kv_heads, cfg.head_dim, num_pages, page_size, self.dtype, device)
+        self.backend = make_backend(attention_backend, self.kv)
+        self.max_context = max_context
+        self.requests: dict[str, DraftRequest] = {}
+        self._reserved = 0
+
+    @property
+    def temp_slots(self) -> int:
+        return (self.spec.num_steps - 1) * self.spec.topk
+
+    def add(self, rid: str, max_total_len: int) -> None:
+        if rid in self.requests:
+            raise DuplicateRequest(f"request {rid!r} is already running on the draft")
+        pages = math.ceil((min(max_total_len, self.max_context) + self.temp_slots + 1) / self.kv.page_size)
+        if self._reserved + pages > self.kv.num_total_pages:
+            raise OutOfPages(f"draft KV pool full: request needs {pages} pages, "
+                             f"{self.kv.num_total_pages - self._reserved} unreserved")
+        self._reserved += pages
+        self.kv.add(rid)
+        self.requests[rid] = DraftRequest(0, pages)
+
+    def release(self, rid: str) -> None:
+        req = self.requests.pop(rid, None)
+        if req is None:
+            raise UnknownRequest(f"unknown request id {rid!r}")
+        self._reserved -= req.reserved_pages
+        self.kv.release(rid)
+
+    def length(self, rid: str) -> int:
+        return self.requests[rid].kv_len
+
+    # ---- extend -------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def extend(self, items: list[tuple[str, list[int], torch.Tensor]]) -> None:
+        """items: (request id, tokens [n], target features [n, feature_size]) pairs; token i pairs with the
+        feature of the position before it. Updates each request's draft state."""
+        ids, pos, seqs, slots, feats, lasts = [], [], [], [], [], []
+        for rid, tokens, features in items:
+            req = self.requests[rid]
+            n = len(tokens)
+            self.kv.resize(rid, req.kv_len + n)
+            ctx = self.kv.slots(rid, 0, req.kv_len + n)
+            ids += tokens
+            pos.append(torch.arange(req.kv_len, req.kv_len + n))
+            seqs.append(SeqAttention(ctx, n))
+            slots.append(ctx[req.kv_len :])
+            feats.append(features.to(self.device, self.dtype))
+            req.kv_len += n
+            lasts.append(len(ids) - 1)
+        batch = self.backend.plan(AttentionBatch(seqs, torch.cat(slots)))
+        out = self.model(torch.tensor(ids, device=self.device), torch.cat(feats),
+                         torch.cat(pos).to(self.device), self.backend, batch)  # [num_tokens, hidden]
+        last_hidden = out[torch.tensor(lasts, device=self.device)]  # [num_items, hidden]
+        topk_p, topk_index = self._topk(last_hidden)
+        for i, (rid, _, _) in enumerate(items):
+            req = self.requests[rid]
+            req.topk_p, req.topk_index, req.hidden = topk_p[i], topk_index[i], last_hidden[i]
+
+    def _topk(self, hidden: torch.Tensor):
+        probs = torch.softmax(self.model.compute_logits(hidden), dim=-1)  # [n, draft_vocab]
+        p, idx = torch.topk(probs, self.spec.topk, dim=-1)
+        return p, self.model.to_target_ids(idx)
+
+    # ---- propose ------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, rids: list[str]) -> list[TokenTree]:
+        k, steps = self.spec.topk, self.spec.num_steps
+        reqs = [self.requests[r] for r in rids]
+        b = len(reqs)
+        f_tokens = torch.stack([r.topk_index for r in reqs])  # [b, k] frontier tokens
+        f_scores = torch.stack([r.topk_p for r in reqs]).float()  # [b, k]
+        f_hidden = torch.stack([r.hidden for r in reqs]).unsqueeze(1).expand(b, k, -1)  # [b, k, hidden]
+        f_cand = torch.arange(k).expand(b, k)  # [b, k] candidate index of each frontier node
+        cand_tokens, cand_scores, cand_parents = [f_tokens], [f_scores], [torch.full((b, k), -1)]
+        ancestors = [[[j] for j in range(k)] for _ in range(b)]  # temp-slot indices of fed ancestors
+        for depth in range(1, steps):
+            out = self._step(rids, reqs, f_tokens, f_hidden, depth, ancestors)  # [b, k, hidden]
+            p, idx = self._topk(out.reshape(b * k, -1))
+            p, idx = p.view(b, k, k).float(), idx.view(b, k, k)
+            scores = (f_scores.unsqueeze(-1) * p).reshape(b, k * k)
+            offset = sum(t.shape[1] for t in cand_tokens)
+            cand_tokens.append(idx.reshape(b, k * k))
+            cand_scores.append(scores)
+            cand_parents.append(f_cand.unsqueeze(-1).expand(b, k, k).reshape(b, k * k))
+            sel = torch.topk(scores, k, dim=-1).indices  # [b, k] the next frontier
+            parent_slot = sel // k
+            f_tokens = torch.gather(cand_tokens[-1], 1, sel)
+            f_scores = torch.gather(scores, 1, sel)
+            f_hidden = torch.gather(out, 1, parent_slot.to(out.device).unsqueeze(-1).expand(-1, -1, out.shape[-1]))
+            f_cand = offset + sel
+            ancestors = [[ancestors[i][ps] + [depth * k + j] for j, ps in enumerate(parent_slot[i].tolist())]
+                         for i in range(b)]
+        for rid, req in zip(rids, reqs, strict=True):
+            self.kv.resize(rid, req.kv_len)  # drop the temporary tree slots
+        return _select(torch.cat(cand_tokens, 1), torch.cat(cand_scores, 1), torch.cat(cand_parents, 1),
+                       self.spec.num_draft_tokens)
+
+    def _step(self, rids, reqs, tokens, hidden, depth: int, ancestors) -> torch.Tensor:
+        """Draft forward over the frontier (nodes at `depth`); returns their outputs. # [b, k, hidden]"""
+        k = self.spec.topk
+        b = len(reqs)
+        seqs, slots = [], []
+        for i, (rid, req) in enumerate(zip(rids, reqs, strict=True)):
+            self.kv.resize(rid, req.kv_len + depth * k)
+            ctx = self.kv.slots(rid, 0, req.kv_len + depth * k)
+            mask = torch.zeros(k, depth * k, dtype=torch.bool)
+            for j, anc in enumerate(ancestors[i]):
+                mask[j, anc] = True
+            seqs.append(SeqAttention(ctx, k, mask))
+            slots.append(ctx[req.kv_len + (depth - 1) * k :])
+        positions = torch.tensor([r.kv_len + depth - 1 for r in reqs]).repeat_interleave(k)
+        batch = self.backend.plan(AttentionBatch(seqs, torch.cat(slots)))
+        out = self.model(tokens.reshape(-1).to(self.device), hidden.reshape(b * k, -1),
+                         positions.to(self.device), self.backend, batch)
+        return out.view(b, k, -1)
+
+
+def _select(tokens, scores, parents, num_draft_tokens: int) -> list[TokenTree]:
+    """Best `num_draft_tokens` candidates per request, in generation order, parents remapped."""
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :num_draft_tokens]
+    chosen = torch.sort(order, dim=1).values
+    trees = []
+    for row_tokens, row_parents, row_chosen in zip(tokens.tolist(), parents.tolist(), chosen.tolist(),
+                                                    strict=True):
+        new_index = {c: i for i, c in enumerate(row_chosen)}
+        trees.append(TokenTree(tuple(row_tokens[c] for c in row_chosen),
+                               tuple(new_index[row_parents[c]] if row_parents[c] >= 0 else -1
+                                     for c in row_chosen)))
+    return trees

@@ -1,0 +1,49 @@
+"""In-process generation (no gRPC): the reference loop the services wrap, batched."""
+
+from __future__ import annotations
+
+from specdec.engine.draft_engine import DraftEngine
+from specdec.engine.requests import RUNNING, GenerationResult
+from specdec.engine.scheduler import Scheduler
+from specdec.engine.target_engine import TargetEngine
+from specdec.sampling_params import SamplingParams
+
+
+def feature_layers_for(draft: DraftEngine | None) -> tuple[int, ...]:
+    """What the target must return for this draft: () = final normed hidden (EAGLE-1), else aux layer inputs."""
+    if draft is None or draft.model.cfg.kind != "eagle3":
+        return ()
+    return draft.model.cfg.aux_layer_inputs
+
+
+def generate(
+    target: TargetEngine,
+    draft: DraftEngine | None,
+    prompts: list[list[int]],
+    sampling: SamplingParams | list[SamplingParams],
+    max_batch_size: int = 64,
+) -> list[GenerationResult]:
+    """Generate for every prompt; speculative when `draft` is given, plain decoding otherwise."""
+    params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+    sched = Scheduler(target, draft, target.max_context, max_batch_size, feature_layers_for(draft))
+    results: dict[str, GenerationResult] = {}
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        rid = f"gen-{i}"
+        sched.add(rid, prompt, p)
+        results[rid] = GenerationResult(rid, len(prompt))
+    while sched.has_work:
+        states = dict(sched.running)
+        for ev in sched.step():
+            res = results[ev.request_id]
+            if ev.error is not None:
+                raise ev.error
+            res.tokens += ev.tokens
+            res.finish_reason = ev.finish_reason
+            state = states.get(ev.request_id) or sched.running.get(ev.request_id)
+            if state is not None:
+                res.num_verify_steps = state.num_verify_steps
+                res.accepted_per_position = list(state.accepted_per_position)
+                res.num_draft_tokens = state.num_draft_tokens
+    for res in results.values():
+        assert res.finish_reason != RUNNING, res
+    return [results[f"gen-{i}"] for i in range(len(prompts))]

@@ -1,0 +1,71 @@
+"""Plain dataclasses that cross the engine boundary (the services turn protobuf into these and back)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.sampling_params import SamplingParams
+
+# finish reasons (the strings map 1:1 onto the protobuf enum at the service edge)
+RUNNING = ""
+STOP = "stop"  # EOS or a stop token id
+LENGTH = "length"  # max_new_tokens or the context length
+ABORT = "abort"
+
+
+@dataclass(frozen=True)
+class PrefillInput:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    feature_layers: tuple[int, ...] = ()  # () = final normed hidden (EAGLE-1), else aux layer inputs (EAGLE-3)
+    return_features: bool = True
+
+
+@dataclass
+class PrefillOutput:
+    request_id: str
+    first_token: int
+    features: torch.Tensor | None  # [num_prompt_tokens, feature_size]
+    finish_reason: str = RUNNING
+
+
+@dataclass(frozen=True)
+class VerifyInput:
+    request_id: str
+    draft_tokens: list[int]  # [num_draft_tokens]; empty = a plain decode step
+    parents: list[int]  # [num_draft_tokens], -1 = root
+
+
+@dataclass
+class VerifyOutput:
+    request_id: str
+    tokens: list[int]  # accepted draft tokens then the bonus token, cut at a finish
+    num_accepted_drafts: int
+    features: torch.Tensor | None  # [len(tokens), feature_size]: root and accepted positions
+    finish_reason: str = RUNNING
+
+
+@dataclass
+class StepTimings:
+    propose_s: float = 0.0
+    verify_s: float = 0.0
+    extend_s: float = 0.0
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt_len: int
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str = RUNNING
+    num_verify_steps: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [max_depth] accepted counts
+    num_draft_tokens: int = 0  # draft tokens proposed over the request's life
+
+    @property
+    def tau(self) -> float:
+        """Tokens committed per target verify step (bonus included); the prefill's first token excluded."""
+        return (len(self.tokens) - 1) / self.num_verify_steps if self.num_verify_steps else 0.0

@@ -1,0 +1,240 @@
+"""The target side: prefill, batched tree verification and plain decoding over a paged KV cache.
+
+Engines are synchronous and single-threaded; the service runs them on a worker thread.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from specdec.attention import AttentionBatch, SeqAttention, make_backend
+from specdec.engine.finish import cut_at_finish
+from specdec.engine.requests import (
+    RUNNING,
+    PrefillInput,
+    PrefillOutput,
+    VerifyInput,
+    VerifyOutput,
+)
+from specdec.errors import DuplicateRequest, InvalidInput, OutOfPages, UnknownRequest
+from specdec.kv_cache import PagedKVCache
+from specdec.models.llama import LlamaForCausalLM
+from specdec.sampling import make_generator, sample, target_probs
+from specdec.sampling_params import SamplingParams
+from specdec.tree import ancestor_mask, depths, validate_tree
+from specdec.verify import verify_greedy, verify_stochastic
+
+
+@dataclass
+class TargetRequest:
+    sampling: SamplingParams
+    generator: torch.Generator
+    feature_layers: tuple[int, ...]
+    prompt_len: int
+    kv_len: int  # committed tokens with K/V in the cache
+    root: int  # last committed token, not yet in the cache
+    num_generated: int
+    reserved_pages: int
+
+
+class TargetEngine:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_pages: int,
+        page_size: int = 16,
+        attention_backend: str = "torch",
+        max_context: int | None = None,
+        max_draft_tokens: int = 64,
+        device: str | torch.device = "cpu",
+    ):
+        cfg = model.cfg
+        self.model, self.cfg, self.device = model, cfg, torch.device(device)
+        dtype = next(model.parameters()).dtype
+        self.kv = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages, page_size, dtype, device)
+        self.backend = make_backend(attention_backend, self.kv)
+        self.max_context = min(max_context or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.max_draft_tokens = max_draft_tokens
+        self.requests: dict[str, TargetRequest] = {}
+        self._reserved = 0
+
+    # ---- admission --------------------------------------------------------------------------------------
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        return self.cfg.eos_token_ids
+
+    def feature_size(self, feature_layers: tuple[int, ...]) -> int:
+        return self.cfg.hidden_size * max(1, len(feature_layers))
+
+    def validate_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise InvalidInput("prompt is empty")
+        if len(prompt_ids) >= self.max_context:
+            raise InvalidInput(
+                f"prompt has {len(prompt_ids)} tokens; the context length is {self.max_context} "
+                f"(at most {self.max_context - 1} prompt tokens)"
+            )
+        bad = next((t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size), None)
+        if bad is not None:
+            raise InvalidInput(f"prompt token id {bad} outside the vocabulary [0, {self.cfg.vocab_size})")
+
+    def _pages_for(self, prompt_len: int, params: SamplingParams) -> int:
+        # worst case: every generated token plus one full tree of temporary slots
+        total = min(prompt_len + params.max_new_tokens, self.max_context) + self.max_draft_tokens + 1
+        return math.ceil(total / self.kv.page_size)
+
+    def _admit(self, inp: PrefillInput) -> TargetRequest:
+        if inp.request_id in self.requests:
+            raise DuplicateRequest(f"request {inp.request_id!r} is already running")
+        self.validate_prompt(inp.prompt_ids)
+        inp.sampling.validate(self.cfg.vocab_size)
+        bad = [i for i in inp.feature_layers if not 0 <= i <= self.cfg.num_layers]
+        if bad:
+            raise InvalidInput(f"feature layer {bad[0]} outside [0, {self.cfg.num_layers}]")
+        pages = self._pages_for(len(inp.prompt_ids), inp.sampling)
+        if self._reserved + pages > self.kv.num_total_pages:
+            free = self.kv.num_total_pages - self._reserved
+            raise OutOfPages(f"KV pool full: request needs {pages} pages, {free} unreserved")
+        self._reserved += pages
+        self.kv.add(inp.request_id)
+        req = TargetRequest(inp.sampling, make_generator(inp.sampling), tuple(inp.feature_layers),
+                            len(inp.prompt_ids), 0, -1, 0, pages)
+        self.requests[inp.request_id] = req
+        return req
+
+    def release(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            raise UnknownRequest(f"unknown request id {request_id!r}")
+        self._reserved -= req.reserved_pages
+        self.kv.release(request_id)
+
+    # ---- steps --------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, inputs: list[PrefillInput]) -> list[PrefillOutput]:
+        admitted: list[PrefillInput] = []
+        try:
+            for inp in inputs:
+                self._admit(inp)
+                admitted.append(inp)
+        except Exception:
+            for inp in admitted:
+                self.release(inp.request_id)
+            raise
+        ids, pos, seqs, slots = [], [], [], []
+        for inp in inputs:
+            n = len(inp.prompt_ids)
+            self.kv.resize(inp.request_id, n)
+            s = self.kv.slots(inp.request_id, 0, n)
+            ids += inp.prompt_ids
+            pos.append(torch.arange(n))
+            seqs.append(SeqAttention(s, n))
+            slots.append(s)
+        hidden, aux = self._forward(ids, torch.cat(pos), seqs, torch.cat(slots), inputs)
+        outputs, start = [], 0
+        for inp in inputs:
+            n = len(inp.prompt_ids)
+            req = self.requests[inp.request_id]
+            req.kv_len = n
+            last = hidden[start + n - 1 : start + n]
+            token = self._pick(req, self.model.compute_logits(last))[0]
+            feats = self._features(req, hidden, aux, torch.arange(start, start + n)) if inp.return_features else None
+            toks, reason = self._commit_tokens(inp.request_id, req, [token])
+            outputs.append(PrefillOutput(inp.request_id, toks[0], feats, reason))
+            start += n
+        return outputs
+
+    @torch.inference_mode()
+    def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
+        """One target forward over the trees of several requests; commits the accepted paths."""
+        for inp in inputs:
+            req = self._get(inp.request_id)
+            validate_tree(inp.draft_tokens, inp.parents, self.cfg.vocab_size, self.max_draft_tokens)
+            if inp.draft_tokens and req.kv_len + max(depths(inp.parents)) >= self.max_context:
+                raise InvalidInput(f"tree of request {inp.request_id!r} reaches past the context length")
+        if len({inp.request_id for inp in inputs}) != len(inputs):
+            raise InvalidInput("a request id appears twice in one verify batch")
+        ids, pos, seqs, slots, rows = [], [], [], [], []
+        for inp in inputs:
+            req = self.requests[inp.request_id]
+            n = len(inp.draft_tokens) + 1
+            self.kv.resize(inp.request_id, req.kv_len + n)
+            ctx = self.kv.slots(inp.request_id, 0, req.kv_len + n)
+            ids += [req.root] + list(inp.draft_tokens)
+            pos.append(req.kv_len + torch.tensor([0] + depths(inp.parents)))
+            mask = ancestor_mask(inp.parents) if inp.draft_tokens else None
+            seqs.append(SeqAttention(ctx, n, mask))
+            slots.append(ctx[req.kv_len :])
+            rows.append(n)
+        hidden, aux = self._forward(ids, torch.cat(pos), seqs, torch.cat(slots), inputs)
+        logits = self.model.compute_logits(hidden)  # [num_tokens, vocab]
+        outputs, start = [], 0
+        for inp, n in zip(inputs, rows, strict=True):
+            outputs.append(self._accept(inp, logits[start : start + n], hidden, aux, start))
+            start += n
+        return outputs
+
+    def _accept(self, inp: VerifyInput, logits, hidden, aux, start: int) -> VerifyOutput:
+        rid, req = inp.request_id, self.requests[inp.request_id]
+        tokens, parents = list(inp.draft_tokens), list(inp.parents)
+        if req.sampling.greedy:
+            verdict = verify_greedy(tokens, parents, logits.argmax(-1).tolist())
+        else:
+            verdict = verify_stochastic(tokens, parents, target_probs(logits, req.sampling), req.generator)
+        new_tokens = [tokens[a - 1] for a in verdict.accepted] + [verdict.bonus]
+        committed_rows = [0] + verdict.accepted  # tree indices whose K/V stay: root, then the accepted path
+        feats = self._features(req, hidden, aux, start + torch.tensor(committed_rows))
+        self.kv.move(rid, [req.kv_len + r for r in committed_rows], req.kv_len)
+        req.kv_len += len(committed_rows)
+        self.kv.resize(rid, req.kv_len)  # frees the slots of rejected nodes
+        kept, reason = self._commit_tokens(rid, req, new_tokens)
+        num_acc = min(len(verdict.accepted), len(kept))
+        return VerifyOutput(rid, kept, num_acc, feats[: len(kept)] if feats is not None else None, reason)
+
+    def _commit_tokens(self, rid: str, req: TargetRequest, new_tokens: list[int]) -> tuple[list[int], str]:
+        total = req.prompt_len + req.num_generated
+        kept, reason = cut_at_finish(new_tokens, req.num_generated, total, req.sampling, self.eos_ids,
+                                     self.max_context)
+        req.num_generated += len(kept)
+        req.root = kept[-1]
+        if reason != RUNNING:
+            self.release(rid)
+        return kept, reason
+
+    # ---- helpers ------------------------------------------------------------------------------------------
+    def _get(self, rid: str) -> TargetRequest:
+        req = self.requests.get(rid)
+        if req is None:
+            raise UnknownRequest(f"unknown request id {rid!r}")
+        return req
+
+    def _forward(self, ids, positions, seqs, write_slots, inputs):
+        layers = sorted({i for inp in inputs for i in self.requests[inp.request_id].feature_layers})
+        batch = self.backend.plan(AttentionBatch(seqs, write_slots))
+        out = self.model(
+            torch.tensor(ids, device=self.device), positions.to(self.device), self.backend, batch, tuple(layers)
+        )
+        h = self.cfg.hidden_size
+        aux = {layer: out.aux[:, j * h : (j + 1) * h] for j, layer in enumerate(layers)} if layers else {}
+        return out.hidden, aux
+
+    @staticmethod
+    def _features(req: TargetRequest, hidden, aux: dict, rows: torch.Tensor) -> torch.Tensor:
+        """The feature the request's draft consumes, at `rows` of the batch. # [len(rows), feature_size]"""
+        rows = rows.to(hidden.device)
+        if not req.feature_layers:
+            return hidden[rows]
+        return torch.cat([aux[i][rows] for i in req.feature_layers], dim=-1)
+
+    def _pick(self, req: TargetRequest, logits: torch.Tensor) -> list[int]:
+        if req.sampling.greedy:
+            return logits.argmax(-1).tolist()
+        probs = target_probs(logits, req.sampling)
+        return [sample(p, req.generator) for p in probs]
+
+    def kv_stats(self) -> tuple[int, int, int]:
+        """(page_size, pages_total, pages_free)"""
+        return self.kv.page_size, self.kv.num_total_pages, self.kv.num_free_pages

@@ -1,0 +1,134 @@
+"""Paged KV cache: a pool of fixed-size pages, K/V tensors addressed by slot, and per-request page tables.
+
+A slot is `page * page_size + offset`. A request's token at position p lives in slot
+`pages[p // page_size] * page_size + p % page_size`, so positions are contiguous per request and any page-table
+attention kernel (torch gather or flashinfer) can read them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.errors import DuplicateRequest, OutOfPages, UnknownRequest
+
+
+class PagePool:
+    """Free list of page ids. After any sequence of requests, `num_free == num_total` again."""
+
+    def __init__(self, num_pages: int):
+        self.num_total = num_pages
+        self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfPages(f"KV pool full: need {n} pages, {len(self._free)} of {self.num_total} free")
+        return [self._free.pop() for _ in range(n)]
+
+    def free(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))
+
+
+@dataclass
+class PageTable:
+    pages: list[int] = field(default_factory=list)
+    length: int = 0  # tokens whose K/V slots are reserved (committed + temporary)
+
+
+class PagedKVCache:
+    """K/V storage for all layers of one model plus the page tables of its requests."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: str | torch.device,
+    ):
+        self.page_size = page_size
+        self.pool = PagePool(num_pages)
+        num_slots = num_pages * page_size
+        # [num_layers, num_slots, num_kv_heads, head_dim]
+        self.k = torch.zeros(num_layers, num_slots, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.tables: dict[str, PageTable] = {}
+
+    # ---- request lifetime -------------------------------------------------------------------------------
+    def add(self, rid: str) -> None:
+        if rid in self.tables:
+            raise DuplicateRequest(f"request {rid!r} already holds KV pages")
+        self.tables[rid] = PageTable()
+
+    def release(self, rid: str) -> None:
+        table = self.tables.pop(rid, None)
+        if table is None:
+            raise UnknownRequest(f"unknown request id {rid!r}")
+        self.pool.free(table.pages)
+
+    def table(self, rid: str) -> PageTable:
+        try:
+            return self.tables[rid]
+        except KeyError:
+            raise UnknownRequest(f"unknown request id {rid!r}") from None
+
+    def length(self, rid: str) -> int:
+        return self.table(rid).length
+
+    def pages_needed(self, current_len: int, new_len: int) -> int:
+        have = -(-current_len // self.page_size)
+        return max(0, -(-new_len // self.page_size) - have)
+
+    def resize(self, rid: str, new_len: int) -> None:
+        """Grow (allocating pages) or shrink (freeing whole pages past the end) a request to `new_len` tokens."""
+        table = self.table(rid)
+        need_pages = -(-new_len // self.page_size)
+        if need_pages > len(table.pages):
+            table.pages.extend(self.pool.alloc(need_pages - len(table.pages)))
+        elif need_pages < len(table.pages):
+            self.pool.free(table.pages[need_pages:])
+            del table.pages[need_pages:]
+        table.length = new_len
+
+    # ---- addressing ---------------------------------------------------------------------------------------
+    def slots(self, rid: str, start: int, end: int) -> torch.Tensor:
+        """Slot ids of positions [start, end) of a request. # [end - start] int64 on the cache device"""
+        table = self.table(rid)
+        pos = torch.arange(start, end)
+        pages = torch.tensor(table.pages, dtype=torch.int64)[pos // self.page_size]
+        return (pages * self.page_size + pos % self.page_size).to(self.k.device)
+
+    def move(self, rid: str, src_positions: list[int], dst_start: int) -> None:
+        """Copy K/V of `src_positions` (ascending, each >= its destination) to positions dst_start, dst_start+1..
+
+        Used after verification: the accepted tree nodes move down to sit right after the committed prefix.
+        """
+        keep = [(s, dst_start + i) for i, s in enumerate(src_positions) if s != dst_start + i]
+        if not keep:
+            return
+        src = self._positions_to_slots(rid, [s for s, _ in keep])
+        dst = self._positions_to_slots(rid, [d for _, d in keep])
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+
+    def _positions_to_slots(self, rid: str, positions: list[int]) -> torch.Tensor:
+        table = self.table(rid)
+        pos = torch.tensor(positions, dtype=torch.int64)
+        pages = torch.tensor(table.pages, dtype=torch.int64)[pos // self.page_size]
+        return (pages * self.page_size + pos % self.page_size).to(self.k.device)
+
+    # ---- accounting ---------------------------------------------------------------------------------------
+    @property
+    def num_free_pages(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def num_total_pages(self) -> int:
+        return self.pool.num_total

@@ -1,0 +1,100 @@
+"""EAGLE draft heads (EAGLE-1 and EAGLE-3). Both map (token ids, features) -> hidden; logits are separate.
+
+EAGLE-1 (`LlamaForCausalLMEagle`): x = fc(cat(embed(token), feature)); one decoder layer without input norm;
+no final norm; logits through the target's lm_head. The feature is the target's final normed hidden state at
+the previous position, or at later draft steps the head's own output.
+
+EAGLE-3 (`LlamaForCausalLMEagle3`): g = fc(cat(aux features)) (3H -> H) for target features, or the head's own
+pre-norm output at later steps; attention reads cat(input_layernorm(embed), hidden_norm(g)) (2H wide), the
+residual stream carries g; logits = lm_head(norm(out)) over a reduced draft vocab mapped to target ids by d2t.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specdec.attention.batch import AttentionBatch
+from specdec.config import ModelConfig
+from specdec.models.layers import MLP, Attention, RMSNorm, RotaryEmbedding
+
+
+class Eagle1Layer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg, 0)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, positions, rope, backend, batch):
+        x = x + self.self_attn(x, positions, rope, backend, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Eagle3MidLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, 0, input_size=2 * cfg.hidden_size)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, embeds, g, positions, rope, backend, batch):
+        attn_in = torch.cat([self.input_layernorm(embeds), self.hidden_norm(g)], dim=-1)
+        x = g + self.self_attn(attn_in, positions, rope, backend, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class EagleDraft(nn.Module):
+    """One module for both formats; `cfg.kind` picks the layout. Shares the target's embedding (and, for
+    EAGLE-1, its lm_head), which the loader passes in."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, h)
+        if cfg.kind == "eagle1":
+            self.fc = nn.Linear(2 * h, h, bias=cfg.eagle1_fc_bias)
+            self.layers = nn.ModuleList([Eagle1Layer(cfg)])
+            self.lm_head = nn.Linear(h, cfg.vocab_size, bias=False)
+        else:
+            self.fc = nn.Linear(len(cfg.aux_layer_inputs or (0, 0, 0)) * h, h, bias=False)
+            self.midlayer = Eagle3MidLayer(cfg)
+            self.norm = RMSNorm(h, cfg.rms_norm_eps)
+            self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
+            self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        self.rope = RotaryEmbedding(
+            cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+        )
+
+    @property
+    def feature_size(self) -> int:
+        """Width of the target feature this head consumes."""
+        return self.fc.in_features - self.cfg.hidden_size if self.cfg.kind == "eagle1" else self.fc.in_features
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64 target-vocab ids
+        features: torch.Tensor,  # [num_tokens, feature_size] target features or [num_tokens, hidden] own output
+        positions: torch.Tensor,  # [num_tokens]
+        backend,
+        batch: AttentionBatch,
+    ) -> torch.Tensor:  # [num_tokens, hidden] pre-norm output (next step's input hidden)
+        embeds = self.embed_tokens(input_ids).to(features.dtype)
+        if self.cfg.kind == "eagle1":
+            x = self.fc(torch.cat([embeds, features], dim=-1))
+            return self.layers[0](x, positions, self.rope, backend, batch)
+        g = self.fc(features) if features.shape[-1] != self.cfg.hidden_size else features
+        return self.midlayer(embeds, g, positions, self.rope, backend, batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, draft_vocab] float32
+        if self.cfg.kind == "eagle1":
+            return self.lm_head(hidden).float()
+        return self.lm_head(self.norm(hidden)).float()
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        if self.cfg.kind == "eagle1":
+            return draft_ids
+        return draft_ids + self.d2t[draft_ids]

@@ -1,0 +1,166 @@
+"""Build target and draft modules and fill them from safetensors (or random weights for benchmarking).
+
+Missing tensors, unexpected tensors and shape mismatches fail with a message that names the tensor and the file.
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specdec.config import ModelConfig, default_aux_layer_inputs
+from specdec.errors import ConfigError
+from specdec.models.eagle import EagleDraft
+from specdec.models.llama import LlamaForCausalLM
+from specdec.weights import load_tensors, tensor_files
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TARGET_EMBED = "model.embed_tokens.weight"
+TARGET_LM_HEAD = "lm_head.weight"
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    """`auto` is float32 on CPU (the reference) and bfloat16 on GPU."""
+    if name == "auto":
+        return torch.float32 if str(device).startswith("cpu") else torch.bfloat16
+    if name not in DTYPES:
+        raise ConfigError(f"unknown dtype {name!r}; supported: auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def _progress(path: Path, n: int) -> None:
+    log.info("loaded %d tensors from %s", n, path.name)
+
+
+def _fill(module: nn.Module, tensors: dict[str, torch.Tensor], where: str, skip: set[str] = frozenset()) -> None:
+    params = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    expected = {n for n in params if n not in skip and not n.startswith("rope.")}
+    missing = sorted(expected - set(tensors))
+    if missing:
+        raise ConfigError(f"{where}: tensor {missing[0]!r} not found ({len(missing)} missing)")
+    unexpected = sorted(set(tensors) - expected)
+    if unexpected:
+        raise ConfigError(f"{where}: unexpected tensor {unexpected[0]!r} for {type(module).__name__}")
+    with torch.no_grad():
+        for name in sorted(expected):
+            dst, src = params[name], tensors[name]
+            if tuple(dst.shape) != tuple(src.shape):
+                raise ConfigError(
+                    f"{where}: tensor {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}"
+                )
+            dst.copy_(src)
+
+
+def _materialize(module: nn.Module, device, dtype) -> nn.Module:
+    module = module.to_empty(device=device)
+    for name, buf in module.named_buffers():
+        if name.startswith("rope.") or name.endswith(("cos", "sin")):
+            continue
+        buf.zero_()
+    return module.to(dtype) if dtype is not None else module
+
+
+def _build(cls, cfg: ModelConfig, device, dtype, max_positions: int | None):
+    with torch.device("meta"):
+        module = cls(cfg, max_positions)
+    # rope tables are computed, not loaded: rebuild them for real on the target device
+    rope = type(module.rope)(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta,
+                             cfg.rope_scaling)
+    module = _materialize(module, device, dtype)
+    module.rope = rope.to(device)
+    return module
+
+
+def load_target(
+    path: str | Path, dtype: torch.dtype, device="cpu", dummy: bool = False, max_positions: int | None = None
+) -> LlamaForCausalLM:
+    cfg = ModelConfig.from_hf(path)
+    if cfg.kind != "target":
+        raise ConfigError(f"{path}: {cfg.architecture} is a draft head, expected a target model")
+    model = _build(LlamaForCausalLM, cfg, device, dtype, max_positions)
+    if dummy:
+        _random_init(model, seed=0)
+    else:
+        names = set(tensor_files(path))
+        skip = {TARGET_LM_HEAD} if cfg.tie_word_embeddings else set()
+        if cfg.tie_word_embeddings and TARGET_LM_HEAD in names:
+            names.discard(TARGET_LM_HEAD)
+        tensors = load_tensors(path, names, dtype=dtype, device=device, on_file=_progress)
+        _fill(model, tensors, str(path), skip=skip)
+    model.tie_weights()
+    return model.eval()
+
+
+def load_draft(
+    path: str | Path,
+    target_path: str | Path,
+    dtype: torch.dtype,
+    device="cpu",
+    dummy: bool = False,
+    max_positions: int | None = None,
+) -> EagleDraft:
+    """Load an EAGLE head; the tensors it shares with the target are read from the target checkpoint alone."""
+    cfg = ModelConfig.from_hf(path)
+    target_cfg = ModelConfig.from_hf(target_path)
+    if cfg.kind == "target":
+        raise ConfigError(f"{path}: {cfg.architecture} is a target model, expected an EAGLE-1/EAGLE-3 head")
+    if cfg.hidden_size != target_cfg.hidden_size or cfg.vocab_size != target_cfg.vocab_size:
+        raise ConfigError(
+            f"{path}: draft (hidden {cfg.hidden_size}, vocab {cfg.vocab_size}) does not fit the target "
+            f"(hidden {target_cfg.hidden_size}, vocab {target_cfg.vocab_size})"
+        )
+    if cfg.kind == "eagle3" and not cfg.aux_layer_inputs:
+        cfg = _with_aux(cfg, default_aux_layer_inputs(target_cfg.num_layers))
+    draft_names = set(tensor_files(path)) if not dummy else set()
+    if cfg.kind == "eagle1" and not dummy and "fc.bias" not in draft_names:
+        cfg = _with_fc_bias(cfg, False)
+    model = _build(EagleDraft, cfg, device, dtype, max_positions)
+    if dummy:
+        _random_init(model, seed=1)  # d2t stays zero: draft id == target id
+        return model.eval()
+    own = load_tensors(path, draft_names, dtype=dtype, device=device, on_file=_progress)
+    own.pop("t2d", None)  # the draft->target map d2t is all we need
+    shared = _shared_from_target(model, cfg, target_path, dtype, device, have=own)
+    _fill(model, {**shared, **own}, str(path))
+    return model.eval()
+
+
+def _shared_from_target(model, cfg, target_path, dtype, device, have) -> dict:
+    """embed_tokens (both formats) and lm_head (EAGLE-1) from the target unless the head ships its own."""
+    wanted = {}
+    if "embed_tokens.weight" not in have:
+        wanted["embed_tokens.weight"] = TARGET_EMBED
+    if cfg.kind == "eagle1" and "lm_head.weight" not in have:
+        target_cfg = ModelConfig.from_hf(target_path)
+        wanted["lm_head.weight"] = TARGET_EMBED if target_cfg.tie_word_embeddings else TARGET_LM_HEAD
+    tensors = load_tensors(target_path, set(wanted.values()), dtype=dtype, device=device)
+    return {mine: tensors[theirs] for mine, theirs in wanted.items()}
+
+
+def _random_init(model: nn.Module, seed: int) -> None:
+    """Random weights of the right shape (`--load-format dummy`), generated on the model's device."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                gen = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                p.normal_(0.0, 0.02, generator=gen)
+
+
+def _with_aux(cfg: ModelConfig, aux: tuple[int, ...]) -> ModelConfig:
+    from dataclasses import replace
+
+    return replace(cfg, aux_layer_inputs=aux)
+
+
+def _with_fc_bias(cfg: ModelConfig, bias: bool) -> ModelConfig:
+    from dataclasses import replace
+
+    return replace(cfg, eagle1_fc_bias=bias)

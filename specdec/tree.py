@@ -1,0 +1,65 @@
+"""Token trees: a root (the last committed token) plus draft nodes, each with a parent that precedes it.
+
+Index convention used everywhere: node 0 is the root; draft node i (0-based in the proposal) is tree index i+1;
+`parents[i]` is -1 for children of the root, else the proposal index of the parent (< i).
+
+Worked example: tokens [a, b, c], parents [-1, -1, 0] -> a and b are children of the root, c a child of a;
+depths [1, 1, 2]; verify input [root, a, b, c] at positions base + [0, 1, 1, 2].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.errors import InvalidInput
+
+
+@dataclass(frozen=True)
+class TokenTree:
+    tokens: tuple[int, ...]  # [num_draft_tokens] target-vocab ids
+    parents: tuple[int, ...]  # [num_draft_tokens] -1 = root
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def validate_tree(tokens, parents, vocab_size: int, max_nodes: int) -> None:
+    if len(tokens) != len(parents):
+        raise InvalidInput(f"tree has {len(tokens)} tokens but {len(parents)} parents")
+    if len(tokens) > max_nodes:
+        raise InvalidInput(f"tree has {len(tokens)} draft tokens, more than the maximum {max_nodes}")
+    for i, (tok, par) in enumerate(zip(tokens, parents, strict=True)):
+        if not 0 <= tok < vocab_size:
+            raise InvalidInput(f"draft token {tok} at index {i} outside the vocabulary [0, {vocab_size})")
+        if not -1 <= par < i:
+            raise InvalidInput(f"parent {par} of draft node {i} must be -1 (root) or an earlier node index")
+
+
+def depths(parents) -> list[int]:
+    """Depth of each draft node (children of the root have depth 1)."""
+    out: list[int] = []
+    for p in parents:
+        out.append(1 if p < 0 else out[p] + 1)
+    return out
+
+
+def children_lists(parents) -> list[list[int]]:
+    """children[t] = tree indices of the children of tree node t (0 = root), in proposal order."""
+    children: list[list[int]] = [[] for _ in range(len(parents) + 1)]
+    for i, p in enumerate(parents):
+        children[p + 1].append(i + 1)
+    return children
+
+
+def ancestor_mask(parents) -> torch.Tensor:
+    """[n+1, n+1] bool over tree indices: row t is True at t's ancestors (root included) and at t itself."""
+    n = len(parents)
+    mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+    mask[0, 0] = True
+    for i, p in enumerate(parents):
+        row = i + 1
+        mask[row] = mask[p + 1]
+        mask[row, row] = True
+    return mask
