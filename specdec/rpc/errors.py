@@ -1,0 +1,90 @@
+"""Turn exceptions raised inside aio servicer methods into gRPC status codes.
+
+`SpecdecError` subclasses carry the name of their status code (`exc.status`) and keep their message;
+`asyncio.CancelledError` (the client left) and aborts already raised by the handler pass through; anything
+else becomes INTERNAL with a short message and a logged traceback, so a handler bug fails one call, never
+the server.
+
+    class TargetServicer(target_pb2_grpc.TargetServiceServicer):
+        @map_errors
+        async def Prefill(self, request, context): ...
+
+or decorate the whole class with `@map_servicer_errors`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import logging
+
+import grpc
+import grpc.aio
+
+from specdec.errors import SpecdecError
+
+log = logging.getLogger(__name__)
+
+_MAX_INTERNAL_MESSAGE = 300
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and message an exception maps to (INTERNAL for anything but a SpecdecError)."""
+    if isinstance(exc, SpecdecError):
+        code = getattr(grpc.StatusCode, exc.status, None)
+        if isinstance(code, grpc.StatusCode):
+            return code, str(exc)
+    detail = f"internal error: {type(exc).__name__}: {exc}"
+    return grpc.StatusCode.INTERNAL, detail[:_MAX_INTERNAL_MESSAGE]
+
+
+async def abort_with(context: grpc.aio.ServicerContext, exc: Exception, method: str = "?") -> None:
+    """Abort the call with the status `exc` maps to (logging unexpected errors' tracebacks). Always raises."""
+    code, message = status_for(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        log.error("unhandled error in %s", method, exc_info=exc)
+    else:
+        log.debug("%s -> %s: %s", method, code.name, message)
+    await context.abort(code, message)
+
+
+def map_errors(method):
+    """Decorator for an aio servicer method: unary (coroutine) or server-streaming (async generator)."""
+    name = method.__qualname__
+    if inspect.isasyncgenfunction(method):
+
+        @functools.wraps(method)
+        async def streaming(self, request, context):
+            try:
+                async with contextlib.aclosing(method(self, request, context)) as responses:
+                    async for response in responses:
+                        yield response
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:
+                await abort_with(context, exc, name)
+
+        return streaming
+    if inspect.iscoroutinefunction(method):
+
+        @functools.wraps(method)
+        async def unary(self, request, context):
+            try:
+                return await method(self, request, context)
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:
+                await abort_with(context, exc, name)
+
+        return unary
+    raise TypeError(f"map_errors needs an async def or async generator method, got {name}")
+
+
+def map_servicer_errors(cls):
+    """Class decorator: apply `map_errors` to every async RPC method (CamelCase name) the class defines."""
+    for attr, value in list(vars(cls).items()):
+        is_async = inspect.iscoroutinefunction(value) or inspect.isasyncgenfunction(value)
+        if attr[:1].isupper() and is_async:
+            setattr(cls, attr, map_errors(value))
+    return cls

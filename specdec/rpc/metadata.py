@@ -1,0 +1,32 @@
+"""Call metadata the services pass along: the request id and the caller's remaining deadline.
+
+The gateway picks the request id; the draft and the target log it and echo it into errors. A downstream
+call should never outlive the call that caused it, so clients pass `downstream_timeout(context)`.
+"""
+
+from __future__ import annotations
+
+import grpc.aio
+
+REQUEST_ID_KEY = "x-request-id"
+
+
+def request_id_metadata(request_id: str) -> tuple[tuple[str, str], ...]:
+    """Metadata for an outgoing call carrying `request_id`."""
+    return ((REQUEST_ID_KEY, request_id),)
+
+
+def request_id_from(context: grpc.aio.ServicerContext) -> str | None:
+    """The request id of an incoming call, if the caller sent one."""
+    for key, value in context.invocation_metadata() or ():
+        if key == REQUEST_ID_KEY:
+            return value if isinstance(value, str) else value.decode()
+    return None
+
+
+def downstream_timeout(context: grpc.aio.ServicerContext, default_s: float | None = None) -> float | None:
+    """Seconds left on the incoming call's deadline (None: it has none, use `default_s`)."""
+    remaining = context.time_remaining()
+    if remaining is None:
+        return default_s
+    return max(remaining, 0.0) if default_s is None else max(min(remaining, default_s), 0.0)

@@ -1,0 +1,44 @@
+"""Channel and server options both ends share: message size limits and keepalive.
+
+The client pings every 30 s (even when idle) and drops a connection whose ping is not answered in 10 s;
+the server accepts pings that frequent. Both ends use the same message limit (256 MiB by default: a
+Verify response carries the features of a whole batch).
+"""
+
+from __future__ import annotations
+
+DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+KEEPALIVE_TIME_MS = 30_000
+KEEPALIVE_TIMEOUT_MS = 10_000
+
+
+def message_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """Explicit send and receive limits (gRPC's defaults are 4 MiB receive, unlimited send)."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """Options for `grpc.aio.server`: limits, keepalive, and no SO_REUSEPORT (one server per port)."""
+    return [
+        *message_options(max_message_bytes),
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+        ("grpc.http2.max_ping_strikes", 0),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """Options for `grpc.aio.*_channel`: limits and keepalive pings even between calls."""
+    return [
+        *message_options(max_message_bytes),
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]

@@ -1,0 +1,152 @@
+"""Start a gRPC aio server the way every specdec service does, and run it until a signal drains it.
+
+Each server gets explicit message limits and keepalive (`options`), `grpc.health.v1` (every service name and
+the overall "" NOT_SERVING until `set_serving(True)`: a service flips it once its model is loaded), server
+reflection for all its services, and optional TLS / mutual TLS.
+
+    async def serve(shutdown: asyncio.Event) -> None:
+        handle = await start_server(
+            [lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s)],
+            [TARGET_SERVICE], host, port, TlsConfig.from_args(args))
+        await engine.load()
+        await handle.set_serving(True)
+        await shutdown.wait()          # SIGTERM / SIGINT
+        await handle.stop(grace_s=30)  # NOT_SERVING first, then finish in-flight calls
+
+    run_server_forever(serve)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from specdec.errors import ConfigError
+from specdec.rpc.options import DEFAULT_MAX_MESSAGE_BYTES, server_options
+from specdec.rpc.tls import TlsConfig, add_tls_args
+
+__all__ = ["ServerHandle", "TlsConfig", "add_tls_args", "run_server_forever", "start_server"]
+
+log = logging.getLogger(__name__)
+
+AddServicer = Callable[[grpc.aio.Server], None]
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name  # grpc.health.v1.Health
+
+
+@dataclass
+class ServerHandle:
+    """A started server: its bound port, its health state and its shutdown."""
+
+    server: grpc.aio.Server
+    health: health.aio.HealthServicer
+    bound_port: int
+    health_names: tuple[str, ...]
+
+    async def set_serving(self, serving: bool) -> None:
+        """Set every health name (and the overall "") to SERVING or NOT_SERVING."""
+        statuses = health_pb2.HealthCheckResponse
+        status = statuses.SERVING if serving else statuses.NOT_SERVING
+        for name in ("", *self.health_names):
+            await self.health.set(name, status)
+
+    async def stop(self, grace_s: float | None = 10.0) -> None:
+        """NOT_SERVING for good (load balancers stop routing), then let in-flight calls finish for grace_s."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+
+    async def wait_for_termination(self) -> None:
+        await self.server.wait_for_termination()
+
+
+async def start_server(
+    servicers: Sequence[AddServicer],
+    health_names: Sequence[str],
+    host: str = "0.0.0.0",
+    port: int = 0,
+    tls: TlsConfig | None = None,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> ServerHandle:
+    """Build, bind and start a server; port 0 picks a free port (see `bound_port`).
+
+    servicers: callables that add one servicer each, e.g. `lambda s: add_XServicer_to_server(impl, s)`.
+    health_names: the full names of the services added (e.g. "specdec.v1.TargetService"); they are reported
+    by health (NOT_SERVING until `set_serving(True)`) and listed by reflection.
+    """
+    server = grpc.aio.server(options=server_options(max_message_bytes))
+    for add in servicers:
+        add(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((*health_names, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
+    bound_port = _bind(server, host, port, tls)
+    handle = ServerHandle(server, health_servicer, bound_port, tuple(health_names))
+    await handle.set_serving(False)
+    await server.start()
+    log.info("listening on %s:%d (%s)", host, bound_port, "TLS" if tls else "plaintext")
+    return handle
+
+
+def _bind(server: grpc.aio.Server, host: str, port: int, tls: TlsConfig | None) -> int:
+    address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    try:
+        if tls is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, tls.server_credentials())
+    except RuntimeError as exc:
+        raise ConfigError(f"cannot listen on {address}: {exc}") from exc
+    if bound == 0:
+        raise ConfigError(f"cannot listen on {address} (in use or not a local address?)")
+    return bound
+
+
+def run_server_forever(main: Callable[[asyncio.Event], Awaitable[None]], use_uvloop: bool = True) -> None:
+    """Run `main(shutdown)` on uvloop (when installed) until it returns.
+
+    The first SIGTERM or SIGINT sets `shutdown`, and `main` drains (typically `await handle.stop(grace)`)
+    and returns; a second signal cancels `main` outright.
+    """
+    with asyncio.Runner(loop_factory=_uvloop_factory() if use_uvloop else None) as runner:
+        runner.run(_run_with_signals(main))
+
+
+def _uvloop_factory():
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+async def _run_with_signals(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
+    loop = asyncio.get_running_loop()
+    shutdown = asyncio.Event()
+    task = asyncio.current_task()
+    signals = (signal.SIGTERM, signal.SIGINT)
+
+    def on_signal(sig: signal.Signals) -> None:
+        if shutdown.is_set():
+            log.warning("%s again: stopping without waiting for the drain", sig.name)
+            task.cancel()
+            return
+        log.info("%s: draining", sig.name)
+        shutdown.set()
+
+    for sig in signals:
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        await main(shutdown)
+    except asyncio.CancelledError:
+        if not shutdown.is_set():
+            raise
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)

