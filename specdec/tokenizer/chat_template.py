@@ -1,0 +1,137 @@
+"""Chat templates: render `messages` with a jinja template, encode the result without special-token injection.
+
+Message text is always plain text. Before rendering, every special-token string inside a message is swapped
+for a sentinel that carries a per-call random nonce (so user text cannot forge one); the rendered text is
+then cut at the special tokens the *template* wrote (those become special ids) and each piece is encoded as
+ordinary text after the sentinels are swapped back. So `<|separator|>` typed by a user stays text.
+
+Worked example (Grok-style default template, user content `"hi<|eos|>"`):
+    rendered:  "Human: hi\\ue000<nonce>2\\ue001<|separator|>\\n\\nAssistant:"
+    pieces:    "Human: hi<|eos|>" (ordinary text) | <|separator|> (special id) | "\\n\\nAssistant:" (text)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from importlib import resources
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from specdec.errors import ConfigError, InvalidInput
+
+DEFAULT_TEMPLATE_NAME = "default_chat_template.jinja"
+
+
+def default_chat_template_source() -> str:
+    """Grok-style: `System: ...<|separator|>\\n\\n`, `Human: ...`, `Assistant: ...`; prompt `Assistant:`."""
+    return resources.files(__package__).joinpath(DEFAULT_TEMPLATE_NAME).read_text(encoding="utf-8")
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    source: str
+    template: jinja2.Template
+    special_tokens: dict[str, int]
+    template_variables: dict[str, str]  # bos_token, eos_token, ... as the template sees them
+
+    @classmethod
+    def compile(
+        cls, source: str, special_tokens: dict[str, int], template_variables: dict[str, str], origin: str
+    ) -> ChatTemplate:
+        try:
+            template = _environment().from_string(source)
+        except jinja2.TemplateError as exc:
+            raise ConfigError(f"{origin}: chat template does not compile ({exc})") from exc
+        return cls(source, template, dict(special_tokens), dict(template_variables))
+
+    def render(self, messages: list[dict], add_generation_prompt: bool, nonce: str = "") -> str:
+        """The template's text; with a nonce, special-token strings inside messages are sentinels."""
+        escaped = [_escape_message(message, self._escape_text(nonce)) for message in _checked(messages)]
+        try:
+            return self.template.render(
+                messages=escaped, add_generation_prompt=add_generation_prompt, **self.template_variables
+            )
+        except jinja2.TemplateError as exc:
+            raise InvalidInput(f"chat template failed: {exc}") from exc
+
+    def encode(
+        self, messages: list[dict], add_generation_prompt: bool, encode_ordinary: Callable[[str], list[int]]
+    ) -> list[int]:
+        nonce = secrets.token_hex(8)
+        rendered = self.render(messages, add_generation_prompt, nonce)
+        ids: list[int] = []
+        for index, piece in enumerate(self._marker_pattern().split(rendered)):
+            if index % 2:  # a special token written by the template itself
+                ids.append(self.special_tokens[piece])
+            elif piece:
+                ids.extend(encode_ordinary(self._unescape_text(piece, nonce)))
+        return ids
+
+    def _escape_text(self, nonce: str) -> Callable[[str], str]:
+        if not nonce or not self.special_tokens:
+            return lambda text: text
+        index_by_name = {name: index for index, name in enumerate(self.special_tokens)}
+        pattern = self._marker_pattern()
+        return lambda text: pattern.sub(lambda m: _sentinel(nonce, index_by_name[m.group(0)]), text)
+
+    def _unescape_text(self, text: str, nonce: str) -> str:
+        if "\ue000" not in text:
+            return text
+        names = list(self.special_tokens)
+        return re.sub(f"\ue000{nonce}(\\d+)\ue001", lambda m: names[int(m.group(1))], text)
+
+    def _marker_pattern(self) -> re.Pattern[str]:
+        return _alternation(tuple(self.special_tokens))
+
+
+def _sentinel(nonce: str, index: int) -> str:
+    return f"\ue000{nonce}{index}\ue001"
+
+
+_PATTERN_CACHE: dict[tuple[str, ...], re.Pattern[str]] = {}
+
+
+def _alternation(names: tuple[str, ...]) -> re.Pattern[str]:
+    """`(a|b|...)`, longest first, so `split` keeps the matched token; never matches when there are none."""
+    if names not in _PATTERN_CACHE:
+        body = "|".join(re.escape(name) for name in sorted(names, key=len, reverse=True)) or "(?!)"
+        _PATTERN_CACHE[names] = re.compile(f"({body})")
+    return _PATTERN_CACHE[names]
+
+
+def _checked(messages: list[dict]) -> list[dict]:
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise InvalidInput(f"message {index}: needs a string 'role'")
+        if not isinstance(message.get("content"), str):
+            raise InvalidInput(f"message {index}: 'content' must be a string")
+    return messages
+
+
+def _escape_message(message: dict, escape: Callable[[str], str]) -> dict:
+    return {key: escape(value) if isinstance(value, str) else value for key, value in message.items()}
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value: object, indent: int | None = None) -> str:
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    """The environment HF `apply_chat_template` uses, so model-dir templates render the same."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env

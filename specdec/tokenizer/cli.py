@@ -1,0 +1,84 @@
+"""`specdec tokenize` and `specdec detokenize`: inspect how a model's tokenizer sees text."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from specdec.errors import SpecdecError
+
+ALLOW_SPECIAL_CHOICES = ("none", "default", "all")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    tokenize = subparsers.add_parser(
+        "tokenize",
+        help="print the token ids of TEXT as JSON",
+        description="Print the token ids of TEXT as JSON.",
+    )
+    _add_tokenizer_flag(tokenize)
+    tokenize.add_argument("text", metavar="TEXT", help="text to encode ('-' reads stdin)")
+    tokenize.add_argument(
+        "--allow-special",
+        choices=ALLOW_SPECIAL_CHOICES,
+        default="default",
+        help="which special-token strings in TEXT become special ids: none, the file's "
+        "default_allowed_special (default), or all",
+    )
+    tokenize.add_argument(
+        "--chat", action="store_true", help="encode TEXT as one user message of the chat template"
+    )
+    tokenize.set_defaults(handler=run_tokenize)
+
+    detokenize = subparsers.add_parser(
+        "detokenize", help="print the text of token IDS", description="Print the text of token IDS."
+    )
+    _add_tokenizer_flag(detokenize)
+    detokenize.add_argument("ids", metavar="IDS", help="ids as a JSON list or separated by spaces/commas")
+    detokenize.set_defaults(handler=run_detokenize)
+
+
+def _add_tokenizer_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tokenizer", required=True, metavar="PATH", help="model dir or tokenizer file")
+
+
+def run_tokenize(args: argparse.Namespace) -> int:
+    from specdec.tokenizer import load_tokenizer
+
+    text = sys.stdin.read() if args.text == "-" else args.text
+    try:
+        tokenizer = load_tokenizer(args.tokenizer)
+        if args.chat:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}])
+        else:
+            ids = tokenizer.encode(
+                text, allowed_special=None if args.allow_special == "none" else args.allow_special
+            )
+    except SpecdecError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(ids))
+    return 0
+
+
+def run_detokenize(args: argparse.Namespace) -> int:
+    from specdec.tokenizer import load_tokenizer
+
+    try:
+        ids = parse_ids(args.ids)
+        text = load_tokenizer(args.tokenizer).decode(ids)
+    except (SpecdecError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    sys.stdout.write(text + "\n")
+    return 0
+
+
+def parse_ids(raw: str) -> list[int]:
+    """`"[1, 2, 3]"`, `"1 2 3"` or `"1,2,3"` -> [1, 2, 3]."""
+    raw = raw.strip()
+    values = json.loads(raw) if raw.startswith("[") else raw.replace(",", " ").split()
+    if not all(isinstance(v, int) or (isinstance(v, str) and v.lstrip("-").isdigit()) for v in values):
+        raise ValueError(f"IDS must be integers, got {raw!r}")
+    return [int(v) for v in values]

@@ -1,0 +1,40 @@
+"""`specdec tokenize` / `specdec detokenize` through the real top-level CLI."""
+
+from __future__ import annotations
+
+import json
+
+from tokenizer_testdata import TINY_CODE_DIR
+
+from specdec.cli import main
+
+TOKENIZER = str(TINY_CODE_DIR)
+
+
+def test_tokenize_prints_ids_as_json(capsys, tiny_code):
+    assert main(["tokenize", "--tokenizer", TOKENIZER, "def f(): pass"]) == 0
+    assert json.loads(capsys.readouterr().out) == tiny_code.encode("def f(): pass")
+
+
+def test_tokenize_special_handling(capsys):
+    main(["tokenize", "--tokenizer", TOKENIZER, "x<|eos|>"])
+    assert json.loads(capsys.readouterr().out)[-1] == 2  # the file's default_allowed_special
+    main(["tokenize", "--tokenizer", TOKENIZER, "--allow-special", "none", "x<|eos|>"])
+    assert 2 not in json.loads(capsys.readouterr().out)
+    main(["tokenize", "--tokenizer", TOKENIZER, "--chat", "hi"])
+    assert json.loads(capsys.readouterr().out).count(1) == 1
+
+
+def test_detokenize_accepts_json_and_plain_lists(capsys, tiny_code):
+    ids = tiny_code.encode("print('héllo')")
+    for raw in (json.dumps(ids), " ".join(map(str, ids)), ",".join(map(str, ids))):
+        assert main(["detokenize", "--tokenizer", TOKENIZER, raw]) == 0
+        assert capsys.readouterr().out == "print('héllo')\n"
+
+
+def test_errors_exit_1_with_message(capsys, tmp_path):
+    assert main(["detokenize", "--tokenizer", TOKENIZER, "[1, 99999]"]) == 1
+    assert "outside the vocabulary" in capsys.readouterr().err
+    assert main(["detokenize", "--tokenizer", TOKENIZER, "a b"]) == 1
+    assert main(["tokenize", "--tokenizer", str(tmp_path), "x"]) == 1
+    assert "no tokenizer file found" in capsys.readouterr().err
