@@ -1,0 +1,444 @@
+{{/* ---------- names and labels ---------- */}}
+
+{{- define "specdec.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Kept to 45 characters so "<fullname>-target-<n>" and StatefulSet revision labels stay within 63. */}}
+{{- define "specdec.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 45 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 45 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 45 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "specdec.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Selector labels; call with (dict "root" $ "component" "gateway"). */}}
+{{- define "specdec.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "specdec.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/* Standard labels; call with (dict "root" $ "component" "gateway"). */}}
+{{- define "specdec.labels" -}}
+helm.sh/chart: {{ include "specdec.chart" .root }}
+{{ include "specdec.selectorLabels" . }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+app.kubernetes.io/part-of: specdec
+{{- end -}}
+
+{{- define "specdec.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "specdec.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Image reference; call with (dict "root" $ "image" .Values.image). */}}
+{{- define "specdec.imageRef" -}}
+{{- printf "%s:%s" .image.repository (default .root.Chart.AppVersion .image.tag) -}}
+{{- end -}}
+
+{{/* The image for draft and target: the CUDA image on GPUs, the slim one on CPU. */}}
+{{- define "specdec.modelImage" -}}
+{{- if eq .Values.device "cuda" -}}{{ .Values.cudaImage | toYaml }}{{- else -}}{{ .Values.image | toYaml }}{{- end -}}
+{{- end -}}
+
+{{/* ---------- addresses ---------- */}}
+
+{{/* Headless Service names (the StatefulSets' serviceName). */}}
+{{- define "specdec.pairService" -}}{{ include "specdec.fullname" . }}-pair{{- end -}}
+{{- define "specdec.draftService" -}}{{ include "specdec.fullname" . }}-draft{{- end -}}
+{{- define "specdec.targetService" -}}{{ include "specdec.fullname" . }}-target{{- end -}}
+{{- define "specdec.gatewayService" -}}{{ include "specdec.fullname" . }}-gateway{{- end -}}
+
+{{/* DNS suffix for pods of a headless Service; call with (dict "root" $ "service" NAME). */}}
+{{- define "specdec.podDomain" -}}
+{{- printf "%s.%s.svc.%s" .service .root.Release.Namespace .root.Values.clusterDomain -}}
+{{- end -}}
+
+{{/* One --pair DRAFT=TARGET value per pair replica, as YAML list items of args. */}}
+{{- define "specdec.gatewayPairArgs" -}}
+{{- $root := . -}}
+{{- range $i := until (int .Values.pairs.replicas) }}
+{{- if eq $root.Values.pairing "split" }}
+{{- $d := include "specdec.podDomain" (dict "root" $root "service" (include "specdec.draftService" $root)) }}
+{{- $t := include "specdec.podDomain" (dict "root" $root "service" (include "specdec.targetService" $root)) }}
+- --pair={{ include "specdec.draftService" $root }}-{{ $i }}.{{ $d }}:{{ $root.Values.draft.port }}={{ include "specdec.targetService" $root }}-{{ $i }}.{{ $t }}:{{ $root.Values.target.port }}
+{{- else }}
+{{- $host := printf "%s-%d.%s" (include "specdec.pairService" $root) $i (include "specdec.podDomain" (dict "root" $root "service" (include "specdec.pairService" $root))) }}
+- --pair={{ $host }}:{{ $root.Values.draft.port }}={{ $host }}:{{ $root.Values.target.port }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* ---------- models ---------- */}}
+
+{{- define "specdec.modelRoot" -}}
+{{- if eq .Values.models.source "bundled" -}}/opt/specdec/models/tiny-code{{- else -}}/models{{- end -}}
+{{- end -}}
+{{- define "specdec.targetModelDir" -}}{{ include "specdec.modelRoot" . }}/{{ .Values.models.targetDir }}{{- end -}}
+{{- define "specdec.draftModelDir" -}}{{ include "specdec.modelRoot" . }}/{{ .Values.models.draftDir }}{{- end -}}
+
+{{- define "specdec.modelClaimName" -}}
+{{- default (printf "%s-models" (include "specdec.fullname" .)) .Values.models.pvc.existingClaim -}}
+{{- end -}}
+
+{{/* The weights volume (list item), if any. */}}
+{{- define "specdec.modelVolume" -}}
+{{- $m := .Values.models -}}
+{{- if eq $m.source "pvc" }}
+- name: models
+  persistentVolumeClaim:
+    claimName: {{ include "specdec.modelClaimName" . }}
+    readOnly: true
+{{- else if eq $m.source "hostPath" }}
+- name: models
+  hostPath:
+    path: {{ $m.hostPath.path }}
+    type: Directory
+{{- else if eq $m.source "image" }}
+- name: models
+  emptyDir:
+    {{- with $m.image.sizeLimit }}
+    sizeLimit: {{ . }}
+    {{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "specdec.modelMount" -}}
+{{- if ne .Values.models.source "bundled" }}
+- name: models
+  mountPath: /models
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/* Init container that copies weights out of an image (models.source=image). */}}
+{{- define "specdec.modelInitContainers" -}}
+{{- $m := .Values.models -}}
+{{- if eq $m.source "image" }}
+initContainers:
+  - name: copy-models
+    image: {{ printf "%s:%s" $m.image.repository $m.image.tag | quote }}
+    imagePullPolicy: {{ $m.image.pullPolicy }}
+    {{- if $m.image.command }}
+    command: {{- toYaml $m.image.command | nindent 6 }}
+    {{- else }}
+    command: ["cp", "-R", "{{ $m.image.sourcePath }}/.", "/mnt/models/"]
+    {{- end }}
+    securityContext: {{- toYaml .Values.securityContext | nindent 6 }}
+    volumeMounts:
+      - name: models
+        mountPath: /mnt/models
+{{- end }}
+{{- end -}}
+
+{{/* ---------- shared container pieces ---------- */}}
+
+{{/* Env for every specdec container; call with (dict "root" $ "service" "specdec-gateway"). */}}
+{{- define "specdec.commonEnv" -}}
+{{- $v := .root.Values -}}
+- name: POD_NAME
+  valueFrom: {fieldRef: {fieldPath: metadata.name}}
+- name: POD_NAMESPACE
+  valueFrom: {fieldRef: {fieldPath: metadata.namespace}}
+- name: OTEL_SERVICE_NAME
+  value: {{ .service }}
+{{- if $v.tracing.enabled }}
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ include "specdec.otlpEndpoint" .root | quote }}
+- name: OTEL_TRACES_SAMPLER
+  value: {{ $v.tracing.sampler | quote }}
+- name: OTEL_TRACES_SAMPLER_ARG
+  value: {{ $v.tracing.samplerArg | quote }}
+- name: OTEL_RESOURCE_ATTRIBUTES
+  value: "service.namespace=$(POD_NAMESPACE),service.instance.id=$(POD_NAME),k8s.pod.name=$(POD_NAME),k8s.namespace.name=$(POD_NAMESPACE)"
+{{- else }}
+- name: OTEL_SDK_DISABLED
+  value: "true"
+{{- end }}
+{{- end -}}
+
+{{- define "specdec.otlpEndpoint" -}}
+{{- if .Values.tracing.otlpEndpoint -}}
+{{- .Values.tracing.otlpEndpoint -}}
+{{- else -}}
+{{- printf "http://%s-jaeger:4317" (include "specdec.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "specdec.tlsArgs" -}}
+{{- if .Values.tls.enabled }}
+- --tls-cert=/etc/specdec/tls/tls.crt
+- --tls-key=/etc/specdec/tls/tls.key
+{{- if .Values.tls.ca }}
+- --tls-ca=/etc/specdec/tls/ca.crt
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "specdec.tlsMount" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  mountPath: /etc/specdec/tls
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "specdec.tlsVolume" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ .Values.tls.secretName }}
+    defaultMode: 0440
+{{- end }}
+{{- end -}}
+
+{{/* startup/readiness/liveness probes; call with (dict "root" $ "port" P "service" NAME "cfg" .Values.X). */}}
+{{- define "specdec.probes" -}}
+{{- $ctx := . -}}
+{{- range $kind := list "startupProbe" "readinessProbe" "livenessProbe" }}
+{{ $kind }}:
+  {{- include "specdec.probeHandler" $ctx | nindent 2 }}
+  {{- toYaml (get $ctx.cfg $kind) | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{- define "specdec.probeHandler" -}}
+{{- $tls := .root.Values.tls -}}
+{{- if $tls.enabled -}}
+exec:
+  command:
+    - python
+    - /opt/specdec/healthcheck.py
+    - --addr=localhost:{{ .port }}
+    - --service={{ .service }}
+    - --tls-cert=/etc/specdec/tls/tls.crt
+    - --tls-key=/etc/specdec/tls/tls.key
+    {{- if $tls.ca }}
+    - --tls-ca=/etc/specdec/tls/ca.crt
+    {{- end }}
+    - --server-name={{ $tls.healthServerName }}
+{{- else -}}
+grpc:
+  port: {{ .port }}
+  service: {{ .service }}
+{{- end -}}
+{{- end -}}
+
+{{- define "specdec.lifecycle" -}}
+{{- if gt (int .Values.preStopSleepSeconds) 0 }}
+lifecycle:
+  preStop:
+    sleep:
+      seconds: {{ .Values.preStopSleepSeconds }}
+{{- end }}
+{{- end -}}
+
+{{- define "specdec.terminationGracePeriodSeconds" -}}
+{{- add .Values.preStopSleepSeconds .Values.drainSeconds .Values.terminationGraceMarginSeconds -}}
+{{- end -}}
+
+{{/* Resources, plus nvidia.com/gpu on GPUs; call with (dict "root" $ "cfg" .Values.draft). */}}
+{{- define "specdec.modelResources" -}}
+{{- $res := deepCopy (default dict .cfg.resources) -}}
+{{- if eq .root.Values.device "cuda" -}}
+{{- $limits := default dict $res.limits -}}
+{{- $requests := default dict $res.requests -}}
+{{- $_ := set $limits "nvidia.com/gpu" (int .cfg.gpus) -}}
+{{- $_ := set $requests "nvidia.com/gpu" (int .cfg.gpus) -}}
+{{- $_ := set $res "limits" $limits -}}
+{{- $_ := set $res "requests" $requests -}}
+{{- end -}}
+{{- toYaml $res -}}
+{{- end -}}
+
+{{- define "specdec.optionalFlag" -}}
+{{- if not (kindIs "invalid" .value) }}{{ if ne (toString .value) "" }}
+- --{{ .flag }}={{ .value }}
+{{- end }}{{ end }}
+{{- end -}}
+
+{{/* ---------- the draft and target containers (shared by pair and split modes) ---------- */}}
+
+{{/* call with (dict "root" $ "targetAddr" "localhost:50052" "extraEnv" LIST) */}}
+{{- define "specdec.draftContainer" -}}
+{{- $v := .root.Values -}}
+{{- $img := include "specdec.modelImage" .root | fromYaml -}}
+- name: draft
+  image: {{ include "specdec.imageRef" (dict "root" .root "image" $img) | quote }}
+  imagePullPolicy: {{ $img.pullPolicy }}
+  args:
+    - serve-draft
+    - --model={{ include "specdec.draftModelDir" .root }}
+    - --target-model={{ include "specdec.targetModelDir" .root }}
+    - --target={{ .targetAddr }}
+    - --host={{ $v.listenHost }}
+    - --port={{ $v.draft.port }}
+    - --metrics-port={{ $v.draft.metricsPort }}
+    - --device={{ $v.device }}
+    {{- with include "specdec.optionalFlag" (dict "flag" "dtype" "value" $v.draft.dtype) | trim }}{{ . | nindent 4 }}{{- end }}
+    - --num-steps={{ $v.draft.numSteps }}
+    - --topk={{ $v.draft.topk }}
+    - --num-draft-tokens={{ $v.draft.numDraftTokens }}
+    {{- if and (eq $v.device "cuda") (not $v.draft.cudaGraph) }}
+    - --disable-cuda-graph
+    {{- end }}
+    - --log-format={{ $v.logFormat }}
+    - --drain-seconds={{ $v.drainSeconds }}
+    {{- with include "specdec.tlsArgs" .root | trim }}{{ . | nindent 4 }}{{- end }}
+    {{- with $v.draft.extraArgs }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  env:
+    {{- with include "specdec.commonEnv" (dict "root" .root "service" "specdec-draft") | trim }}{{ . | nindent 4 }}{{- end }}
+    {{- with .extraEnv }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+    {{- with $v.draft.extraEnv }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  ports:
+    - {name: grpc-draft, containerPort: {{ $v.draft.port }}, protocol: TCP}
+    - {name: metrics-draft, containerPort: {{ $v.draft.metricsPort }}, protocol: TCP}
+  {{- with include "specdec.probes" (dict "root" .root "port" $v.draft.port "service" "specdec.v1.DraftService" "cfg" $v.draft) | trim }}{{ . | nindent 2 }}{{- end }}
+  {{- with include "specdec.lifecycle" .root | trim }}{{ . | nindent 2 }}{{- end }}
+  resources: {{- include "specdec.modelResources" (dict "root" .root "cfg" $v.draft) | nindent 4 }}
+  securityContext: {{- toYaml $v.securityContext | nindent 4 }}
+  volumeMounts:
+    - {name: tmp-draft, mountPath: /tmp}
+    {{- with include "specdec.modelMount" .root | trim }}{{ . | nindent 4 }}{{- end }}
+    {{- with include "specdec.tlsMount" .root | trim }}{{ . | nindent 4 }}{{- end }}
+    {{- if $v.pairs.shmSizeLimit }}
+    - {name: dshm, mountPath: /dev/shm}
+    {{- end }}
+{{- end -}}
+
+{{/* call with (dict "root" $) */}}
+{{- define "specdec.targetContainer" -}}
+{{- $v := .root.Values -}}
+{{- $img := include "specdec.modelImage" .root | fromYaml -}}
+- name: target
+  image: {{ include "specdec.imageRef" (dict "root" .root "image" $img) | quote }}
+  imagePullPolicy: {{ $img.pullPolicy }}
+  args:
+    - serve-target
+    - --model={{ include "specdec.targetModelDir" .root }}
+    - --host={{ $v.listenHost }}
+    - --port={{ $v.target.port }}
+    - --metrics-port={{ $v.target.metricsPort }}
+    - --device={{ $v.device }}
+    {{- with include "specdec.optionalFlag" (dict "flag" "dtype" "value" $v.target.dtype) | trim }}{{ . | nindent 4 }}{{- end }}
+    {{- with include "specdec.optionalFlag" (dict "flag" "attention-backend" "value" $v.target.attentionBackend) | trim }}{{ . | nindent 4 }}{{- end }}
+    {{- with include "specdec.optionalFlag" (dict "flag" "page-size" "value" $v.target.pageSize) | trim }}{{ . | nindent 4 }}{{- end }}
+    {{- with include "specdec.optionalFlag" (dict "flag" "num-pages" "value" $v.target.numPages) | trim }}{{ . | nindent 4 }}{{- end }}
+    {{- with include "specdec.optionalFlag" (dict "flag" "max-batch-size" "value" $v.target.maxBatchSize) | trim }}{{ . | nindent 4 }}{{- end }}
+    {{- if and (eq $v.device "cuda") (not $v.target.cudaGraph) }}
+    - --disable-cuda-graph
+    {{- end }}
+    - --log-format={{ $v.logFormat }}
+    - --drain-seconds={{ $v.drainSeconds }}
+    {{- with include "specdec.tlsArgs" .root | trim }}{{ . | nindent 4 }}{{- end }}
+    {{- with $v.target.extraArgs }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  env:
+    {{- with include "specdec.commonEnv" (dict "root" .root "service" "specdec-target") | trim }}{{ . | nindent 4 }}{{- end }}
+    {{- with $v.target.extraEnv }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  ports:
+    - {name: grpc-target, containerPort: {{ $v.target.port }}, protocol: TCP}
+    - {name: metrics-target, containerPort: {{ $v.target.metricsPort }}, protocol: TCP}
+  {{- with include "specdec.probes" (dict "root" .root "port" $v.target.port "service" "specdec.v1.TargetService" "cfg" $v.target) | trim }}{{ . | nindent 2 }}{{- end }}
+  {{- with include "specdec.lifecycle" .root | trim }}{{ . | nindent 2 }}{{- end }}
+  resources: {{- include "specdec.modelResources" (dict "root" .root "cfg" $v.target) | nindent 4 }}
+  securityContext: {{- toYaml $v.securityContext | nindent 4 }}
+  volumeMounts:
+    - {name: tmp-target, mountPath: /tmp}
+    {{- with include "specdec.modelMount" .root | trim }}{{ . | nindent 4 }}{{- end }}
+    {{- with include "specdec.tlsMount" .root | trim }}{{ . | nindent 4 }}{{- end }}
+    {{- if $v.pairs.shmSizeLimit }}
+    - {name: dshm, mountPath: /dev/shm}
+    {{- end }}
+{{- end -}}
+
+{{/* Pod-level settings shared by pair, draft and target pods. */}}
+{{- define "specdec.pairPodSpec" -}}
+{{- $v := .Values -}}
+serviceAccountName: {{ include "specdec.serviceAccountName" . }}
+automountServiceAccountToken: false
+enableServiceLinks: false
+terminationGracePeriodSeconds: {{ include "specdec.terminationGracePeriodSeconds" . }}
+securityContext: {{- toYaml $v.podSecurityContext | nindent 2 }}
+{{- with $v.imagePullSecrets }}
+imagePullSecrets: {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $v.pairs.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with $v.pairs.runtimeClassName }}
+runtimeClassName: {{ . }}
+{{- end }}
+{{- with $v.pairs.nodeSelector }}
+nodeSelector: {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $v.pairs.tolerations }}
+tolerations: {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $v.pairs.affinity }}
+affinity: {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $v.pairs.topologySpreadConstraints }}
+topologySpreadConstraints: {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* Volumes for a pod running the given containers; call with (dict "root" $ "tmp" (list "tmp-draft")). */}}
+{{- define "specdec.pairVolumes" -}}
+{{- $v := .root.Values -}}
+volumes:
+  {{- range .tmp }}
+  - name: {{ . }}
+    emptyDir: {sizeLimit: {{ $v.tmpSizeLimit }}}
+  {{- end }}
+  {{- with include "specdec.modelVolume" .root | trim }}{{ . | nindent 2 }}{{- end }}
+  {{- with include "specdec.tlsVolume" .root | trim }}{{ . | nindent 2 }}{{- end }}
+  {{- if $v.pairs.shmSizeLimit }}
+  - name: dshm
+    emptyDir: {medium: Memory, sizeLimit: {{ $v.pairs.shmSizeLimit }}}
+  {{- end }}
+{{- end -}}
+
+{{/* ---------- checks that the schema cannot express ---------- */}}
+{{- define "specdec.validate" -}}
+{{- $v := .Values -}}
+{{- if and $v.tls.enabled (not $v.tls.secretName) -}}
+{{- fail "tls.enabled=true needs tls.secretName (a kubernetes.io/tls Secret with tls.crt, tls.key[, ca.crt])" -}}
+{{- end -}}
+{{- if and $v.gateway.apiKey.enabled (not $v.gateway.apiKey.existingSecret) (not $v.gateway.apiKey.value) -}}
+{{- fail "gateway.apiKey.enabled=true needs gateway.apiKey.existingSecret or gateway.apiKey.value" -}}
+{{- end -}}
+{{- if and (eq $v.models.source "hostPath") (not $v.models.hostPath.path) -}}
+{{- fail "models.source=hostPath needs models.hostPath.path" -}}
+{{- end -}}
+{{- if and (eq $v.models.source "image") (not $v.models.image.repository) -}}
+{{- fail "models.source=image needs models.image.repository" -}}
+{{- end -}}
+{{- if and $v.tracing.enabled (not $v.tracing.otlpEndpoint) (not $v.tracing.jaeger.enabled) -}}
+{{- fail "tracing.enabled=true needs tracing.otlpEndpoint or tracing.jaeger.enabled=true" -}}
+{{- end -}}
+{{- end -}}

@@ -1,0 +1,536 @@
+"""Offline checks of the Helm chart: helm lint --strict, Kubernetes schema validation of the rendered
+manifests (kubernetes-validate --strict), and assertions on what the manifests say."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import yaml
+from deploy_helpers import (
+    CHART,
+    KUBE_VERSIONS,
+    NAMESPACE,
+    RELEASE,
+    VALUES_CASES,
+    ci_values,
+    container,
+    env,
+    find,
+    flag,
+    flags,
+    one,
+    pod_spec,
+    render,
+    render_text,
+    run_helm,
+    template_args,
+    values_args,
+    workloads,
+)
+
+FULL = f"{RELEASE}-specdec"
+# Kinds that are CustomResourceDefinitions of other projects: kubernetes-validate bundles only the built-in
+# API schemas, so these are checked by the assertions below instead of against a schema.
+CRD_KINDS = {"ServiceMonitor"}
+HEALTH_NAMES = {
+    "gateway": "specdec.v1.Gateway",
+    "draft": "specdec.v1.DraftService",
+    "target": "specdec.v1.TargetService",
+}
+GRPC_PORT_NAMES = {"gateway": "grpc", "draft": "grpc-draft", "target": "grpc-target"}
+SPECDEC_CONTAINERS = set(HEALTH_NAMES)
+
+
+def specdec_containers(docs):
+    """(workload, container) for every gateway/draft/target container."""
+    for doc in workloads(docs):
+        for c in pod_spec(doc)["containers"]:
+            if c["name"] in SPECDEC_CONTAINERS:
+                yield doc, c
+
+
+# ---------- helm lint and schema validation ----------
+
+
+@pytest.mark.parametrize("case", VALUES_CASES)
+def test_helm_lint_strict(case):
+    proc = run_helm("lint", "--strict", str(CHART), "--namespace", NAMESPACE, *values_args(case))
+    assert "0 chart(s) failed" in proc.stdout
+
+
+def test_rendered_manifests_pass_kubernetes_validate_strict(tmp_path):
+    """Every rendered object of every values file, against the bundled schemas of each supported version."""
+    files, skipped = [], set()
+    for case in VALUES_CASES:
+        docs = render(case)
+        skipped |= {d["kind"] for d in docs if d["kind"] in CRD_KINDS}
+        plain = [d for d in docs if d["kind"] not in CRD_KINDS]
+        path = tmp_path / f"{case}.yaml"
+        path.write_text(yaml.safe_dump_all(plain))
+        files.append(str(path))
+    assert skipped == CRD_KINDS, "every CRD kind we skip should actually be rendered by some values file"
+    for version in KUBE_VERSIONS:
+        cmd = [sys.executable, "-m", "kubernetes_validate", "--strict", "--quiet", "-k", version, *files]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, f"kubernetes-validate -k {version}:\n{proc.stdout}\n{proc.stderr}"
+
+
+def test_kubernetes_validate_bundles_the_versions_we_ask_for():
+    from kubernetes_validate.utils import all_versions
+
+    assert set(KUBE_VERSIONS) <= set(all_versions())
+
+
+def test_values_schema_is_self_contained_and_enforced():
+    text = (CHART / "values.schema.json").read_text()
+    schema = json.loads(text)
+    assert "$ref" not in text and "$id" not in schema
+    assert schema["additionalProperties"] is False
+    for bad in (["--set", "device=tpu"], ["--set", "pairing=triple"], ["--set", "gateway.prot=1"]):
+        proc = run_helm(*template_args("default", *bad), check=False)
+        assert proc.returncode != 0 and "specdec" in proc.stderr, bad
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["--set", "tls.enabled=true"], "tls.secretName"),
+        (["--set", "gateway.apiKey.enabled=true"], "gateway.apiKey.existingSecret"),
+        (["--set", "models.source=hostPath"], "models.hostPath.path"),
+        (["--set", "models.source=image"], "models.image.repository"),
+        (["--set", "tracing.enabled=true"], "tracing.otlpEndpoint"),
+    ],
+)
+def test_incomplete_settings_fail_with_a_message(overrides, message):
+    proc = run_helm(*template_args("default", *overrides), check=False)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+
+
+# ---------- the default: CPU, bundled tiny model, one pair Pod ----------
+
+
+def test_default_runs_on_cpu_with_the_bundled_model():
+    docs = render("default")
+    assert "nvidia.com/gpu" not in render_text("default")
+    pair = one(docs, "StatefulSet", f"{FULL}-pair")
+    assert [c["name"] for c in pod_spec(pair)["containers"]] == ["draft", "target"]
+    draft, target = container(pair, "draft"), container(pair, "target")
+    assert flag(draft, "target") == "localhost:50052", "draft and target share the Pod and talk over localhost"
+    assert flag(draft, "device") == flag(target, "device") == "cpu"
+    assert flag(target, "model") == "/opt/specdec/models/tiny-code/target"
+    assert flag(draft, "model") == "/opt/specdec/models/tiny-code/draft"
+    assert flag(draft, "target-model") == flag(target, "model")
+    for c in (draft, target):
+        assert c["image"] == "ghcr.io/specdec/specdec:0.1.0", "CPU pairs use the slim image"
+    assert "volumes" in pod_spec(pair) and not any(v["name"] == "models" for v in pod_spec(pair)["volumes"])
+    gateway = container(one(docs, "Deployment", f"{FULL}-gateway"), "gateway")
+    host = f"{FULL}-pair-0.{FULL}-pair.{NAMESPACE}.svc.cluster.local"
+    assert flags(gateway, "pair") == [f"{host}:50051={host}:50052"]
+    assert flag(gateway, "model") == flag(target, "model"), "the gateway reads the target's tokenizer"
+
+
+def test_pairs_have_headless_services_for_stable_names():
+    for case, names in (("default", ["pair"]), ("split", ["draft", "target"])):
+        docs = render(case)
+        for name in names:
+            sts = one(docs, "StatefulSet", f"{FULL}-{name}")
+            svc = one(docs, "Service", f"{FULL}-{name}")
+            assert sts["spec"]["serviceName"] == svc["metadata"]["name"]
+            assert svc["spec"]["clusterIP"] == "None"
+            assert sts["spec"]["podManagementPolicy"] == "Parallel"
+
+
+# ---------- GPUs ----------
+
+
+def gpu_count(c: dict, section: str) -> int | None:
+    return c.get("resources", {}).get(section, {}).get("nvidia.com/gpu")
+
+
+def test_gpu_pair_gives_draft_and_target_their_own_gpu():
+    docs = render("gpu-pair")
+    pair = one(docs, "StatefulSet", f"{FULL}-pair")
+    assert pair["spec"]["replicas"] == 2
+    for name in ("draft", "target"):
+        c = container(pair, name)
+        assert gpu_count(c, "limits") == gpu_count(c, "requests") == 1, name
+        assert flag(c, "device") == "cuda"
+        assert c["image"] == "ghcr.io/specdec/specdec-cuda:0.1.0"
+        assert flag(c, "dtype") == "bfloat16"
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    assert flag(container(pair, "target"), "attention-backend") == "flashinfer"
+    assert flag(container(pair, "draft"), "topk") == "4"
+    assert flag(container(pair, "draft"), "model") == "/models/EAGLE3-LLaMA3.1-Instruct-8B"
+    spec = pod_spec(pair)
+    assert spec["runtimeClassName"] == "nvidia"
+    models = next(v for v in spec["volumes"] if v["name"] == "models")
+    assert models["persistentVolumeClaim"] == {"claimName": "llama-weights", "readOnly": True}
+    assert not find(docs, "PersistentVolumeClaim"), "an existing claim is used, none is created"
+    gateway_doc = one(docs, "Deployment", f"{FULL}-gateway")
+    assert "nvidia.com/gpu" not in json.dumps(gateway_doc), "the gateway needs no GPU"
+    pairs = flags(container(gateway_doc, "gateway"), "pair")
+    assert [p.split(".")[0] for p in pairs] == [f"{FULL}-pair-0", f"{FULL}-pair-1"]
+
+
+def test_split_scales_drafts_and_targets_together_and_pairs_them_by_index():
+    docs = render("split")
+    draft_sts = one(docs, "StatefulSet", f"{FULL}-draft")
+    target_sts = one(docs, "StatefulSet", f"{FULL}-target")
+    assert draft_sts["spec"]["replicas"] == target_sts["spec"]["replicas"] == 3
+    assert not find(docs, "StatefulSet", f"{FULL}-pair")
+    draft, target = container(draft_sts, "draft"), container(target_sts, "target")
+    assert [c["name"] for c in pod_spec(draft_sts)["containers"]] == ["draft"]
+    assert [c["name"] for c in pod_spec(target_sts)["containers"]] == ["target"]
+    assert gpu_count(draft, "limits") == gpu_count(target, "limits") == 1
+    target_domain = f"{FULL}-target.{NAMESPACE}.svc.cluster.local"
+    assert flag(draft, "target") == f"{FULL}-target-$(POD_INDEX).{target_domain}:50052"
+    pod_index = env(draft)["POD_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert pod_index == "metadata.labels['apps.kubernetes.io/pod-index']"
+    gateway = container(one(docs, "Deployment", f"{FULL}-gateway"), "gateway")
+    draft_domain = f"{FULL}-draft.{NAMESPACE}.svc.cluster.local"
+    assert flags(gateway, "pair") == [
+        f"{FULL}-draft-{i}.{draft_domain}:50051={FULL}-target-{i}.{target_domain}:50052" for i in range(3)
+    ]
+    assert "--disable-cuda-graph" in target["args"] and "--disable-cuda-graph" not in draft["args"]
+    assert flag(target, "num-pages") == "4096"
+    models = next(v for v in pod_spec(target_sts)["volumes"] if v["name"] == "models")
+    assert models["hostPath"] == {"path": "/mnt/models", "type": "Directory"}
+
+
+def test_models_from_an_image_are_copied_by_an_init_container():
+    docs = render("tracing")
+    for doc in workloads(docs):
+        if doc["metadata"]["name"].endswith("test-generate") or "jaeger" in doc["metadata"]["name"]:
+            continue
+        init = pod_spec(doc)["initContainers"]
+        assert [c["name"] for c in init] == ["copy-models"]
+        assert init[0]["image"] == "registry.example.com/specdec-weights:tiny-code"
+        assert init[0]["command"] == ["cp", "-R", "/models/.", "/mnt/models/"]
+        volume = next(v for v in pod_spec(doc)["volumes"] if v["name"] == "models")
+        assert "emptyDir" in volume
+
+
+def test_created_model_claim_is_kept_on_uninstall():
+    docs = render("default", "--set", "models.source=pvc")
+    pvc = one(docs, "PersistentVolumeClaim", f"{FULL}-models")
+    assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
+# ---------- probes and shutdown ----------
+
+
+@pytest.mark.parametrize("case", VALUES_CASES)
+def test_every_service_has_grpc_probes_for_its_health_name(case):
+    docs = render(case)
+    tls = case == "tls"
+    seen = set()
+    for _, c in specdec_containers(docs):
+        role = c["name"]
+        seen.add(role)
+        port = next(p["containerPort"] for p in c["ports"] if p["name"] == GRPC_PORT_NAMES[role])
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            probe = c[kind]
+            if tls:  # the kubelet's gRPC probe cannot speak TLS: the image's healthcheck script does
+                cmd = probe["exec"]["command"]
+                assert cmd[:2] == ["python", "/opt/specdec/healthcheck.py"]
+                assert f"--addr=localhost:{port}" in cmd and f"--service={HEALTH_NAMES[role]}" in cmd
+                assert "--tls-ca=/etc/specdec/tls/ca.crt" in cmd
+            else:
+                assert probe["grpc"] == {"port": port, "service": HEALTH_NAMES[role]}, (role, kind)
+    assert seen == SPECDEC_CONTAINERS
+
+
+def test_startup_probe_leaves_time_for_model_load_and_graph_capture():
+    docs = render("gpu-pair")
+    for _, c in specdec_containers(docs):
+        probe = c["startupProbe"]
+        budget_s = probe["periodSeconds"] * probe["failureThreshold"]
+        assert budget_s >= (600 if c["name"] != "gateway" else 60), c["name"]
+        # liveness only starts after the startup probe succeeded, so it may be strict
+        assert c["livenessProbe"]["periodSeconds"] * c["livenessProbe"]["failureThreshold"] <= 120
+
+
+@pytest.mark.parametrize("case", VALUES_CASES)
+def test_termination_grace_exceeds_the_drain(case):
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    if case != "default":
+        values.update(ci_values(case))
+    docs = render(case)
+    for doc, c in specdec_containers(docs):
+        grace = pod_spec(doc)["terminationGracePeriodSeconds"]
+        drain = int(flag(c, "drain-seconds") or values["drainSeconds"])
+        pre_stop = c.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
+        assert grace > drain + pre_stop, (doc["metadata"]["name"], c["name"])
+
+
+def test_drain_seconds_flows_into_the_grace_period():
+    docs = render("default", "--set", "drainSeconds=120")
+    pair = one(docs, "StatefulSet", f"{FULL}-pair")
+    assert flag(container(pair, "target"), "drain-seconds") == "120"
+    assert pod_spec(pair)["terminationGracePeriodSeconds"] == 5 + 120 + 15
+
+
+# ---------- security ----------
+
+
+@pytest.mark.parametrize("case", VALUES_CASES)
+def test_pods_run_non_root_read_only_without_capabilities(case):
+    docs = render(case)
+    for doc in workloads(docs):
+        spec = pod_spec(doc)
+        where = f"{case}: {doc['kind']}/{doc['metadata']['name']}"
+        assert spec["securityContext"]["runAsNonRoot"] is True, where
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, where
+        assert spec["automountServiceAccountToken"] is False, where
+        tmp_volumes = {v["name"] for v in spec["volumes"] if "emptyDir" in v}
+        for c in spec["containers"] + spec.get("initContainers", []):
+            sc = c["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True, (where, c["name"])
+            assert sc["allowPrivilegeEscalation"] is False, (where, c["name"])
+            assert sc["capabilities"] == {"drop": ["ALL"]}, (where, c["name"])
+            if c in spec["containers"]:
+                tmp = [m for m in c["volumeMounts"] if m["mountPath"] == "/tmp"]
+                assert len(tmp) == 1 and tmp[0]["name"] in tmp_volumes, (where, c["name"])
+            for mount in c.get("volumeMounts", []):
+                if mount["name"] in ("models", "tls", "api-key") and c["name"] != "copy-models":
+                    assert mount.get("readOnly") is True, (where, c["name"], mount["name"])
+
+
+def test_draft_and_target_containers_use_separate_tmp_volumes():
+    pair = one(render("default"), "StatefulSet", f"{FULL}-pair")
+    mounts = {
+        c["name"]: next(m["name"] for m in c["volumeMounts"] if m["mountPath"] == "/tmp")
+        for c in pod_spec(pair)["containers"]
+    }
+    assert mounts["draft"] != mounts["target"]
+
+
+def policy_sources(policy: dict, port: int) -> list[dict] | None:
+    """The `from` peers allowed on `port` (None: every source)."""
+    for rule in policy["spec"]["ingress"]:
+        if any(p["port"] == port for p in rule["ports"]):
+            return rule.get("from")
+    raise AssertionError(f"{policy['metadata']['name']} does not open port {port}")
+
+
+def component_selector(component: str) -> dict:
+    return {
+        "podSelector": {
+            "matchLabels": {
+                "app.kubernetes.io/name": "specdec",
+                "app.kubernetes.io/instance": RELEASE,
+                "app.kubernetes.io/component": component,
+            }
+        }
+    }
+
+
+def test_network_policy_lets_only_the_gateway_reach_the_pair():
+    docs = render("default")
+    policy = one(docs, "NetworkPolicy", f"{FULL}-pair")
+    assert policy["spec"]["podSelector"] == {"matchLabels": component_selector("pair")["podSelector"]["matchLabels"]}
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    for port in (50051, 50052):
+        assert policy_sources(policy, port) == [component_selector("gateway")]
+    assert policy_sources(policy, 9101) is None and policy_sources(policy, 9102) is None  # metrics: everyone
+    ports = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
+    assert ports == {50051, 50052, 9101, 9102}, "nothing else is open"
+    gateway = one(docs, "NetworkPolicy", f"{FULL}-gateway")
+    assert policy_sources(gateway, 50050) is None
+
+
+def test_network_policy_in_split_mode():
+    docs = render("split")
+    draft = one(docs, "NetworkPolicy", f"{FULL}-draft")
+    target = one(docs, "NetworkPolicy", f"{FULL}-target")
+    assert policy_sources(draft, 50051) == [component_selector("gateway")]
+    assert policy_sources(target, 50052) == [component_selector("gateway"), component_selector("draft")]
+    # every pod of the release is covered by some policy
+    selected = {
+        p["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in find(docs, "NetworkPolicy")
+    }
+    components = {pod_spec_labels(d)["app.kubernetes.io/component"] for d in workloads(docs)}
+    assert components - selected == {"test"}
+
+
+def pod_spec_labels(doc: dict) -> dict:
+    return doc["metadata"]["labels"] if doc["kind"] == "Pod" else doc["spec"]["template"]["metadata"]["labels"]
+
+
+def test_restricted_gateway_policy_still_admits_the_helm_test():
+    docs = render("tls")
+    gateway = one(docs, "NetworkPolicy", f"{FULL}-gateway")
+    sources = policy_sources(gateway, 50050)
+    assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}}} in sources
+    assert component_selector("test") in sources
+    assert policy_sources(gateway, 9100) == ci_values("tls")["networkPolicy"]["metricsFrom"]
+
+
+def test_tls_and_api_key_are_wired_when_enabled():
+    docs = render("tls")
+    for doc, c in specdec_containers(docs):
+        assert flag(c, "tls-cert") == "/etc/specdec/tls/tls.crt", c["name"]
+        assert flag(c, "tls-key") == "/etc/specdec/tls/tls.key"
+        assert flag(c, "tls-ca") == "/etc/specdec/tls/ca.crt"
+        tls_volume = next(v for v in pod_spec(doc)["volumes"] if v["name"] == "tls")
+        assert tls_volume["secret"]["secretName"] == "specdec-tls"
+    gateway_doc = one(docs, "Deployment", f"{FULL}-gateway")
+    gateway = container(gateway_doc, "gateway")
+    assert flag(gateway, "api-key-file") == "/etc/specdec/api-key/api-key"
+    assert flag(gateway, "max-prompt-tokens") == "4096"
+    secret = one(docs, "Secret", f"{FULL}-api-key")
+    assert secret["data"]["api-key"] == "bm90LWEtcmVhbC1rZXk="  # base64("not-a-real-key")
+    api_volume = next(v for v in pod_spec(gateway_doc)["volumes"] if v["name"] == "api-key")
+    assert api_volume["secret"]["secretName"] == secret["metadata"]["name"]
+    ingress = one(docs, "Ingress", f"{FULL}-gateway")
+    assert ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]["name"] == f"{FULL}-gateway"
+    # nothing TLS-related when it is off
+    assert "tls-cert" not in render_text("default") and "api-key" not in render_text("default")
+
+
+# ---------- observability ----------
+
+
+def test_tracing_points_every_service_at_the_bundled_jaeger():
+    docs = render("tracing")
+    jaeger = one(docs, "Service", f"{FULL}-jaeger")
+    assert {"name": "otlp-grpc", "port": 4317} in [{k: p[k] for k in ("name", "port")} for p in jaeger["spec"]["ports"]]
+    deployment = one(docs, "Deployment", f"{FULL}-jaeger")
+    assert container(deployment, "jaeger")["image"].startswith("jaegertracing/jaeger:2.")
+    names = set()
+    for _, c in specdec_containers(docs):
+        e = env(c)
+        assert e["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == f"http://{FULL}-jaeger:4317"
+        assert e["OTEL_TRACES_SAMPLER_ARG"]["value"] == "0.25"
+        assert "OTEL_SDK_DISABLED" not in e
+        names.add(e["OTEL_SERVICE_NAME"]["value"])
+    assert names == {"specdec-gateway", "specdec-draft", "specdec-target"}
+
+
+def test_tracing_to_the_users_collector_and_off_by_default():
+    endpoint = "http://jaeger-collector.observability:4317"
+    docs = render("default", "--set", "tracing.enabled=true", "--set", f"tracing.otlpEndpoint={endpoint}")
+    assert not find(docs, "Deployment", f"{FULL}-jaeger")
+    for _, c in specdec_containers(docs):
+        assert env(c)["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == endpoint
+    for _, c in specdec_containers(render("default")):
+        assert "OTEL_EXPORTER_OTLP_ENDPOINT" not in env(c)
+        assert env(c)["OTEL_SDK_DISABLED"]["value"] == "true"
+
+
+def pods_selected(docs: list[dict], selector: dict) -> list[dict]:
+    return [d for d in workloads(docs) if selector.items() <= pod_spec_labels(d).items()]
+
+
+@pytest.mark.parametrize("case", ["default", "split"])
+def test_metrics_services_reach_every_metrics_port(case):
+    docs = render(case)
+    metrics = [s for s in find(docs, "Service") if s["metadata"]["name"].endswith("-metrics")]
+    assert sorted(s["metadata"]["labels"]["specdec/metrics"] for s in metrics) == ["draft", "gateway", "target"]
+    for svc in metrics:
+        annotations = svc["metadata"]["annotations"]
+        port = svc["spec"]["ports"][0]
+        assert annotations["prometheus.io/scrape"] == "true"
+        assert annotations["prometheus.io/port"] == str(port["port"])
+        pods = pods_selected(docs, svc["spec"]["selector"])
+        assert pods, svc["metadata"]["name"]
+        for pod in pods:
+            names = {p["name"]: p["containerPort"] for c in pod_spec(pod)["containers"] for p in c["ports"]}
+            assert names.get(port["targetPort"]) == port["port"], (svc["metadata"]["name"], port)
+
+
+def test_service_monitor_selects_the_metrics_services():
+    docs = render("tracing")
+    monitor = one(docs, "ServiceMonitor", FULL)
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+    key = monitor["spec"]["selector"]["matchExpressions"][0]["key"]
+    match = monitor["spec"]["selector"]["matchLabels"]
+    selected = [
+        s
+        for s in find(docs, "Service")
+        if key in s["metadata"]["labels"] and match.items() <= s["metadata"]["labels"].items()
+    ]
+    assert len(selected) == 3
+    assert not find(render("default"), "ServiceMonitor")
+
+
+# ---------- gateway extras, labels, services, helm test, notes ----------
+
+
+def test_gateway_autoscaling_and_disruption_budget():
+    docs = render("tracing")
+    hpa = one(docs, "HorizontalPodAutoscaler", f"{FULL}-gateway")
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"{FULL}-gateway"}
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 8)
+    assert "replicas" not in one(docs, "Deployment", f"{FULL}-gateway")["spec"], "the HPA owns the replica count"
+    pdb = one(docs, "PodDisruptionBudget", f"{FULL}-gateway")
+    assert pdb["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "gateway"
+
+
+@pytest.mark.parametrize("case", VALUES_CASES)
+def test_standard_labels_everywhere(case):
+    for doc in render(case):
+        labels = doc["metadata"]["labels"]
+        for key in ("name", "instance", "version", "managed-by", "component", "part-of"):
+            assert f"app.kubernetes.io/{key}" in labels, (doc["kind"], doc["metadata"]["name"], key)
+        assert labels["helm.sh/chart"] == "specdec-0.1.0"
+
+
+@pytest.mark.parametrize("case", VALUES_CASES)
+def test_services_select_pods_with_the_named_ports(case):
+    docs = render(case)
+    for svc in find(docs, "Service"):
+        pods = pods_selected(docs, svc["spec"]["selector"])
+        assert pods, f"Service {svc['metadata']['name']} selects no pod"
+        for port in svc["spec"]["ports"]:
+            for pod in pods:
+                names = {p["name"] for c in pod_spec(pod)["containers"] for p in c["ports"]}
+                assert port["targetPort"] in names, (svc["metadata"]["name"], port["targetPort"])
+
+
+def test_helm_test_hook_runs_a_short_generation():
+    docs = render("default")
+    pod = one(docs, "Pod", f"{FULL}-test-generate")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    c = pod["spec"]["containers"][0]
+    assert c["args"][0] == "generate"
+    assert flag(c, "addr") == f"{FULL}-gateway:50050"
+    assert flag(c, "max-new-tokens") == "8"
+    assert c["args"][-1] == "def fib(n):"
+    assert pod["spec"]["restartPolicy"] == "Never"
+
+
+def test_notes_show_port_forward_and_grpcurl():
+    proc = run_helm("install", RELEASE, str(CHART), "--dry-run=client", "--namespace", NAMESPACE)
+    notes = proc.stdout.split("NOTES:", 1)[1]
+    assert f"port-forward svc/{FULL}-gateway 50050:50050" in notes
+    assert "grpcurl -plaintext" in notes and "specdec.v1.Gateway/Generate" in notes
+    assert f"helm test {RELEASE}" in notes
+
+
+def leaf_values(values: dict, prefix: str = "") -> list[str]:
+    """Dotted paths of the leaves of values.yaml; free-form maps (resources, probes, contexts) count as leaves."""
+    out = []
+    for key, value in values.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and value and not re.search(r"(resources|Probe|[sS]ecurityContext)$", key):
+            out += leaf_values(value, f"{path}.")
+        else:
+            out.append(path)
+    return out
+
+
+def test_readme_documents_every_value():
+    readme = (CHART / "README.md").read_text()
+    documented = set(re.findall(r"`([A-Za-z0-9_.]+)`", readme))
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    missing = [path for path in leaf_values(values) if path not in documented]
+    assert not missing, f"values missing from deploy/helm/specdec/README.md: {missing}"
