@@ -29,7 +29,7 @@ def tensor_files(model_dir: str | Path) -> dict[str, Path]:
     mapping: dict[str, Path] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as handle:
-            for name in handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
                 mapping[name] = f
     return mapping
 

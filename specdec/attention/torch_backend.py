@@ -45,13 +45,10 @@ class TorchAttention:
 def _attend_one(q, k_cache, v_cache, seq: SeqAttention, scale: float) -> torch.Tensor:
     keys = k_cache[seq.ctx_slots].to(q.dtype)  # [ctx, num_kv_heads, head_dim]
     values = v_cache[seq.ctx_slots].to(q.dtype)
-    groups = q.shape[1] // keys.shape[1]
-    if groups > 1:
-        keys = keys.repeat_interleave(groups, dim=1)
-        values = values.repeat_interleave(groups, dim=1)
     mask = visibility_mask(seq, q.device)  # [num_q, ctx]
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask, scale=scale
+        q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask, scale=scale,
+        enable_gqa=keys.shape[1] != q.shape[1],
     )  # [heads, num_q, head_dim]
     return out.transpose(0, 1)
 

@@ -38,6 +38,8 @@ def generate(
             if ev.error is not None:
                 raise ev.error
             res.tokens += ev.tokens
+            if ev.from_verify:
+                res.accept_lengths.append(len(ev.tokens))
             res.finish_reason = ev.finish_reason
             state = states.get(ev.request_id) or sched.running.get(ev.request_id)
             if state is not None:

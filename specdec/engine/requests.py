@@ -64,6 +64,7 @@ class GenerationResult:
     num_verify_steps: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [max_depth] accepted counts
     num_draft_tokens: int = 0  # draft tokens proposed over the request's life
+    accept_lengths: list[int] = field(default_factory=list)  # tokens committed by each verify step
 
     @property
     def tau(self) -> float:

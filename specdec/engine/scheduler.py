@@ -30,6 +30,7 @@ class Event:
     finish_reason: str = RUNNING
     error: SpecdecError | None = None
     num_accepted_drafts: int = 0
+    from_verify: bool = False  # False for the prefill's first token and for aborts
 
 
 @dataclass
@@ -138,7 +139,7 @@ class Scheduler:
             state = self.running[out.request_id]
             self._count(state, len(tree.tokens), out.num_accepted_drafts, out.tokens)
             events.append(Event(out.request_id, out.tokens, out.finish_reason,
-                                num_accepted_drafts=out.num_accepted_drafts))
+                                num_accepted_drafts=out.num_accepted_drafts, from_verify=True))
             if out.finish_reason != RUNNING:
                 self._finish(out.request_id, release_target=False)  # the target freed its pages itself
             elif self.draft is not None:

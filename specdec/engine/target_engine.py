@@ -204,6 +204,24 @@ class TargetEngine:
             self.release(rid)
         return kept, reason
 
+    @torch.inference_mode()
+    def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
+        """Logits at every prompt position (no state kept): scoring, near-tie checks and reference tests.
+        # [len(prompt_ids), vocab] float32"""
+        self.validate_prompt(prompt_ids)
+        rid = f"__score_{id(prompt_ids)}"
+        n = len(prompt_ids)
+        self.kv.add(rid)
+        try:
+            self.kv.resize(rid, n)
+            slots = self.kv.slots(rid, 0, n)
+            batch = self.backend.plan(AttentionBatch([SeqAttention(slots, n)], slots))
+            ids = torch.tensor(prompt_ids, device=self.device)
+            out = self.model(ids, torch.arange(n, device=self.device), self.backend, batch)
+            return self.model.compute_logits(out.hidden)
+        finally:
+            self.kv.release(rid)
+
     # ---- helpers ------------------------------------------------------------------------------------------
     def _get(self, rid: str) -> TargetRequest:
         req = self.requests.get(rid)

@@ -1,0 +1,79 @@
+"""Build engines from a model directory and start-up options (shared by the CLI, the services and the tools)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from specdec.config import ModelConfig
+from specdec.engine.draft_engine import DraftEngine, SpecConfig
+from specdec.engine.target_engine import TargetEngine
+from specdec.errors import ConfigError
+from specdec.models.loader import load_draft, load_target, resolve_dtype
+
+log = logging.getLogger(__name__)
+
+CPU_KV_BUDGET_BYTES = 2 << 30
+GPU_KV_FRACTION = 0.85
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    device: str = "cpu"
+    dtype: str = "auto"
+    attention_backend: str = "torch"
+    page_size: int = 16
+    num_pages: int = 0  # 0 = size the pool from memory
+    max_batch_size: int = 64
+    max_context: int = 0  # 0 = the model's max_position_embeddings
+    dummy_weights: bool = False
+
+    def validate(self) -> EngineOptions:
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"--device {self.device}: no CUDA device is available (use --device cpu)")
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ConfigError(f"--page-size must be a power of two, got {self.page_size}")
+        if self.num_pages < 0 or self.max_batch_size < 1 or self.max_context < 0:
+            raise ConfigError("--num-pages, --max-batch-size and --max-context must be positive")
+        return self
+
+
+def _num_pages(opts: EngineOptions, bytes_per_page: int, max_context: int) -> int:
+    if opts.num_pages:
+        return opts.num_pages
+    wanted = opts.max_batch_size * (math.ceil(max_context / opts.page_size) + 2)
+    if opts.device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(torch.device(opts.device))
+        return max(1, min(wanted * 4, int(free * GPU_KV_FRACTION) // bytes_per_page))
+    return max(1, min(wanted, CPU_KV_BUDGET_BYTES // bytes_per_page))
+
+
+def build_target(path: str, opts: EngineOptions) -> TargetEngine:
+    opts.validate()
+    cfg = ModelConfig.from_hf(path)
+    max_context = min(opts.max_context or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    dtype = resolve_dtype(opts.dtype, opts.device)
+    model = load_target(path, dtype, opts.device, dummy=opts.dummy_weights)
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    per_page = 2 * cfg.num_layers * opts.page_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+    pages = _num_pages(opts, per_page, max_context)
+    log.info("target KV pool: %d pages of %d tokens (%.1f MiB)", pages, opts.page_size, pages * per_page / 2**20)
+    return TargetEngine(model, pages, opts.page_size, opts.attention_backend, max_context, device=opts.device)
+
+
+def build_draft(path: str, target_path: str, spec: SpecConfig, opts: EngineOptions, max_context: int) -> DraftEngine:
+    opts.validate()
+    spec.validate()
+    dtype = resolve_dtype(opts.dtype, opts.device)
+    model = load_draft(path, target_path, dtype, opts.device, dummy=opts.dummy_weights)
+    cfg = model.cfg
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    per_page = 2 * opts.page_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+    pages = _num_pages(opts, per_page, max_context)
+    log.info("draft KV pool: %d pages of %d tokens", pages, opts.page_size)
+    return DraftEngine(model, spec, pages, opts.page_size, opts.attention_backend, max_context, device=opts.device)

@@ -1,0 +1,87 @@
+"""Requests finishing inside an accepted run: nothing after the finishing token, state and KV released."""
+
+from __future__ import annotations
+
+import pytest
+from core_engines import tiny_draft, tiny_target
+
+from specdec.engine.generate import generate
+from specdec.engine.requests import ABORT, LENGTH, STOP
+from specdec.engine.scheduler import Scheduler
+from specdec.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def prompts(dev_prompts, tiny_tokenizer):
+    return [tiny_tokenizer.encode(p)[-96:] for p in dev_prompts[10:14]]
+
+
+@pytest.fixture(scope="module")
+def reference(prompts):
+    return generate(tiny_target(), None, prompts, SamplingParams(max_new_tokens=32), max_batch_size=4)
+
+
+def _assert_pools_whole(target, draft):
+    assert target.kv.num_free_pages == target.kv.num_total_pages and not target.requests
+    assert draft.kv.num_free_pages == draft.kv.num_total_pages and not draft.requests and draft._reserved == 0
+
+
+def test_max_new_tokens_crossed_inside_a_run(prompts, reference):
+    """Different limits in one batch: each request stops exactly at its limit while the others go on."""
+    target, draft = tiny_target(), tiny_draft()
+    limits = [1, 2, 7, 13]
+    params = [SamplingParams(max_new_tokens=n) for n in limits]
+    out = generate(target, draft, prompts, params, max_batch_size=4)
+    for r, ref, n in zip(out, reference, limits, strict=True):
+        assert r.tokens == ref.tokens[:n] and r.finish_reason == LENGTH
+    _assert_pools_whole(target, draft)
+
+
+def test_stop_token_inside_accepted_run(prompts, reference):
+    """A stop id (treated like EOS) that first occurs mid-generation ends the request right after it."""
+    target, draft = tiny_target(), tiny_draft()
+    cases = []
+    for prompt, ref in zip(prompts, reference, strict=True):
+        pos = len(ref.tokens) // 2
+        stop = ref.tokens[pos]
+        first = ref.tokens.index(stop)
+        cases.append((prompt, stop, ref.tokens[: first + 1]))
+    params = [SamplingParams(max_new_tokens=32, stop_token_ids=(stop,)) for _, stop, _ in cases]
+    out = generate(target, draft, [c[0] for c in cases], params, max_batch_size=4)
+    mid_run = 0
+    for r, (_, _, expected) in zip(out, cases, strict=True):
+        assert r.tokens == expected and r.finish_reason == STOP
+        mid_run += any(n > 1 for n in r.accept_lengths[-1:])  # the final step committed a run
+    assert mid_run >= 1
+    _assert_pools_whole(target, draft)
+
+
+def test_eos_ends_request_unless_ignored(prompts):
+    target, draft = tiny_target(), tiny_draft()
+    eos = target.eos_ids[0]
+    # the model's greedy text on a prompt that closes a file soon reaches EOS; make EOS the likely next token
+    prompt = prompts[0] + [eos]
+    out = generate(target, draft, [prompt], SamplingParams(max_new_tokens=64))[0]
+    if eos in out.tokens:
+        assert out.tokens[-1] == eos and out.finish_reason == STOP
+    ignored = generate(target, draft, [prompt], SamplingParams(max_new_tokens=20, ignore_eos=True))[0]
+    assert len(ignored.tokens) == 20 and ignored.finish_reason == LENGTH
+    _assert_pools_whole(target, draft)
+
+
+def test_abort_mid_generation_frees_everything(prompts):
+    target, draft = tiny_target(), tiny_draft()
+    sched = Scheduler(target, draft, target.max_context, 4)
+    for i, p in enumerate(prompts):
+        sched.add(f"r{i}", p, SamplingParams(max_new_tokens=32))
+    sched.step()
+    sched.step()
+    sched.abort("r1")
+    sched.abort("r3")
+    events = sched.step()
+    aborted = {e.request_id for e in events if e.finish_reason == ABORT}
+    assert aborted == {"r1", "r3"}
+    assert set(sched.running) == {"r0", "r2"} and set(draft.requests) == {"r0", "r2"}
+    while sched.has_work:
+        sched.step()
+    _assert_pools_whole(target, draft)

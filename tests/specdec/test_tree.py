@@ -1,0 +1,47 @@
+import pytest
+import torch
+
+from specdec.errors import InvalidInput
+from specdec.tree import ancestor_mask, children_lists, depths, validate_tree
+from specdec.verify import verify_greedy
+
+
+def test_worked_example_layout():
+    # root r; a, b children of r; c child of a; d child of c
+    parents = [-1, -1, 0, 2]
+    assert depths(parents) == [1, 1, 2, 3]
+    assert children_lists(parents) == [[1, 2], [3], [], [4], []]
+    expected = torch.tensor([
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [1, 0, 1, 0, 0],
+        [1, 1, 0, 1, 0],
+        [1, 1, 0, 1, 1],
+    ], dtype=torch.bool)
+    assert torch.equal(ancestor_mask(parents), expected)
+
+
+def test_chain_mask_is_causal():
+    assert torch.equal(ancestor_mask([-1, 0, 1]), torch.ones(4, 4, dtype=torch.bool).tril())
+
+
+@pytest.mark.parametrize("tokens,parents,msg", [
+    ([1, 2], [-1], "parents"),
+    ([1, 2], [-1, 1], "earlier"),
+    ([1, 2], [-2, 0], "root"),
+    ([1, 999], [-1, 0], "vocabulary"),
+    ([1] * 9, [-1] * 9, "maximum"),
+])
+def test_validate_tree_rejects_malformed(tokens, parents, msg):
+    with pytest.raises(InvalidInput, match=msg):
+        validate_tree(tokens, parents, vocab_size=100, max_nodes=8)
+
+
+def test_greedy_walks_matching_children():
+    tokens = [5, 6, 7, 8]
+    parents = [-1, -1, 1, 2]  # 5 and 6 under root; 7 under 6; 8 under 7
+    # target argmax per tree index: root->6, node1(5)->0, node2(6)->7, node3(7)->9, node4(8)->1
+    v = verify_greedy(tokens, parents, [6, 0, 7, 9, 1])
+    assert v.accepted == [2, 3] and v.bonus == 9
+    v = verify_greedy(tokens, parents, [4, 0, 0, 0, 0])
+    assert v.accepted == [] and v.bonus == 4
