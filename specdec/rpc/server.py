@@ -73,6 +73,7 @@ async def start_server(
     port: int = 0,
     tls: TlsConfig | None = None,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> ServerHandle:
     """Build, bind and start a server; port 0 picks a free port (see `bound_port`).
 
@@ -80,7 +81,7 @@ async def start_server(
     health_names: the full names of the services added (e.g. "specdec.v1.TargetService"); they are reported
     by health (NOT_SERVING until `set_serving(True)`) and listed by reflection.
     """
-    server = grpc.aio.server(options=server_options(max_message_bytes))
+    server = grpc.aio.server(options=server_options(max_message_bytes), interceptors=list(interceptors) or None)
     for add in servicers:
         add(server)
     health_servicer = health.aio.HealthServicer()

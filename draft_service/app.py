@@ -1,0 +1,95 @@
+"""Assemble the draft service: connect to the target, load the EAGLE head, run the speculative loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from draft_service.servicer import DraftServicer
+from draft_service.target_client import TargetClient
+from specdec.config import ModelConfig
+from specdec.engine.draft_engine import SpecConfig
+from specdec.engine.factory import build_draft
+from specdec.engine.generate import feature_layers_for
+from specdec.engine.scheduler import Scheduler
+from specdec.errors import ConfigError, NotReady
+from specdec.rpc.service_runner import ServiceSpec, run_service
+from specdec.rpc.tls import TlsConfig
+from specdec.serving.engine_args import engine_options
+from specdec.serving.engine_loop import EngineLoop
+from specdec.v1 import draft_pb2_grpc
+
+log = logging.getLogger(__name__)
+HEALTH_NAME = "specdec.v1.DraftService"
+
+
+def _connect(client: TargetClient, timeout_s: float):
+    """Wait for the target to answer GetModelInfo (it may still be loading)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return client.model_info()
+        except NotReady as exc:
+            if time.monotonic() > deadline:
+                raise NotReady(f"target at {client.addr} not ready after {timeout_s:.0f} s: {exc}") from None
+            time.sleep(0.5)
+
+
+def _load(args, opts, spec: SpecConfig):
+    target_cfg = ModelConfig.from_hf(args.target_model)
+    client = TargetClient(args.target, TlsConfig.from_args(args, prefix="target-"), device=opts.device)
+    log.info("connecting to target at %s", args.target)
+    info = _connect(client, args.target_wait_seconds)
+    if info.vocab_size != target_cfg.vocab_size or info.hidden_size != target_cfg.hidden_size:
+        raise ConfigError(f"target at {args.target} serves {info.model} (vocab {info.vocab_size}, hidden "
+                          f"{info.hidden_size}), which does not match --target-model {args.target_model}")
+    max_context = min(info.max_context_len, opts.max_context or info.max_context_len)
+    log.info("target %s: context length %d", info.model, max_context)
+    engine = build_draft(args.model, args.target_model, spec, opts, max_context)
+    return client, engine, max_context, info
+
+
+async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
+    opts = engine_options(args)
+    spec = SpecConfig(args.num_steps, args.topk, args.num_draft_tokens).validate()
+    servicer = DraftServicer(args.model, args.target)
+    state = {}
+
+    async def load(metrics) -> str:
+        client, engine, max_context, info = await asyncio.to_thread(_load, args, opts, spec)
+        sched = Scheduler(client, engine, max_context, opts.max_batch_size, feature_layers_for(engine))
+        loop = EngineLoop(sched, "draft-engine")
+        loop.on_step = lambda events: _observe(metrics, engine, events)
+        loop.start()
+        servicer.engine, servicer.loop, servicer.metrics = engine, loop, metrics
+        servicer.max_context, servicer.vocab_size = max_context, info.vocab_size
+        state.update(loop=loop, client=client)
+        return (f"model {args.model} ({engine.model.cfg.architecture}, steps {spec.num_steps} topk {spec.topk} "
+                f"draft tokens {spec.num_draft_tokens}) for target {info.model} at {args.target}")
+
+    async def close() -> None:
+        if "loop" in state:
+            await asyncio.to_thread(state["loop"].stop)
+            state["client"].close()
+
+    await run_service(ServiceSpec(
+        name="draft", health_name=HEALTH_NAME,
+        servicers=[lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, s)],
+        load=load, close=close, host=args.host, port=args.port, tls=TlsConfig.from_args(args),
+        metrics_port=args.metrics_port, drain_s=args.drain_seconds,
+    ), shutdown, ready)
+
+
+def _observe(metrics, engine, events) -> None:
+    kv = engine.kv
+    metrics.set_kv(kv.num_total_pages - kv.num_free_pages, kv.num_free_pages)
+    metrics.set_running(len(engine.requests))
+    verified = [e for e in events if e.from_verify]
+    if verified:
+        metrics.observe_batch(len(verified))
+        per_pos = [0] * engine.spec.num_steps
+        for e in verified:
+            for i in range(min(e.num_accepted_drafts, len(per_pos))):
+                per_pos[i] += 1
+        metrics.observe_spec_step(len(verified), len(verified) * engine.spec.num_draft_tokens, per_pos)

@@ -1,0 +1,36 @@
+"""`specdec serve-draft`: the draft (EAGLE head) service that drives speculation."""
+
+from __future__ import annotations
+
+DEFAULT_PORT = 50051
+
+
+def register(subparsers) -> None:
+    from specdec.eval.cli import add_spec_args
+    from specdec.rpc.tls import add_tls_args
+    from specdec.serving.engine_args import add_engine_args
+    from specdec.telemetry.args import add_telemetry_args
+
+    p = subparsers.add_parser(
+        "serve-draft", help="serve an EAGLE draft head that speculates for a target service",
+        description="The draft service: proposes token trees, has the target verify them, streams tokens.",
+    )
+    p.add_argument("--model", required=True, help="EAGLE-1 or EAGLE-3 head directory")
+    p.add_argument("--target-model", required=True,
+                   help="the target's checkpoint directory (the head reads embed_tokens / lm_head from it)")
+    p.add_argument("--target", required=True, help="target service address HOST:PORT")
+    p.add_argument("--target-wait-seconds", type=float, default=600.0,
+                   help="how long to wait at start-up for the target to be ready, default 600")
+    add_engine_args(p, DEFAULT_PORT)
+    add_spec_args(p)
+    add_tls_args(p)
+    add_tls_args(p, prefix="target-", who="client side, to the target")
+    add_telemetry_args(p)
+    p.set_defaults(handler=main)
+
+
+def main(args) -> int:
+    from draft_service.app import serve
+    from specdec.rpc.cli_support import run_cli_service
+
+    return run_cli_service(args, serve)

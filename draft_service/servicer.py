@@ -1,0 +1,100 @@
+"""DraftService over gRPC: streams the tokens of each request as the speculative loop accepts them."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from specdec.engine.draft_engine import DraftEngine
+from specdec.engine.requests import RUNNING
+from specdec.errors import InvalidInput
+from specdec.rpc.errors import map_servicer_errors
+from specdec.rpc.sampling_codec import sampling_from_proto
+from specdec.rpc.target_codec import check_request_id, finish_to_proto
+from specdec.serving.engine_loop import EngineLoop
+from specdec.telemetry import bind_request_id
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+@map_servicer_errors
+class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
+    def __init__(self, model_name: str, target_addr: str):
+        self.model_name, self.target_addr = model_name, target_addr
+        self.engine: DraftEngine | None = None
+        self.loop: EngineLoop | None = None
+        self.max_context = 0
+        self.vocab_size = 0
+        self.metrics = None
+
+    def _check(self, request) -> tuple[str, list[int], object]:
+        rid = check_request_id(request.request_id)
+        prompt = list(request.prompt_ids)
+        if not prompt:
+            raise InvalidInput("prompt is empty")
+        if len(prompt) >= self.max_context:
+            raise InvalidInput(f"prompt has {len(prompt)} tokens; the context length is {self.max_context} "
+                               f"(at most {self.max_context - 1} prompt tokens)")
+        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidInput(f"prompt token id {bad} outside the vocabulary [0, {self.vocab_size})")
+        sampling = sampling_from_proto(request.sampling if request.HasField("sampling") else None)
+        sampling.validate(self.vocab_size)
+        if request.HasField("spec"):
+            self._check_spec(request.spec)
+        return rid, prompt, sampling
+
+    def _check_spec(self, spec) -> None:
+        mine = self.engine.spec
+        asked = {f: getattr(spec, f) for f in ("num_steps", "topk", "num_draft_tokens") if spec.HasField(f)}
+        differs = {f: v for f, v in asked.items() if v != getattr(mine, f)}
+        if differs:
+            raise InvalidInput(f"this draft service runs num_steps={mine.num_steps} topk={mine.topk} "
+                               f"num_draft_tokens={mine.num_draft_tokens}; per-request {differs} is not supported")
+
+    async def Generate(self, request, context):
+        rid, prompt, sampling = self._check(request)
+        with bind_request_id(rid):
+            t0 = time.perf_counter()
+            ttft, n, steps, per_pos = None, 0, 0, []
+            async for ev in self.loop.stream(rid, prompt, sampling):
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                n += len(ev.tokens)
+                if ev.from_verify:
+                    steps += 1
+                    per_pos += [0] * max(0, ev.num_accepted_drafts - len(per_pos))
+                    for i in range(ev.num_accepted_drafts):
+                        per_pos[i] += 1
+                msg = draft_pb2.DraftServiceGenerateResponse(token_ids=ev.tokens)
+                if ev.finish_reason != RUNNING:
+                    total = time.perf_counter() - t0
+                    tau = (n - 1) / steps if steps else 0.0
+                    msg.final.CopyFrom(draft_pb2.GenerationStats(
+                        finish_reason=finish_to_proto(ev.finish_reason), prompt_tokens=len(prompt),
+                        completion_tokens=n, num_verify_steps=steps, tau=tau, accepted_per_position=per_pos,
+                        time_to_first_token_s=ttft, total_s=total))
+                    log.info("done: %d prompt + %d new tokens, tau %.2f, ttft %.3f s, %.3f s (%s)", len(prompt), n,
+                             tau, ttft, total, ev.finish_reason)
+                    if self.metrics is not None:
+                        self.metrics.observe_request("OK", ttft_s=ttft, tpot_s=(total - ttft) / max(1, n - 1),
+                                                     e2e_s=total)
+                yield msg
+
+    async def Abort(self, request, context):
+        rid = check_request_id(request.request_id)
+        return draft_pb2.AbortResponse(found=await self.loop.abort(rid))
+
+    async def GetModelInfo(self, request, context):
+        cfg, spec = self.engine.model.cfg, self.engine.spec
+        kv = self.engine.kv
+        return draft_pb2.DraftServiceGetModelInfoResponse(
+            model=self.model_name, architecture=cfg.architecture, draft_vocab_size=cfg.draft_vocab_size,
+            target=self.target_addr,
+            spec=common_pb2.SpecParams(num_steps=spec.num_steps, topk=spec.topk,
+                                       num_draft_tokens=spec.num_draft_tokens),
+            kv=common_pb2.KVStats(page_size=kv.page_size, pages_total=kv.num_total_pages,
+                                  pages_free=kv.num_free_pages),
+            num_running=len(self.engine.requests),
+        )

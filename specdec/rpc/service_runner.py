@@ -1,0 +1,71 @@
+"""The life of a model service process, shared by target_service and draft_service.
+
+Start listening at once (health NOT_SERVING, other RPCs UNAVAILABLE "loading"), load the engine on a worker
+thread while start-up progress is logged, open the gate and report SERVING with one "ready" line, then on
+SIGTERM/SIGINT report NOT_SERVING, stop accepting, give running streams `drain_s` to finish and stop the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from specdec.rpc.readiness import ReadinessGate
+from specdec.rpc.server import AddServicer, start_server
+from specdec.rpc.tls import TlsConfig
+from specdec.telemetry import ServiceMetrics, setup_tracing, shutdown_tracing, start_metrics_server
+from specdec.telemetry.grpc_tracing import server_interceptors
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServiceSpec:
+    name: str  # short name for logs and metrics, e.g. "target"
+    health_name: str  # full service name, e.g. "specdec.v1.TargetService"
+    servicers: Sequence[AddServicer]
+    load: Callable[[ServiceMetrics], Awaitable[str]]  # loads the engine; returns a "model ..." description
+    close: Callable[[], Awaitable[None]]  # stops the engine after the drain
+    host: str
+    port: int
+    tls: TlsConfig | None
+    metrics_port: int = 0
+    drain_s: float = 30.0
+
+
+async def run_service(spec: ServiceSpec, shutdown: asyncio.Event, ready: Callable[[int], None] | None = None) -> None:
+    t0 = time.perf_counter()
+    provider = setup_tracing(f"specdec-{spec.name}")
+    gate = ReadinessGate(spec.health_name)
+    metrics = ServiceMetrics(spec.name)
+    handle = await start_server(spec.servicers, [spec.health_name], spec.host, spec.port, spec.tls,
+                                interceptors=[gate, *server_interceptors(provider)])
+    if spec.metrics_port:
+        start_metrics_server(spec.metrics_port, metrics.registry)
+        log.info("metrics on :%d/metrics", spec.metrics_port)
+    try:
+        loading = asyncio.ensure_future(spec.load(metrics))
+        stop = asyncio.ensure_future(shutdown.wait())
+        await asyncio.wait({loading, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if not loading.done():
+            loading.cancel()
+            return
+        stop.cancel()
+        model = loading.result()
+        gate.open()
+        await handle.set_serving(True)
+        log.info("%s ready on %s:%d, %s (start-up %.1f s)", spec.name, spec.host, handle.bound_port, model,
+                 time.perf_counter() - t0)
+        if ready is not None:
+            ready(handle.bound_port)
+        await shutdown.wait()
+        log.info("%s draining (up to %.0f s)", spec.name, spec.drain_s)
+        await handle.stop(spec.drain_s)
+    finally:
+        await spec.close()
+        await handle.stop(0)
+        shutdown_tracing()
+        log.info("%s stopped", spec.name)

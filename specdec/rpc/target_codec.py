@@ -1,0 +1,103 @@
+"""TargetService messages <-> engine dataclasses, both ways: the target servicer decodes what the draft's client
+encodes, so each conversion is written once here."""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.engine.requests import ABORT, LENGTH, RUNNING, STOP, PrefillInput, PrefillOutput, VerifyInput, VerifyOutput
+from specdec.errors import InvalidInput
+from specdec.rpc.sampling_codec import sampling_from_proto, sampling_to_proto
+from specdec.rpc.tensor_codec import tensor_from_proto, tensor_to_proto
+from specdec.v1 import common_pb2, target_pb2
+
+_FINISH_TO_PROTO = {
+    RUNNING: common_pb2.FINISH_REASON_UNSPECIFIED,
+    STOP: common_pb2.FINISH_REASON_STOP,
+    LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    ABORT: common_pb2.FINISH_REASON_ABORT,
+}
+_FINISH_FROM_PROTO = {v: k for k, v in _FINISH_TO_PROTO.items()}
+MAX_REQUEST_ID_LEN = 256
+
+
+def finish_to_proto(reason: str) -> int:
+    return _FINISH_TO_PROTO[reason]
+
+
+def finish_from_proto(value: int) -> str:
+    return _FINISH_FROM_PROTO.get(value, ABORT)
+
+
+def check_request_id(rid: str) -> str:
+    if not rid:
+        raise InvalidInput("request_id is empty")
+    if len(rid) > MAX_REQUEST_ID_LEN:
+        raise InvalidInput(f"request_id longer than {MAX_REQUEST_ID_LEN} characters")
+    return rid
+
+
+# ---- Prefill ---------------------------------------------------------------------------------------------
+def prefill_to_proto(inp: PrefillInput) -> target_pb2.PrefillRequest:
+    return target_pb2.PrefillRequest(
+        request_id=inp.request_id, prompt_ids=inp.prompt_ids, sampling=sampling_to_proto(inp.sampling),
+        feature_layer_ids=list(inp.feature_layers), return_features=inp.return_features,
+    )
+
+
+def prefill_from_proto(msg: target_pb2.PrefillRequest) -> PrefillInput:
+    sampling = sampling_from_proto(msg.sampling if msg.HasField("sampling") else None)
+    return PrefillInput(check_request_id(msg.request_id), list(msg.prompt_ids), sampling,
+                        tuple(msg.feature_layer_ids), msg.return_features)
+
+
+def prefill_output_to_proto(out: PrefillOutput) -> target_pb2.PrefillResponse:
+    msg = target_pb2.PrefillResponse(request_id=out.request_id, first_token=out.first_token,
+                                     finish_reason=finish_to_proto(out.finish_reason))
+    if out.features is not None:
+        msg.features.CopyFrom(tensor_to_proto(out.features))
+    return msg
+
+
+def prefill_output_from_proto(msg: target_pb2.PrefillResponse, device=None) -> PrefillOutput:
+    feats = tensor_from_proto(msg.features, device=device) if msg.HasField("features") else None
+    return PrefillOutput(msg.request_id, msg.first_token, feats, finish_from_proto(msg.finish_reason))
+
+
+# ---- Verify ----------------------------------------------------------------------------------------------
+def verify_to_proto(inputs: list[VerifyInput]) -> target_pb2.VerifyRequest:
+    return target_pb2.VerifyRequest(trees=[
+        target_pb2.TreeProposal(request_id=i.request_id, draft_tokens=i.draft_tokens, parents=i.parents)
+        for i in inputs
+    ])
+
+
+def verify_from_proto(msg: target_pb2.VerifyRequest) -> list[VerifyInput]:
+    return [VerifyInput(check_request_id(t.request_id), list(t.draft_tokens), list(t.parents)) for t in msg.trees]
+
+
+def verify_outputs_to_proto(outputs: list[VerifyOutput]) -> target_pb2.VerifyResponse:
+    msg = target_pb2.VerifyResponse()
+    feats = []
+    for out in outputs:
+        rows = 0 if out.finish_reason != RUNNING or out.features is None else out.features.shape[0]
+        if rows:
+            feats.append(out.features)
+        msg.results.append(target_pb2.VerifyResult(
+            request_id=out.request_id, tokens=out.tokens, num_accepted_drafts=out.num_accepted_drafts,
+            num_feature_rows=rows, finish_reason=finish_to_proto(out.finish_reason)))
+    if feats:
+        msg.features.CopyFrom(tensor_to_proto(torch.cat(feats)))
+    return msg
+
+
+def verify_outputs_from_proto(msg: target_pb2.VerifyResponse, device=None) -> list[VerifyOutput]:
+    total = sum(r.num_feature_rows for r in msg.results)
+    feats = tensor_from_proto(msg.features, device=device, expected_rows=total) if total else None
+    outputs, start = [], 0
+    for r in msg.results:
+        rows = feats[start : start + r.num_feature_rows] if r.num_feature_rows else None
+        start += r.num_feature_rows
+        outputs.append(VerifyOutput(r.request_id, list(r.tokens), r.num_accepted_drafts, rows,
+                                    finish_from_proto(r.finish_reason)))
+    return outputs

@@ -1,0 +1,1 @@
+"""Running a synchronous engine behind an asyncio service (no gRPC here)."""

@@ -1,0 +1,35 @@
+"""Command-line flags shared by the model services (engine options), parsed into EngineOptions."""
+
+from __future__ import annotations
+
+import argparse
+
+from specdec.engine.factory import EngineOptions
+
+
+def add_engine_args(parser: argparse.ArgumentParser, default_port: int) -> None:
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all), default 127.0.0.1")
+    g.add_argument("--port", type=int, default=default_port, help=f"gRPC port, default {default_port}")
+    g.add_argument("--drain-seconds", type=float, default=30.0,
+                   help="on SIGTERM, how long running requests may take to finish, default 30")
+    e = parser.add_argument_group("engine")
+    e.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N, default cpu")
+    e.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto = float32 on CPU, bfloat16 on GPU")
+    e.add_argument("--attention-backend", default="torch", help="torch (reference, CPU/GPU) or flashinfer (GPU)")
+    e.add_argument("--page-size", type=int, default=16, help="tokens per KV page (power of two), default 16")
+    e.add_argument("--num-pages", type=int, default=0, help="KV pages in the pool; 0 = size from memory")
+    e.add_argument("--max-batch-size", type=int, default=64, help="requests decoded together, default 64")
+    e.add_argument("--max-context", type=int, default=0, help="context length; 0 = the model's")
+    e.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"],
+                   help="dummy = random weights of the checkpoint's shape (benchmarking only)")
+    e.add_argument("--disable-cuda-graph", action="store_true", help="run the GPU path eagerly (no CUDA graphs)")
+
+
+def engine_options(args: argparse.Namespace) -> EngineOptions:
+    return EngineOptions(
+        device=args.device, dtype=args.dtype, attention_backend=args.attention_backend, page_size=args.page_size,
+        num_pages=args.num_pages, max_batch_size=args.max_batch_size, max_context=args.max_context,
+        dummy_weights=args.load_format == "dummy",
+    ).validate()

@@ -1,0 +1,209 @@
+"""One thread owns an engine; asyncio handlers talk to it through calls, batched calls and event streams.
+
+The thread alternates between (1) running the calls that arrived (calls that share a batch function run as one
+batch: several Verify RPCs become one target forward) and (2) one scheduler step when the scheduler has work.
+Events of a step are handed to the asyncio queue of their request. Handlers never touch the engine directly, so
+health checks and new requests are served while a step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from specdec.engine.requests import RUNNING
+from specdec.engine.scheduler import Event, Scheduler
+from specdec.errors import NotReady, SpecdecError
+from specdec.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Call:
+    fn: Callable
+    args: tuple
+    future: asyncio.Future
+    batch_fn: Callable | None = None  # when set: fn is None and args[0] is the batch item
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    events: list = field(default_factory=list)
+
+
+class EngineLoop:
+    def __init__(self, scheduler: Scheduler | None, name: str = "engine"):
+        self.scheduler = scheduler
+        self.name = name
+        self._calls: list[_Call] = []
+        self._streams: dict[str, _Stream] = {}
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self.on_step: Callable[[list[Event]], None] | None = None  # metrics hook, runs on the engine thread
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout_s)
+
+    # ---- asyncio side -------------------------------------------------------------------------------------
+    async def call(self, fn: Callable, *args) -> Any:
+        """Run fn(*args) on the engine thread between steps."""
+        return await self._submit(_Call(fn, args, asyncio.get_running_loop().create_future()))
+
+    async def call_batched(self, batch_fn: Callable[[list], list], item) -> Any:
+        """Queue `item`; items queued together run as one `batch_fn(items) -> results`. If the batch raises,
+        each item is retried alone so only the bad one fails."""
+        fut = asyncio.get_running_loop().create_future()
+        return await self._submit(_Call(None, (item,), fut, batch_fn))
+
+    async def _submit(self, call: _Call) -> Any:
+        with self._cond:
+            if self._stopping:
+                raise NotReady(f"{self.name} is shutting down")
+            self._calls.append(call)
+            self._cond.notify()
+        return await call.future
+
+    async def stream(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> AsyncIterator[Event]:
+        """Add a request to the scheduler and yield its events until it finishes; leaving early aborts it."""
+        loop = asyncio.get_running_loop()
+        s = _Stream(asyncio.Queue(), loop)
+        await self.call(self._add_stream, request_id, prompt_ids, sampling, s)
+        finished = False
+        try:
+            while True:
+                ev: Event = await s.queue.get()
+                if ev.error is not None:
+                    finished = True
+                    raise ev.error
+                yield ev
+                if ev.finish_reason != RUNNING:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                await asyncio.shield(self.call(self._abort_stream, request_id))
+
+    def _add_stream(self, request_id, prompt_ids, sampling, stream: _Stream) -> None:
+        from specdec.errors import DuplicateRequest
+
+        if request_id in self._streams:
+            raise DuplicateRequest(f"request {request_id!r} is already running")
+        self._streams[request_id] = stream
+        self.scheduler.add(request_id, prompt_ids, sampling)
+
+    def _abort_stream(self, request_id: str) -> bool:
+        found = request_id in self._streams
+        if found:
+            self.scheduler.abort(request_id)
+        return found
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.call(self._abort_stream, request_id)
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    # ---- engine thread ------------------------------------------------------------------------------------
+    def _main(self) -> None:
+        while True:
+            with self._cond:
+                while not self._calls and not self._stopping and not (self.scheduler and self.scheduler.has_work):
+                    self._cond.wait()
+                if self._stopping:
+                    self._fail_all()
+                    return
+                calls, self._calls = self._calls, []
+            self._run_calls(calls)
+            if self.scheduler is not None and self.scheduler.has_work:
+                self._step()
+
+    def _run_calls(self, calls: list[_Call]) -> None:
+        batches: dict[Callable, list[_Call]] = {}
+        for c in calls:
+            if c.batch_fn is None:
+                self._resolve(c, lambda c=c: c.fn(*c.args))
+            else:
+                batches.setdefault(c.batch_fn, []).append(c)
+        for batch_fn, group in batches.items():
+            try:
+                results = batch_fn([c.args[0] for c in group])
+            except SpecdecError:
+                for c in group:  # isolate the failing item
+                    self._resolve(c, lambda c=c: batch_fn([c.args[0]])[0])
+                continue
+            except Exception as exc:  # noqa: BLE001 - reported to every caller of the batch
+                for c in group:
+                    self._set(c.future, exc=exc)
+                continue
+            for c, r in zip(group, results, strict=True):
+                self._set(c.future, result=r)
+
+    def _resolve(self, call: _Call, thunk: Callable) -> None:
+        try:
+            self._set(call.future, result=thunk())
+        except Exception as exc:  # noqa: BLE001 - handed to the awaiting handler, which maps it to a status
+            self._set(call.future, exc=exc)
+
+    @staticmethod
+    def _set(fut: asyncio.Future, result=None, exc: BaseException | None = None) -> None:
+        def apply():
+            if fut.done():
+                return
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+
+        fut.get_loop().call_soon_threadsafe(apply)
+
+    def _step(self) -> None:
+        try:
+            events = self.scheduler.step()
+        except Exception as exc:  # noqa: BLE001 - a broken step fails its requests, not the service
+            log.exception("%s step failed", self.name)
+            events = [Event(rid, [], "abort", error=_as_specdec(exc)) for rid in list(self.scheduler.running)]
+            for rid in list(self.scheduler.running):
+                self.scheduler._finish(rid, release_target=True)
+        if self.on_step is not None:
+            try:
+                self.on_step(events)
+            except Exception:  # noqa: BLE001
+                log.exception("on_step hook failed")
+        for ev in events:
+            stream = self._streams.get(ev.request_id)
+            if stream is None:
+                continue
+            if ev.finish_reason != RUNNING or ev.error is not None:
+                del self._streams[ev.request_id]
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, ev)
+
+    def _fail_all(self) -> None:
+        err = NotReady(f"{self.name} is shutting down")
+        for c in self._calls:
+            self._set(c.future, exc=err)
+        self._calls = []
+        for rid, stream in list(self._streams.items()):
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, Event(rid, [], "abort", error=err))
+        self._streams.clear()
+
+
+def _as_specdec(exc: Exception) -> SpecdecError:
+    if isinstance(exc, SpecdecError):
+        return exc
+    err = SpecdecError(f"internal error: {type(exc).__name__}: {exc}")
+    return err

@@ -1,0 +1,46 @@
+"""Assemble the target service: engine, engine thread, servicer, server."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from specdec.engine.factory import build_target
+from specdec.engine.scheduler import Scheduler
+from specdec.rpc.service_runner import ServiceSpec, run_service
+from specdec.rpc.tls import TlsConfig
+from specdec.serving.engine_args import engine_options
+from specdec.serving.engine_loop import EngineLoop
+from specdec.v1 import target_pb2_grpc
+from target_service.servicer import TargetServicer
+
+log = logging.getLogger(__name__)
+HEALTH_NAME = "specdec.v1.TargetService"
+
+
+async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
+    opts = engine_options(args)
+    servicer = TargetServicer(None, None, args.model)
+    state = {}
+
+    async def load(metrics) -> str:
+        engine = await asyncio.to_thread(build_target, args.model, opts)
+        loop = EngineLoop(Scheduler(engine, None, engine.max_context, opts.max_batch_size), "target-engine")
+        loop.on_step = lambda events: metrics.set_kv(
+            engine.kv.num_total_pages - engine.kv.num_free_pages, engine.kv.num_free_pages)
+        loop.start()
+        servicer.engine, servicer.loop, servicer.metrics = engine, loop, metrics
+        state["loop"] = loop
+        return f"model {args.model} ({engine.cfg.architecture}, {engine.device}, max context {engine.max_context})"
+
+    async def close() -> None:
+        if "loop" in state:
+            await asyncio.to_thread(state["loop"].stop)
+
+    spec = ServiceSpec(
+        name="target", health_name=HEALTH_NAME,
+        servicers=[lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s)],
+        load=load, close=close, host=args.host, port=args.port, tls=TlsConfig.from_args(args),
+        metrics_port=args.metrics_port, drain_s=args.drain_seconds,
+    )
+    await run_service(spec, shutdown, ready)

@@ -1,0 +1,101 @@
+"""TargetService over gRPC: protobuf in, engine calls on the engine thread, protobuf out."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from specdec.engine.requests import RUNNING
+from specdec.engine.target_engine import TargetEngine
+from specdec.rpc.errors import map_servicer_errors
+from specdec.rpc.sampling_codec import sampling_from_proto
+from specdec.rpc.target_codec import (
+    check_request_id,
+    finish_to_proto,
+    prefill_from_proto,
+    prefill_output_to_proto,
+    verify_from_proto,
+    verify_outputs_to_proto,
+)
+from specdec.serving.engine_loop import EngineLoop
+from specdec.telemetry import bind_request_id
+from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+@map_servicer_errors
+class TargetServicer(target_pb2_grpc.TargetServiceServicer):
+    def __init__(self, engine: TargetEngine, loop: EngineLoop, model_name: str, metrics=None):
+        self.engine, self.loop, self.model_name, self.metrics = engine, loop, model_name, metrics
+
+    async def Prefill(self, request, context):
+        inp = prefill_from_proto(request)
+        with bind_request_id(inp.request_id):
+            out = (await self.loop.call(self.engine.prefill, [inp]))[0]
+            return prefill_output_to_proto(out)
+
+    async def Verify(self, request, context):
+        inputs = verify_from_proto(request)
+        if not inputs:
+            return target_pb2.VerifyResponse()
+        outputs = await self.loop.call_batched(self._verify_many, inputs)
+        return verify_outputs_to_proto(outputs)
+
+    def _verify_many(self, groups: list[list]) -> list[list]:
+        """Several Verify RPCs that arrived together run as one forward (engine thread)."""
+        flat = [inp for g in groups for inp in g]
+        outs = self.engine.verify(flat)
+        result, start = [], 0
+        for g in groups:
+            result.append(outs[start : start + len(g)])
+            start += len(g)
+        return result
+
+    async def Release(self, request, context):
+        ids = [check_request_id(r) for r in request.request_ids]
+        released = await self.loop.call(self._release, ids)
+        return target_pb2.ReleaseResponse(num_released=released)
+
+    def _release(self, ids: list[str]) -> int:
+        """Idempotent: ids the target no longer holds (finished, or never seen) are skipped."""
+        n = 0
+        for rid in ids:
+            if rid in self.engine.requests:
+                self.engine.release(rid)
+                n += 1
+        return n
+
+    async def Generate(self, request, context):
+        """Plain decoding (no speculation): the fallback and the baseline."""
+        rid = check_request_id(request.request_id)
+        sampling = sampling_from_proto(request.sampling if request.HasField("sampling") else None)
+        prompt = list(request.prompt_ids)
+        await self.loop.call(self._validate, prompt, sampling)
+        with bind_request_id(rid):
+            t0, n = time.perf_counter(), 0
+            async for ev in self.loop.stream(rid, prompt, sampling):
+                n += len(ev.tokens)
+                msg = target_pb2.TargetServiceGenerateResponse(token_ids=ev.tokens)
+                if ev.finish_reason != RUNNING:
+                    msg.finish_reason = finish_to_proto(ev.finish_reason)
+                    msg.prompt_tokens, msg.completion_tokens = len(prompt), n
+                    log.info("generate done: %d prompt + %d new tokens in %.3f s (%s)", len(prompt), n,
+                             time.perf_counter() - t0, ev.finish_reason)
+                yield msg
+
+    def _validate(self, prompt, sampling) -> None:
+        self.engine.validate_prompt(prompt)
+        sampling.validate(self.engine.cfg.vocab_size)
+
+    async def GetModelInfo(self, request, context):
+        cfg = self.engine.cfg
+        page_size, total, free = self.engine.kv_stats()
+        return target_pb2.TargetServiceGetModelInfoResponse(
+            model=self.model_name, architecture=cfg.architecture, vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size, num_layers=cfg.num_layers, max_context_len=self.engine.max_context,
+            eos_token_ids=list(cfg.eos_token_ids), dtype=str(self.engine.kv.k.dtype).replace("torch.", ""),
+            device=str(self.engine.device),
+            kv=common_pb2.KVStats(page_size=page_size, pages_total=total, pages_free=free),
+            num_running=len(self.engine.requests),
+        )
