@@ -91,10 +91,13 @@ def run_accept_eval(
             entry = {"prompt": i, "position": pos}
             near = pos < min(len(s.tokens), len(p.tokens)) and is_near_tie(target, prompt_ids[i], p.tokens[:pos])
             (near_ties if near else mismatches).append(entry)
+    # steps that ended a request were cut at max_new_tokens/EOS; without them tau is the pure acceptance rate
+    mid = [n for r in spec for n in r.accept_lengths[:-1]]
     spec_tokens = sum(len(r.tokens) for r in spec)
     plain_tokens = sum(len(r.tokens) for r in plain)
     return {
         "tau": round(committed / steps, 4) if steps else 0.0,
+        "tau_excluding_final_steps": round(sum(mid) / len(mid), 4) if mid else 0.0,
         "prompts": len(prompt_ids),
         "target_steps": steps,
         "lossless_checked": checked,

@@ -144,7 +144,7 @@ class EngineLoop:
                 results = batch_fn([c.args[0] for c in group])
             except SpecdecError:
                 for c in group:  # isolate the failing item
-                    self._resolve(c, lambda c=c: batch_fn([c.args[0]])[0])
+                    self._resolve(c, lambda c=c, fn=batch_fn: fn([c.args[0]])[0])
                 continue
             except Exception as exc:  # noqa: BLE001 - reported to every caller of the batch
                 for c in group:
