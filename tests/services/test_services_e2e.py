@@ -1,0 +1,171 @@
+"""Target and draft services over real gRPC on loopback with the shipped tiny pair."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from services_stack import start_draft, start_target
+
+from specdec.rpc.channel import make_channel
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+
+
+@pytest.fixture(scope="module")
+def stack():
+    target = start_target("--num-pages", "600", "--max-batch-size", "32")
+    draft = start_draft(target.addr, "--num-steps", "4", "--topk", "2", "--num-draft-tokens", "6",
+                        "--max-batch-size", "32")
+    yield target, draft
+    draft.stop()
+    target.stop()
+
+
+@pytest.fixture(scope="module")
+def prompts(dev_prompts, tiny_tokenizer):
+    return [tiny_tokenizer.encode(p)[-(40 + 7 * i):] for i, p in enumerate(dev_prompts[20:36])]
+
+
+async def _collect(stream) -> tuple[list[int], object]:
+    tokens, last = [], None
+    async for msg in stream:
+        tokens += list(msg.token_ids)
+        last = msg
+    return tokens, last
+
+
+def _sampling(**kw) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(**kw)
+
+
+async def _both(stack, prompt, rid, **sampling):
+    target, draft = stack
+    async with make_channel(draft.addr) as dch, make_channel(target.addr) as tch:
+        d = draft_pb2_grpc.DraftServiceStub(dch)
+        t = target_pb2_grpc.TargetServiceStub(tch)
+        spec = _collect(d.Generate(draft_pb2.DraftServiceGenerateRequest(
+            request_id=f"d-{rid}", prompt_ids=prompt, sampling=_sampling(**sampling))))
+        plain = _collect(t.Generate(target_pb2.TargetServiceGenerateRequest(
+            request_id=f"t-{rid}", prompt_ids=prompt, sampling=_sampling(**sampling))))
+        return await asyncio.gather(spec, plain)
+
+
+async def _kv_free(stack) -> tuple[bool, bool]:
+    target, draft = stack
+    async with make_channel(draft.addr) as dch, make_channel(target.addr) as tch:
+        ti = await target_pb2_grpc.TargetServiceStub(tch).GetModelInfo(target_pb2.TargetServiceGetModelInfoRequest())
+        di = await draft_pb2_grpc.DraftServiceStub(dch).GetModelInfo(draft_pb2.DraftServiceGetModelInfoRequest())
+        return ti.kv.pages_free == ti.kv.pages_total, di.kv.pages_free == di.kv.pages_total
+
+
+def test_16_concurrent_greedy_streams_equal_target_generate(stack, prompts):
+    async def run():
+        jobs = [_both(stack, p, f"c{i}", max_new_tokens=8 + 3 * i) for i, p in enumerate(prompts)]
+        return await asyncio.gather(*jobs)
+
+    results = asyncio.run(run())
+    taus = []
+    for (spec_tokens, spec_last), (plain_tokens, plain_last) in results:
+        assert spec_tokens == plain_tokens
+        assert spec_last.final.finish_reason == plain_last.finish_reason != 0
+        assert spec_last.final.completion_tokens == len(spec_tokens)
+        taus.append(spec_last.final.tau)
+    assert sum(taus) / len(taus) > 2.0
+    assert asyncio.run(_kv_free(stack)) == (True, True)
+
+
+def test_seeded_sampling_is_reproducible(stack, prompts):
+    async def run(rid):
+        (tokens, last), _ = await _both(stack, prompts[0], rid, temperature=0.9, top_p=0.9, seed=7,
+                                        max_new_tokens=20)
+        return tokens
+
+    assert asyncio.run(run("s1")) == asyncio.run(run("s2"))
+
+
+def test_cancel_and_abort_free_kv_in_both_services(stack, prompts):
+    target, draft = stack
+
+    async def run():
+        async with make_channel(draft.addr) as ch:
+            stub = draft_pb2_grpc.DraftServiceStub(ch)
+            call = stub.Generate(draft_pb2.DraftServiceGenerateRequest(
+                request_id="cancel-me", prompt_ids=prompts[1], sampling=_sampling(max_new_tokens=500, ignore_eos=True)))
+            async for _ in call:
+                break
+            call.cancel()
+            call2 = stub.Generate(draft_pb2.DraftServiceGenerateRequest(
+                request_id="abort-me", prompt_ids=prompts[2], sampling=_sampling(max_new_tokens=500, ignore_eos=True)))
+            async for _ in call2:
+                break
+            found = await stub.Abort(draft_pb2.AbortRequest(request_id="abort-me"))
+            tail = [m async for m in call2]
+            assert found.found
+            assert tail and tail[-1].final.finish_reason == common_pb2.FINISH_REASON_ABORT
+        for _ in range(50):
+            if await _kv_free(stack) == (True, True):
+                return True
+            await asyncio.sleep(0.1)
+        return False
+
+    assert asyncio.run(run())
+
+
+@pytest.mark.parametrize("req,code,msg", [
+    (dict(prompt_ids=[]), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
+    (dict(prompt_ids=[5, 99999]), grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
+    (dict(prompt_ids=[5, 6], sampling=_sampling(temperature=-1)), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+    (dict(prompt_ids=[5, 6], sampling=_sampling(top_p=0)), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+    (dict(prompt_ids=[5] * 5000), grpc.StatusCode.INVALID_ARGUMENT, "context length"),
+    (dict(prompt_ids=[5, 6], request_id=""), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
+])
+def test_bad_input_gets_status_and_services_keep_serving(stack, req, code, msg):
+    target, draft = stack
+
+    async def run():
+        async with make_channel(draft.addr) as dch, make_channel(target.addr) as tch:
+            for stub, cls in ((draft_pb2_grpc.DraftServiceStub(dch), draft_pb2.DraftServiceGenerateRequest),
+                              (target_pb2_grpc.TargetServiceStub(tch), target_pb2.TargetServiceGenerateRequest)):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await _collect(stub.Generate(cls(**{"request_id": "bad", **req})))
+                assert err.value.code() == code and msg in err.value.details()
+
+    asyncio.run(run())
+    (spec, _), (plain, _) = asyncio.run(_both(stack, [331, 288, 798], "after-bad", max_new_tokens=6))
+    assert spec == plain and len(spec) == 6
+
+
+def test_target_rpc_errors(stack):
+    target, _ = stack
+
+    async def run():
+        async with make_channel(target.addr) as ch:
+            stub = target_pb2_grpc.TargetServiceStub(ch)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Verify(target_pb2.VerifyRequest(trees=[target_pb2.TreeProposal(request_id="ghost")]))
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+            await stub.Prefill(target_pb2.PrefillRequest(request_id="p1", prompt_ids=[5, 6, 7], return_features=True))
+            with pytest.raises(grpc.aio.AioRpcError) as err:  # parent after child
+                await stub.Verify(target_pb2.VerifyRequest(trees=[target_pb2.TreeProposal(
+                    request_id="p1", draft_tokens=[1, 2], parents=[1, -1])]))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Prefill(target_pb2.PrefillRequest(request_id="p1", prompt_ids=[5]))
+            assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+            ok = await stub.Verify(target_pb2.VerifyRequest(trees=[target_pb2.TreeProposal(
+                request_id="p1", draft_tokens=[1, 2], parents=[-1, 0])]))  # still usable after the bad call
+            assert ok.results[0].tokens
+            big = []
+            with pytest.raises(grpc.aio.AioRpcError) as err:  # each reserves ~133 of the 600 pages
+                for i in range(6):
+                    await stub.Prefill(target_pb2.PrefillRequest(
+                        request_id=f"huge-{i}", prompt_ids=[5] * 2000, sampling=_sampling(max_new_tokens=1000)))
+                    big.append(f"huge-{i}")
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "KV pool full" in err.value.details()
+            assert len(big) == 4
+            rel = await stub.Release(target_pb2.ReleaseRequest(request_ids=["p1", "never-seen", *big]))
+            assert rel.num_released == 5
+
+    asyncio.run(run())
+    assert asyncio.run(_kv_free(stack))[0]
