@@ -1,0 +1,412 @@
+"""End-to-end tokens/s and per-step time split of speculative decoding through the gRPC services (tiny pair, CPU).
+
+Starts the target service and one draft service per setting in this process (each on its own event-loop thread,
+free loopback ports), sends N concurrent greedy requests (`ignore_eos`, so every request makes the same number
+of tokens) once to `DraftService.Generate` (speculative) and once to `TargetService.Generate` (plain), and reports
+tokens/s, the speed-up, tau and the split of one speculative step in ms:
+
+    propose   the draft's tree growth (Scheduler timings)
+    target    time inside `TargetEngine.verify` (the target's forward + acceptance; timed here by wrapping it)
+    rpc       the draft's Verify round trip minus `target`: protobuf + feature (de)serialization, gRPC, the
+              target's engine-loop hand-off
+    extend    the draft's extend over the accepted tokens (admission extend over the prompt excluded)
+
+Speculative output is checked against plain output token for token (`match`).
+
+    python bench/services_bench.py [--concurrency 1,8,32] [--settings eagle1-chain,eagle3-chain,eagle1-tree]
+                                   [--new-tokens 64] [--prompt-tokens 256] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import os
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+TINY = REPO_ROOT / "models" / "tiny-code"
+DEV_PROMPTS = REPO_ROOT.parent / "shared" / "prompts" / "dev.jsonl"
+FALLBACK_PROMPTS = [  # used when ../shared/prompts/dev.jsonl is absent
+    'def shortest_path_length(G, source, target):\n    """Return the length of the shortest path from source to '
+    'target.\n\n    Parameters\n    ----------\n    G : NetworkX graph\n    source : node\n    target : node\n',
+    'def is_bipartite(G):\n    """Returns True if graph G is bipartite, False if not.\n\n    Parameters\n    '
+    '----------\n    G : NetworkX graph\n\n    Returns\n    -------\n    bool\n',
+    'def degree_histogram(G):\n    """Returns a list of the frequency of each degree value.\n\n    Parameters\n    '
+    '----------\n    G : Networkx graph\n       A graph\n\n    Returns\n    -------\n    hist : list\n',
+    'class Stack:\n    """A last-in first-out container."""\n\n    def __init__(self):\n        self._items = []\n\n'
+    '    def push(self, item):\n        """Add item on top."""\n',
+]
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    draft_dir: str  # under models/tiny-code
+    num_steps: int
+    topk: int
+    num_draft_tokens: int
+
+
+SETTINGS = {s.name: s for s in [
+    Setting("eagle1-chain", "draft", 5, 1, 5),
+    Setting("eagle3-chain", "draft-eagle3", 5, 1, 5),
+    Setting("eagle1-tree", "draft", 4, 4, 12),
+    Setting("eagle3-tree", "draft-eagle3", 4, 4, 12),
+]}
+
+
+# ---- instrumentation (bench-only: wraps, never edits, the engines) ---------------------------------------------
+class Probe:
+    """Collects the schedulers the services build and times `TargetEngine.verify` on the target."""
+
+    def __init__(self):
+        self.schedulers: list = []
+        self.target_verify_s = 0.0
+        self.target_verify_calls = 0
+
+    def install(self) -> None:
+        import draft_service.app
+        import target_service.app
+        from specdec.engine.scheduler import Scheduler
+
+        probe = self
+
+        class CountingScheduler(Scheduler):
+            """Counts decode steps and their batch sizes; keeps admission extend apart from per-step extend."""
+
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                self.num_steps = self.sum_batch = 0
+                self.admit_extend_s = 0.0
+                probe.schedulers.append(self)
+
+            def _admit(self):
+                before = self.timings.extend_s
+                events = super()._admit()
+                self.admit_extend_s += self.timings.extend_s - before
+                return events
+
+            def _decode(self):
+                self.num_steps += 1
+                self.sum_batch += len(self.running)
+                return super()._decode()
+
+        def build_target_timed(*args, **kwargs):
+            engine = build_target(*args, **kwargs)
+            verify = engine.verify
+
+            def timed_verify(inputs):
+                t0 = time.perf_counter()
+                try:
+                    return verify(inputs)
+                finally:
+                    probe.target_verify_s += time.perf_counter() - t0
+                    probe.target_verify_calls += 1
+
+            engine.verify = timed_verify
+            return engine
+
+        build_target = target_service.app.build_target
+        target_service.app.build_target = build_target_timed
+        target_service.app.Scheduler = CountingScheduler
+        draft_service.app.Scheduler = CountingScheduler
+
+    def snapshot(self, scheduler) -> dict:
+        t = scheduler.timings
+        return dict(propose_s=t.propose_s, verify_s=t.verify_s, extend_s=t.extend_s - scheduler.admit_extend_s,
+                    num_steps=scheduler.num_steps, sum_batch=scheduler.sum_batch,
+                    target_s=self.target_verify_s, target_calls=self.target_verify_calls)
+
+
+# ---- services in this process ----------------------------------------------------------------------------------
+class ServiceThread:
+    """Runs `serve(args, shutdown, ready)` on a private event loop in a daemon thread."""
+
+    def __init__(self, serve, argv: list[str]):
+        from specdec.cli import build_parser
+
+        self.args = build_parser().parse_args(argv)
+        self.serve, self.port, self.error = serve, None, None
+        self._ready, self._loop = threading.Event(), asyncio.new_event_loop()
+        self._shutdown: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+
+        async def main():
+            self._shutdown = asyncio.Event()
+            await self.serve(self.args, self._shutdown, self._on_ready)
+
+        try:
+            self._loop.run_until_complete(main())
+        except BaseException as exc:  # noqa: BLE001 - reported by start()
+            self.error = exc
+            self._ready.set()
+
+    def _on_ready(self, port: int) -> None:
+        self.port = port
+        self._ready.set()
+
+    def start(self, timeout_s: float = 120.0) -> ServiceThread:
+        self._thread.start()
+        if not self._ready.wait(timeout_s) or self.error:
+            raise RuntimeError(f"service did not start: {self.error!r}")
+        return self
+
+    def stop(self) -> None:
+        if self._shutdown is not None:
+            self._loop.call_soon_threadsafe(self._shutdown.set)
+        self._thread.join(30)
+
+    @property
+    def addr(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+def engine_flags(max_concurrency: int, prompt_tokens: int, new_tokens: int) -> list[str]:
+    pages = max_concurrency * (math.ceil((prompt_tokens + new_tokens + 65) / 16) + 1) + 16
+    return ["--port", "0", "--drain-seconds", "1", "--log-level", "WARNING", "--num-pages", str(pages),
+            "--max-batch-size", str(max(max_concurrency, 1))]
+
+
+def start_target(flags: list[str]) -> ServiceThread:
+    from target_service.app import serve
+
+    return ServiceThread(serve, ["serve-target", "--model", str(TINY / "target"), *flags]).start()
+
+
+def start_draft(target_addr: str, setting: Setting, flags: list[str]) -> ServiceThread:
+    from draft_service.app import serve
+
+    argv = ["serve-draft", "--model", str(TINY / setting.draft_dir), "--target-model", str(TINY / "target"),
+            "--target", target_addr, "--num-steps", str(setting.num_steps), "--topk", str(setting.topk),
+            "--num-draft-tokens", str(setting.num_draft_tokens), *flags]
+    return ServiceThread(serve, argv).start()
+
+
+# ---- clients ---------------------------------------------------------------------------------------------------
+async def _stream(stub_call, request) -> tuple[list[int], object]:
+    tokens, last = [], None
+    async for msg in stub_call(request):
+        tokens += list(msg.token_ids)
+        last = msg
+    return tokens, last
+
+
+async def run_batch(addr: str, speculative: bool, prompts: list[list[int]], new_tokens: int, tag: str):
+    """All prompts at once; returns (wall seconds, token lists, final messages)."""
+    from specdec.rpc.channel import make_channel
+    from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+
+    sampling = common_pb2.SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
+    async with make_channel(addr) as channel:
+        if speculative:
+            call, make = draft_pb2_grpc.DraftServiceStub(channel).Generate, draft_pb2.DraftServiceGenerateRequest
+        else:
+            call, make = target_pb2_grpc.TargetServiceStub(channel).Generate, target_pb2.TargetServiceGenerateRequest
+        jobs = [_stream(call, make(request_id=f"{tag}-{i}", prompt_ids=p, sampling=sampling))
+                for i, p in enumerate(prompts)]
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*jobs)
+        wall = time.perf_counter() - t0
+    return wall, [r[0] for r in results], [r[1] for r in results]
+
+
+# ---- one measurement -------------------------------------------------------------------------------------------
+@dataclass
+class Row:
+    setting: str
+    concurrency: int
+    spec_tok_s: float
+    plain_tok_s: float
+    speedup: float
+    tau: float
+    steps: int
+    mean_batch: float
+    propose_ms: float
+    target_ms: float
+    rpc_ms: float
+    extend_ms: float
+    verify_rtt_ms: float
+    plain_target_ms: float  # plain Generate: target compute per decode step
+    match: bool
+
+
+def per_step_split(before: dict, after: dict) -> dict:
+    d = {k: after[k] - before[k] for k in before}
+    steps = max(d["num_steps"], 1)
+    ms = lambda s: 1000.0 * s / steps  # noqa: E731
+    return dict(steps=d["num_steps"], mean_batch=d["sum_batch"] / steps, propose_ms=ms(d["propose_s"]),
+                target_ms=ms(d["target_s"]), rpc_ms=ms(d["verify_s"] - d["target_s"]), extend_ms=ms(d["extend_s"]),
+                verify_rtt_ms=ms(d["verify_s"]))
+
+
+def measure_plain(probe: Probe, target: ServiceThread, sched, prompts, new_tokens: int, repeats: int) -> dict:
+    """Best (shortest wall) of `repeats` runs."""
+    best = None
+    for _ in range(repeats):
+        before = probe.snapshot(sched)
+        wall, tokens, _ = asyncio.run(run_batch(target.addr, False, prompts, new_tokens, f"plain{len(prompts)}"))
+        after = probe.snapshot(sched)
+        steps = max(after["num_steps"] - before["num_steps"], 1)
+        run = dict(tok_s=sum(map(len, tokens)) / wall, tokens=tokens,
+                   target_ms=1000.0 * (after["target_s"] - before["target_s"]) / steps)
+        best = run if best is None or run["tok_s"] > best["tok_s"] else best
+    return best
+
+
+def measure_spec(probe: Probe, draft: ServiceThread, sched, prompts, new_tokens: int, setting: str,
+                 plain: dict, repeats: int) -> Row:
+    """Best (shortest wall) of `repeats` runs, with that run's step split."""
+    best = None
+    for _ in range(repeats):
+        before = probe.snapshot(sched)
+        tag = f"{setting}{len(prompts)}"
+        wall, tokens, finals = asyncio.run(run_batch(draft.addr, True, prompts, new_tokens, tag))
+        split = per_step_split(before, probe.snapshot(sched))
+        tok_s = sum(map(len, tokens)) / wall
+        tau = sum(f.final.tau for f in finals) / len(finals)
+        row = Row(setting, len(prompts), tok_s, plain["tok_s"], tok_s / plain["tok_s"], tau, **split,
+                  plain_target_ms=plain["target_ms"], match=tokens == plain["tokens"])
+        best = row if best is None or row.spec_tok_s > best.spec_tok_s else best
+    return best
+
+
+# ---- driver ----------------------------------------------------------------------------------------------------
+def load_prompts(path: Path, num: int, prompt_tokens: int) -> list[list[int]]:
+    """The first `num` prompts of `path` (JSONL with "prompt"; the bundled fallback when absent), tokenized."""
+    from specdec.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(TINY / "target")
+    if path.exists():
+        texts = [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
+    else:
+        print(f"{path} not found: using {len(FALLBACK_PROMPTS)} bundled prompts", file=sys.stderr)
+        texts = FALLBACK_PROMPTS
+    return [tok.encode(texts[i % len(texts)])[-prompt_tokens:] for i in range(num)]
+
+
+def warm_up(addr: str, speculative: bool, prompts, new_tokens: int) -> None:
+    asyncio.run(run_batch(addr, speculative, prompts[:2], min(new_tokens, 16), "warm"))
+
+
+def run(args) -> list[Row]:
+    probe = Probe()
+    probe.install()
+    conc = sorted(set(args.concurrency))
+    prompts = load_prompts(args.prompts, max(conc), args.prompt_tokens)
+    flags = engine_flags(max(conc), args.prompt_tokens, args.new_tokens)
+    target = start_target(flags)
+    target_sched = probe.schedulers[-1]
+    rows = []
+    try:
+        warm_up(target.addr, False, prompts, args.new_tokens)
+        plain = {n: measure_plain(probe, target, target_sched, prompts[:n], args.new_tokens, args.repeats)
+                 for n in conc}
+        for name in args.settings:
+            setting = SETTINGS[name]
+            draft = start_draft(target.addr, setting, flags)
+            sched = probe.schedulers[-1]
+            try:
+                warm_up(draft.addr, True, prompts, args.new_tokens)
+                for n in conc:
+                    if n > args.max_concurrency.get(name, n):
+                        continue
+                    rows.append(measure_spec(probe, draft, sched, prompts[:n], args.new_tokens, name, plain[n],
+                                             args.repeats))
+                    log_row(rows[-1], args.json)
+            finally:
+                draft.stop()
+    finally:
+        target.stop()
+    return rows
+
+
+HEADER = ("| setting | N | spec tok/s | plain tok/s | speed-up | tau | steps | propose | target verify | "
+          "RPC + ser. | extend | (verify RTT) | plain step (target) | match |")
+
+
+def format_row(r: Row) -> str:
+    return (f"| {r.setting} | {r.concurrency} | {r.spec_tok_s:.0f} | {r.plain_tok_s:.0f} | {r.speedup:.2f}x | "
+            f"{r.tau:.2f} | {r.steps} | {r.propose_ms:.1f} | {r.target_ms:.1f} | {r.rpc_ms:.1f} | "
+            f"{r.extend_ms:.1f} | {r.verify_rtt_ms:.1f} | {r.plain_target_ms:.1f} | {'yes' if r.match else 'NO'} |")
+
+
+def log_row(row: Row, quiet: bool) -> None:
+    print(format_row(row), file=sys.stderr if quiet else sys.stdout, flush=True)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--concurrency", default="1,8,32", help="comma-separated request counts, default 1,8,32")
+    p.add_argument("--settings", default="eagle1-chain,eagle3-chain,eagle1-tree",
+                   help=f"comma-separated, from {', '.join(SETTINGS)}; default eagle1-chain,eagle3-chain,eagle1-tree")
+    p.add_argument("--max-concurrency", default="",
+                   help="per-setting cap, e.g. eagle1-tree=8,eagle3-chain=8 (higher concurrencies are skipped)")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per request, default 64")
+    p.add_argument("--prompt-tokens", type=int, default=256, help="prompt = its last N tokens, default 256")
+    p.add_argument("--repeats", type=int, default=1, help="runs per measurement, the fastest is kept; default 1")
+    p.add_argument("--prompts", type=Path, default=DEV_PROMPTS,
+                   help="JSONL prompt file, default ../shared/prompts/dev.jsonl (bundled prompts if absent)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the Markdown table")
+    args = p.parse_args(argv)
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.settings = args.settings.split(",")
+    unknown = [s for s in args.settings if s not in SETTINGS]
+    if unknown:
+        p.error(f"unknown settings {unknown}; known: {', '.join(SETTINGS)}")
+    args.max_concurrency = {k: int(v) for k, v in (kv.split("=") for kv in args.max_concurrency.split(",") if kv)}
+    return args
+
+
+def environment() -> dict:
+    import platform
+    import subprocess
+
+    import torch
+
+    cpu = platform.processor()
+    with contextlib.suppress(OSError, StopIteration):
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    return dict(cpu=cpu, num_cpus=os.cpu_count(), torch=torch.__version__, torch_threads=torch.get_num_threads(),
+                python=platform.python_version(), commit=commit or "unknown",
+                load_avg=[round(x, 2) for x in os.getloadavg()])
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    env = environment()
+    if not args.json:
+        print(", ".join(f"{k} {v}" for k, v in env.items()) + "; per-step columns in ms per step")
+        print(HEADER)
+        print("|" + " --- |" * HEADER.count(" |"))
+    t0 = time.perf_counter()
+    rows = run(args)
+    if args.json:
+        settings = {n: asdict(SETTINGS[n]) for n in args.settings}
+        print(json.dumps(dict(environment=env, settings=settings, new_tokens=args.new_tokens,
+                              prompt_tokens=args.prompt_tokens, repeats=args.repeats, rows=[asdict(r) for r in rows],
+                              elapsed_s=time.perf_counter() - t0), indent=2))
+    else:
+        print(f"total {time.perf_counter() - t0:.0f} s, load average at the end {os.getloadavg()[0]:.2f}")
+    return 0 if all(r.match for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
