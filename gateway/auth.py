@@ -1,0 +1,76 @@
+"""API keys: `--api-key-file` holds one key per line; callers send `authorization: Bearer <key>`.
+
+Keys are compared in constant time (`hmac.compare_digest`, against every key, whatever matches), so the
+time a check takes does not tell a caller how much of a key was right. A call without a valid key ends with
+UNAUTHENTICATED before it reaches the servicer. Health checks are not covered (probes carry no key).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+from pathlib import Path
+
+import grpc
+import grpc.aio
+
+from gateway.interceptors import BehaviorInterceptor
+from specdec.errors import ConfigError
+
+AUTH_HEADER = "authorization"
+SCHEME = "bearer "
+REJECTION = "missing or invalid API key: send the metadata 'authorization: Bearer <key>'"
+
+
+def load_api_keys(path: str | Path) -> tuple[bytes, ...]:
+    """Non-empty lines of `path`, stripped; lines starting with '#' are comments. ConfigError if none."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the API key file {path}: {exc.strerror}") from exc
+    keys = tuple(line.strip().encode() for line in lines if line.strip() and not line.lstrip().startswith("#"))
+    if not keys:
+        raise ConfigError(f"the API key file {path} holds no key")
+    return keys
+
+
+def key_matches(presented: bytes, keys: tuple[bytes, ...]) -> bool:
+    matched = False
+    for key in keys:
+        matched |= hmac.compare_digest(presented, key)
+    return matched
+
+
+def bearer_token(context: grpc.aio.ServicerContext) -> bytes | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == AUTH_HEADER:
+            text = value if isinstance(value, str) else value.decode(errors="replace")
+            if text[: len(SCHEME)].lower() == SCHEME:
+                return text[len(SCHEME) :].strip().encode()
+    return None
+
+
+class ApiKeyInterceptor(BehaviorInterceptor):
+    def __init__(self, keys: tuple[bytes, ...]) -> None:
+        self._keys = keys
+
+    async def _check(self, context: grpc.aio.ServicerContext) -> None:
+        token = bearer_token(context)
+        if token is None or not key_matches(token, self._keys):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, REJECTION)
+
+    def wrap_unary(self, behavior, method: str):
+        async def checked(request, context):
+            await self._check(context)
+            return await behavior(request, context)
+
+        return checked
+
+    def wrap_stream(self, behavior, method: str):
+        async def checked(request, context):
+            await self._check(context)
+            async with contextlib.aclosing(behavior(request, context)) as responses:
+                async for response in responses:
+                    yield response
+
+        return checked

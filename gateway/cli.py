@@ -1,0 +1,115 @@
+"""`specdec serve-gateway`, `specdec up` and `specdec generate`.
+
+Registration only builds argparse parsers; each handler imports what it needs when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from gateway.config import DEFAULT_MAX_NEW_TOKENS_LIMIT
+from gateway.local_stack import DEFAULT_DRAFT_DIR, DEFAULT_PORTS, DEFAULT_TARGET_DIR
+
+DEFAULT_ADDR = f"localhost:{DEFAULT_PORTS['gateway']}"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    _register_serve(subparsers)
+    _register_up(subparsers)
+    _register_generate(subparsers)
+
+
+def _register_serve(subparsers: argparse._SubParsersAction) -> None:
+    from specdec.rpc.tls import add_tls_args
+    from specdec.telemetry.args import add_telemetry_args
+
+    p = subparsers.add_parser(
+        "serve-gateway",
+        help="run the gateway (text API) in front of draft/target pairs",
+        description="Run the gateway: tokenizes, routes to draft/target pairs and streams text back.",
+    )
+    p.add_argument("--model", default=str(DEFAULT_TARGET_DIR), help="target model dir (tokenizer, chat template)")
+    p.add_argument(
+        "--pair",
+        action="append",
+        required=True,
+        metavar="DRAFT_ADDR=TARGET_ADDR",
+        help="a draft/target pair (repeatable); '=TARGET_ADDR' is a target without a draft",
+    )
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORTS["gateway"], help="port (default 50050)")
+    p.add_argument("--api-key-file", metavar="FILE", help="accepted API keys, one per line (Bearer auth)")
+    p.add_argument("--max-prompt-tokens", type=int, metavar="N", help="longest prompt accepted (default: no limit)")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=DEFAULT_MAX_NEW_TOKENS_LIMIT,
+        metavar="N",
+        help=f"largest max_new_tokens a request may ask for (default {DEFAULT_MAX_NEW_TOKENS_LIMIT})",
+    )
+    p.add_argument("--max-concurrent-streams", type=int, metavar="N", help="Generate streams at once (default: any)")
+    p.add_argument("--drain-seconds", type=float, default=30.0, help="on SIGTERM, let streams finish this long")
+    add_tls_args(p, who="the gateway, also used towards its pairs")
+    add_telemetry_args(p)
+    p.set_defaults(handler=_serve)
+
+
+def _register_up(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "up",
+        help="start target, draft and gateway locally (the bundled tiny model by default)",
+        description="Start target, draft and gateway as local processes; Ctrl-C stops all three.",
+    )
+    p.add_argument("--target", default=str(DEFAULT_TARGET_DIR), help="target model dir")
+    p.add_argument("--draft", default=str(DEFAULT_DRAFT_DIR), help="draft (EAGLE head) dir; 'none' for no draft")
+    p.add_argument("--device", default="cpu", help="device for target and draft, e.g. cpu, cuda:0 (default cpu)")
+    p.add_argument("--host", default="127.0.0.1", help="address the services listen on (default 127.0.0.1)")
+    for service, port in DEFAULT_PORTS.items():
+        p.add_argument(f"--{service}-port", type=int, default=port, help=f"{service} port (default {port})")
+    p.set_defaults(handler=_up)
+
+
+def _register_generate(subparsers: argparse._SubParsersAction) -> None:
+    from specdec.rpc.tls import add_tls_args
+
+    p = subparsers.add_parser(
+        "generate",
+        help="stream a completion from the gateway (starting a local stack if none is running)",
+        description="Stream the completion of PROMPT to stdout and its stats to stderr. Without --addr, uses "
+        f"the gateway on {DEFAULT_ADDR}, or starts target, draft and gateway for this one call.",
+    )
+    p.add_argument("prompt", metavar="PROMPT", help="text to complete ('-' reads stdin)")
+    p.add_argument("--addr", help=f"gateway address (default: {DEFAULT_ADDR}, else a local stack)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, help="nucleus sampling mass")
+    p.add_argument("--seed", type=int, help="seed for reproducible sampling")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    p.add_argument("--chat", action="store_true", help="send PROMPT as one user message of the chat template")
+    p.add_argument("--no-speculation", action="store_true", help="use the target's plain Generate (baseline)")
+    p.add_argument("--api-key-file", metavar="FILE", help="file whose first key is sent as Bearer token")
+    p.add_argument("--timeout", type=float, help="deadline of the call in seconds")
+    p.add_argument("--device", default="cpu", help="device of an auto-started local stack (default cpu)")
+    add_tls_args(p, who="connection to the gateway")
+    p.set_defaults(handler=_generate)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from gateway.serve import main
+
+    return main(args)
+
+
+def _up(args: argparse.Namespace) -> int:
+    from gateway.commands import run_up
+
+    return run_up(args)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from gateway.commands import run_generate
+
+    if args.prompt == "-":
+        args.prompt = sys.stdin.read()
+    return run_generate(args)

@@ -1,0 +1,169 @@
+"""A small synchronous Python client of the gateway.
+
+    from gateway.client import GatewayClient
+
+    with GatewayClient("localhost:50050") as client:
+        stream = client.generate("def fib(n):", max_new_tokens=32)
+        for text in stream:                  # text deltas, complete UTF-8 characters
+            print(text, end="", flush=True)
+        print(stream.stats)                  # finish reason, token counts, tau, timings
+
+        text, stats = client.complete([{"role": "user", "content": "Write a haiku"}], temperature=0.7, seed=1)
+
+Errors are `grpc.RpcError`s with the gateway's status and message (`exc.code()`, `exc.details()`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from specdec.rpc.options import channel_options
+from specdec.rpc.tls import TlsConfig
+from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+Messages = Sequence[dict[str, str]]
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    finish_reason: str  # "stop", "length" or "abort"
+    prompt_tokens: int
+    completion_tokens: int
+    tau: float  # tokens per target step (0 without speculation)
+    accepted_per_position: tuple[int, ...]
+    time_to_first_token_s: float
+    total_s: float
+    speculative: bool
+    request_id: str
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.completion_tokens / self.total_s if self.total_s > 0 else 0.0
+
+    @classmethod
+    def from_proto(cls, msg: gateway_pb2.GatewayStats) -> GenerationStats:
+        reason = common_pb2.FinishReason.Name(msg.finish_reason).removeprefix("FINISH_REASON_").lower()
+        return cls(
+            finish_reason=reason,
+            prompt_tokens=msg.prompt_tokens,
+            completion_tokens=msg.completion_tokens,
+            tau=msg.tau,
+            accepted_per_position=tuple(msg.accepted_per_position),
+            time_to_first_token_s=msg.time_to_first_token_s,
+            total_s=msg.total_s,
+            speculative=msg.speculative,
+            request_id=msg.request_id,
+        )
+
+
+class GenerationStream:
+    """Iterate for text deltas; `stats` is set once the stream ended; `cancel()` stops it (and the work)."""
+
+    def __init__(self, call) -> None:
+        self._call = call
+        self.stats: GenerationStats | None = None
+        self.token_ids: list[int] = []
+
+    def __iter__(self) -> Iterator[str]:
+        for response in self._call:
+            self.token_ids.extend(response.token_ids)
+            if response.HasField("final"):
+                self.stats = GenerationStats.from_proto(response.final)
+            if response.text:
+                yield response.text
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class GatewayClient:
+    def __init__(
+        self,
+        addr: str = "localhost:50050",
+        *,
+        api_key: str | None = None,
+        tls: TlsConfig | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        options = channel_options()
+        if tls is None:
+            self._channel = grpc.insecure_channel(addr, options=options)
+        else:
+            self._channel = grpc.secure_channel(addr, tls.channel_credentials(), options=options)
+        self._stub = gateway_pb2_grpc.GatewayServiceStub(self._channel)
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self._timeout_s = timeout_s
+
+    def generate(
+        self,
+        prompt: str | Messages,
+        *,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        no_speculation: bool = False,
+        request_id: str = "",
+    ) -> GenerationStream:
+        """Stream a completion of `prompt` (text) or a chat reply (`[{"role": ..., "content": ...}, ...]`)."""
+        sampling = common_pb2.SamplingParams()
+        for name, value in (
+            ("max_new_tokens", max_new_tokens),
+            ("temperature", temperature),
+            ("top_k", top_k),
+            ("top_p", top_p),
+            ("seed", seed),
+        ):
+            if value is not None:
+                setattr(sampling, name, value)
+        request = gateway_pb2.GatewayServiceGenerateRequest(
+            sampling=sampling, stop=list(stop), no_speculation=no_speculation, request_id=request_id
+        )
+        if isinstance(prompt, str):
+            request.prompt = prompt
+        else:
+            request.chat.CopyFrom(_chat(prompt))
+        return GenerationStream(self._stub.Generate(request, timeout=self._timeout_s, metadata=self._metadata))
+
+    def complete(self, prompt: str | Messages, **kwargs) -> tuple[str, GenerationStats]:
+        """The whole text and its stats (see `generate` for the arguments)."""
+        stream = self.generate(prompt, **kwargs)
+        text = "".join(stream)
+        return text, stream.stats
+
+    def tokenize(self, text: str | Messages) -> list[int]:
+        request = gateway_pb2.TokenizeRequest()
+        if isinstance(text, str):
+            request.text = text
+        else:
+            request.chat.CopyFrom(_chat(text))
+        return list(self._unary(self._stub.Tokenize, request).token_ids)
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return self._unary(self._stub.Detokenize, gateway_pb2.DetokenizeRequest(token_ids=list(token_ids))).text
+
+    def list_models(self) -> list[gateway_pb2.ModelCard]:
+        return list(self._unary(self._stub.ListModels, gateway_pb2.ListModelsRequest()).models)
+
+    def _unary(self, method, request):
+        return method(request, timeout=self._timeout_s, metadata=self._metadata)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> GatewayClient:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def _chat(messages: Messages) -> gateway_pb2.ChatMessages:
+    return gateway_pb2.ChatMessages(
+        messages=[gateway_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages]
+    )

@@ -1,0 +1,109 @@
+"""What `specdec up` and `specdec generate` do (their flags are in `gateway.cli`)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+
+import grpc
+
+from gateway.client import GatewayClient, GenerationStats
+from gateway.local_stack import LocalStack, StackConfig, is_gateway_serving, temporary_stack
+from specdec.errors import SpecdecError
+from specdec.rpc.tls import TlsConfig
+
+DEFAULT_LOCAL_ADDR = "localhost:50050"
+
+
+def run_up(args: argparse.Namespace) -> int:
+    """Start the three services, print their addresses, wait for Ctrl-C (or a service dying), stop them."""
+    config = StackConfig(
+        target_dir=args.target,
+        draft_dir=None if args.draft.lower() == "none" else args.draft,
+        device=args.device,
+        host=args.host,
+        gateway_port=args.gateway_port,
+        draft_port=args.draft_port,
+        target_port=args.target_port,
+    )
+    stack = LocalStack(config)
+    try:
+        stack.start()
+        for name, addr in stack.addresses().items():
+            print(f"{name:8s} {addr}", flush=True)
+        print(f'ready: specdec generate --addr {stack.gateway_addr} "def fib(n):"   (Ctrl-C stops)', flush=True)
+        while True:
+            stack.check_alive()
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("stopping", file=sys.stderr)
+        return 0
+    except SpecdecError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        stack.stop()
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    with contextlib.ExitStack() as cleanup:
+        try:
+            addr = args.addr or _local_gateway(args.device, cleanup)
+            api_key = _first_key(args.api_key_file) if args.api_key_file else None
+            client = cleanup.enter_context(
+                GatewayClient(addr, api_key=api_key, tls=TlsConfig.from_args(args), timeout_s=args.timeout)
+            )
+            stream = client.generate(
+                [{"role": "user", "content": args.prompt}] if args.chat else args.prompt,
+                max_new_tokens=args.max_new_tokens,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                seed=args.seed,
+                stop=args.stop,
+                no_speculation=args.no_speculation,
+            )
+            for text in stream:
+                sys.stdout.write(text)
+                sys.stdout.flush()
+        except SpecdecError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        except grpc.RpcError as exc:
+            print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    sys.stdout.write("\n")
+    print(format_stats(stream.stats), file=sys.stderr)
+    return 0
+
+
+def _local_gateway(device: str, cleanup: contextlib.ExitStack) -> str:
+    """The gateway on localhost:50050 if one answers, else a local stack started for this call."""
+    if is_gateway_serving(DEFAULT_LOCAL_ADDR):
+        return DEFAULT_LOCAL_ADDR
+    print(
+        f"specdec: no gateway on {DEFAULT_LOCAL_ADDR}; starting target, draft and gateway for this call "
+        "(`specdec up` keeps them running)",
+        file=sys.stderr,
+        flush=True,
+    )
+    stack: LocalStack = cleanup.enter_context(temporary_stack(StackConfig.free_ports(device=device)))
+    return stack.gateway_addr
+
+
+def _first_key(path: str) -> str:
+    from gateway.auth import load_api_keys
+
+    return load_api_keys(path)[0].decode()
+
+
+def format_stats(stats: GenerationStats | None) -> str:
+    if stats is None:
+        return "[no final stats: the stream ended early]"
+    mode = f"tau {stats.tau:.2f}" if stats.speculative else "no speculation"
+    return (
+        f"[{stats.completion_tokens} tokens in {stats.total_s:.2f} s, {stats.tokens_per_s:.1f} tokens/s, {mode}, "
+        f"first text after {stats.time_to_first_token_s:.2f} s, prompt {stats.prompt_tokens} tokens, "
+        f"finish {stats.finish_reason}]"
+    )

@@ -1,0 +1,71 @@
+"""Gateway settings: the draft/target pairs it routes over and the limits it enforces, built once from flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specdec.errors import ConfigError
+
+DEFAULT_MAX_NEW_TOKENS_LIMIT = 4096
+DEFAULT_MAX_NEW_TOKENS = 128  # when a request does not say (capped by the limit)
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+
+
+@dataclass(frozen=True)
+class PairAddress:
+    """One draft/target pair: `draft` None means the pair has no draft (the target's plain Generate only)."""
+
+    draft: str | None
+    target: str
+
+    @classmethod
+    def parse(cls, spec: str) -> PairAddress:
+        """`"draft:50051=target:50052"`, or `"=target:50052"` for a target without a draft."""
+        draft, sep, target = spec.partition("=")
+        draft, target = draft.strip(), target.strip()
+        if not sep or not target:
+            raise ConfigError(f"--pair {spec!r}: expected DRAFT_HOST:PORT=TARGET_HOST:PORT (or =TARGET_HOST:PORT)")
+        for addr in (draft, target):
+            if addr and not _looks_like_address(addr):
+                raise ConfigError(f"--pair {spec!r}: {addr!r} is not HOST:PORT")
+        return cls(draft=draft or None, target=target)
+
+    def __str__(self) -> str:
+        return f"{self.draft or ''}={self.target}"
+
+
+def _looks_like_address(addr: str) -> bool:
+    host, _, port = addr.rpartition(":")
+    return bool(host) and port.isdigit()
+
+
+@dataclass(frozen=True)
+class GatewayLimits:
+    """Per-request and per-gateway limits; None means unlimited."""
+
+    max_prompt_tokens: int | None = None
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS_LIMIT
+    max_concurrent_streams: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_prompt_tokens", "max_new_tokens", "max_concurrent_streams"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+
+    @property
+    def default_max_new_tokens(self) -> int:
+        return min(DEFAULT_MAX_NEW_TOKENS, self.max_new_tokens)
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    model_dir: str  # target model dir: tokenizer and chat template
+    pairs: tuple[PairAddress, ...]
+    limits: GatewayLimits = GatewayLimits()
+    health_interval_s: float = 2.0  # how often pairs are health-checked (faster while none is up)
+
+    def __post_init__(self) -> None:
+        if not self.pairs:
+            raise ConfigError("the gateway needs at least one --pair DRAFT=TARGET (or =TARGET)")

@@ -1,0 +1,161 @@
+"""Clients of one pair's services: protobuf in, plain `Chunk`s out.
+
+`TargetClient.generate` (plain decoding) and `DraftClient.generate` (speculative) stream the same thing: token
+id deltas, the last one carrying a `Finish`. Errors surface as `grpc.aio.AioRpcError`; `is_backend_failure`
+tells a service that is down or broke from a request the service refused (which no retry would fix).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specdec.errors import SpecdecError
+from specdec.rpc.channel import make_channel
+from specdec.rpc.metadata import request_id_metadata
+from specdec.rpc.options import channel_options
+from specdec.rpc.sampling_codec import sampling_to_proto
+from specdec.rpc.tls import TlsConfig
+from specdec.sampling_params import SamplingParams
+from specdec.telemetry.grpc_tracing import client_interceptors
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+
+TARGET_SERVICE = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
+DRAFT_SERVICE = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
+
+# Status codes that mean "this service is down or broke", not "this request is bad": the gateway falls back.
+FAILURE_CODES = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED}
+)
+
+
+@dataclass(frozen=True)
+class Finish:
+    """How a downstream generation ended; tau and acceptance only from a draft."""
+
+    reason: int  # common_pb2.FinishReason value
+    tau: float = 0.0
+    accepted_per_position: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Chunk:
+    token_ids: tuple[int, ...]
+    finish: Finish | None = None
+
+
+class StreamBroken(SpecdecError):
+    """A downstream stream ended without a finish, or was aborted by the service itself."""
+
+    status = "UNAVAILABLE"
+
+
+def is_backend_failure(exc: BaseException) -> bool:
+    if isinstance(exc, StreamBroken):
+        return True
+    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() in FAILURE_CODES
+
+
+def open_channel(addr: str, tls: TlsConfig | None) -> grpc.aio.Channel:
+    """`make_channel`, plus the tracing interceptors when tracing is on (make_channel takes none)."""
+    interceptors = client_interceptors()
+    if not interceptors:
+        return make_channel(addr, tls)
+    if tls is None:
+        return grpc.aio.insecure_channel(addr, options=channel_options(), interceptors=interceptors)
+    return grpc.aio.secure_channel(
+        addr, tls.channel_credentials(), options=channel_options(), interceptors=interceptors
+    )
+
+
+class _ServiceClient:
+    service_name = ""
+
+    def __init__(self, addr: str, tls: TlsConfig | None = None) -> None:
+        self.addr = addr
+        self.channel = open_channel(addr, tls)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+
+    async def is_serving(self, timeout_s: float = 1.0) -> bool:
+        """One health check; any error counts as not serving."""
+        request = health_pb2.HealthCheckRequest(service=self.service_name)
+        try:
+            reply = await self._health.Check(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class TargetClient(_ServiceClient):
+    service_name = TARGET_SERVICE
+
+    def __init__(self, addr: str, tls: TlsConfig | None = None) -> None:
+        super().__init__(addr, tls)
+        self._stub = target_pb2_grpc.TargetServiceStub(self.channel)
+
+    async def model_info(self, timeout_s: float = 2.0) -> target_pb2.TargetServiceGetModelInfoResponse:
+        return await self._stub.GetModelInfo(target_pb2.TargetServiceGetModelInfoRequest(), timeout=timeout_s)
+
+    async def release(self, request_ids: Sequence[str], timeout_s: float = 2.0) -> None:
+        """Best effort: free requests a broken draft left behind (errors are ignored)."""
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await self._stub.Release(target_pb2.ReleaseRequest(request_ids=list(request_ids)), timeout=timeout_s)
+
+    async def generate(
+        self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams, timeout_s: float | None
+    ) -> AsyncIterator[Chunk]:
+        request = target_pb2.TargetServiceGenerateRequest(
+            request_id=request_id, prompt_ids=list(prompt_ids), sampling=sampling_to_proto(sampling)
+        )
+        call = self._stub.Generate(request, timeout=timeout_s, metadata=request_id_metadata(request_id))
+        finished = False
+        try:
+            async for msg in call:
+                finished = msg.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+                yield Chunk(tuple(msg.token_ids), Finish(msg.finish_reason) if finished else None)
+        finally:
+            if not finished:  # left early (client gone, stop string): the target aborts it and frees its KV
+                call.cancel()
+
+
+class DraftClient(_ServiceClient):
+    service_name = DRAFT_SERVICE
+
+    def __init__(self, addr: str, tls: TlsConfig | None = None) -> None:
+        super().__init__(addr, tls)
+        self._stub = draft_pb2_grpc.DraftServiceStub(self.channel)
+
+    async def model_info(self, timeout_s: float = 2.0) -> draft_pb2.DraftServiceGetModelInfoResponse:
+        return await self._stub.GetModelInfo(draft_pb2.DraftServiceGetModelInfoRequest(), timeout=timeout_s)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        timeout_s: float | None,
+        spec: common_pb2.SpecParams | None = None,
+    ) -> AsyncIterator[Chunk]:
+        request = draft_pb2.DraftServiceGenerateRequest(
+            request_id=request_id, prompt_ids=list(prompt_ids), sampling=sampling_to_proto(sampling), spec=spec
+        )
+        call = self._stub.Generate(request, timeout=timeout_s, metadata=request_id_metadata(request_id))
+        finished = False
+        try:
+            async for msg in call:
+                finish = None
+                if msg.HasField("final"):
+                    final, finished = msg.final, True
+                    finish = Finish(final.finish_reason, final.tau, tuple(final.accepted_per_position))
+                yield Chunk(tuple(msg.token_ids), finish)
+        finally:
+            if not finished:  # left early: cancelling aborts the request on the draft and the target
+                call.cancel()

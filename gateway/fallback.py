@@ -1,0 +1,134 @@
+"""One request's token stream over its pair, continuing elsewhere when a service fails under it.
+
+The request starts on its pair's draft (speculative) or, without speculation or with the draft down, on the
+pair's target. When the draft fails (down, broken stream, aborted by the service) the request continues on
+the same pair's target with plain `Generate` over `prompt + tokens already produced` and the remaining token
+budget; when the target fails, it continues the same way on another pair. The caller sees one stream of token
+deltas. Greedy decoding is deterministic, so the text is exactly what an uninterrupted run gives; sampled
+requests keep the target's distribution but not the same sample.
+
+Each attempt uses its own downstream request id (`rid`, `rid~1`, `rid~2`, ...), since the failed service may
+still hold the old one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from gateway.downstream import Chunk, Finish, StreamBroken, is_backend_failure
+from gateway.router import Lease, Part, Router
+from specdec.sampling_params import SamplingParams
+from specdec.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+
+FINISH_STOP = common_pb2.FINISH_REASON_STOP
+FINISH_LENGTH = common_pb2.FINISH_REASON_LENGTH
+FINISH_ABORT = common_pb2.FINISH_REASON_ABORT
+
+
+@dataclass(frozen=True)
+class GenerationPlan:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    speculative: bool  # the client allows speculation
+    finish_token_ids: frozenset[int]  # a generated token in here ends the request (eos unless ignore_eos, stops)
+    spec: common_pb2.SpecParams | None = None
+
+
+class FallbackGeneration:
+    """`async for chunk in FallbackGeneration(router, plan, timeout).run()`; then read the summary fields."""
+
+    def __init__(self, router: Router, plan: GenerationPlan, timeout_s: Callable[[], float | None]) -> None:
+        self._router = router
+        self._plan = plan
+        self._timeout_s = timeout_s  # seconds left on the client's deadline, asked before each attempt
+        self.generated: list[int] = []
+        self.num_fallbacks = 0
+        self.speculative = plan.speculative  # false once any part of the stream came from a plain Generate
+        self._background: set[asyncio.Task] = set()
+
+    async def run(self) -> AsyncIterator[Chunk]:
+        lease = self._router.acquire(self._plan.speculative)
+        try:
+            use_draft = self._plan.speculative and lease.pair.speculative
+            max_attempts = 2 * len(self._router.pairs) + 1
+            for attempt in range(max_attempts):
+                done = self._finished_locally()
+                if done is not None:
+                    yield Chunk((), done)
+                    return
+                rid = self._plan.request_id if attempt == 0 else f"{self._plan.request_id}~{attempt}"
+                self.speculative = self.speculative and use_draft
+                try:
+                    async for chunk in self._attempt(lease, rid, use_draft):
+                        yield chunk
+                    return
+                except Exception as exc:
+                    if not is_backend_failure(exc):
+                        raise
+                    lease, use_draft = self._recover(lease, rid, use_draft, exc)
+            raise StreamBroken(f"request {self._plan.request_id} failed on {max_attempts} attempts")
+        finally:
+            self._router.release(lease)
+
+    async def _attempt(self, lease: Lease, rid: str, use_draft: bool) -> AsyncIterator[Chunk]:
+        pair = lease.pair
+        prompt = (*self._plan.prompt_ids, *self.generated)
+        sampling = dataclasses.replace(
+            self._plan.sampling, max_new_tokens=self._plan.sampling.max_new_tokens - len(self.generated)
+        )
+        if use_draft:
+            stream = pair.draft.generate(rid, prompt, sampling, self._timeout_s(), self._plan.spec)
+        else:
+            stream = pair.target.generate(rid, prompt, sampling, self._timeout_s())
+        async with contextlib.aclosing(stream):
+            async for chunk in stream:
+                if chunk.finish is not None and chunk.finish.reason == FINISH_ABORT:
+                    raise StreamBroken(f"{pair}: the service aborted the request")
+                self.generated.extend(chunk.token_ids)
+                yield chunk
+                if chunk.finish is not None:
+                    return
+        raise StreamBroken(f"{pair}: the stream ended without a finish")
+
+    def _recover(self, lease: Lease, rid: str, used_draft: bool, exc: Exception) -> tuple[Lease, bool]:
+        """Mark what failed and say where the request continues: (lease, use_draft). May raise NotReady."""
+        self.num_fallbacks += 1
+        self.speculative = False
+        reason = _describe(exc)
+        if used_draft:
+            self._router.report_failure(lease.pair, Part.DRAFT, reason)
+            self._release_later(lease, rid)  # the target may still hold the draft's request
+            log.warning("draft of %s failed (%s); continuing on its target", lease.pair, reason)
+            return lease, False
+        self._router.report_failure(lease.pair, Part.TARGET, reason)
+        new_lease = self._router.switch(lease, speculative=False)
+        log.warning("target of %s failed (%s); continuing on %s", lease.pair, reason, new_lease.pair)
+        return new_lease, False
+
+    def _finished_locally(self) -> Finish | None:
+        """A request whose last stream broke right after its finishing token needs no further call."""
+        if self.generated and self.generated[-1] in self._plan.finish_token_ids:
+            return Finish(FINISH_STOP)
+        if len(self.generated) >= self._plan.sampling.max_new_tokens:
+            return Finish(FINISH_LENGTH)
+        return None
+
+    def _release_later(self, lease: Lease, rid: str) -> None:
+        task = asyncio.create_task(lease.pair.target.release([rid]))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+def _describe(exc: Exception) -> str:
+    code = getattr(exc, "code", None)
+    if callable(code):
+        return f"{code().name}: {exc.details()}"
+    return str(exc)

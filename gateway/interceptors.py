@@ -1,0 +1,155 @@
+"""Server interceptors of the gateway: access log and metrics (the API-key check is in `auth.py`).
+
+Each one wraps the behaviour of the GatewayService methods only; health checks and reflection pass untouched
+(probes carry no API key and should not fill the log). The wrapper runs on every call and sees the request,
+the context and, for Generate, every response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from specdec.rpc.metadata import REQUEST_ID_KEY
+from specdec.telemetry import ServiceMetrics, bind_request_id
+
+log = logging.getLogger("gateway.access")
+
+GATEWAY_METHOD_PREFIX = "/specdec.v1.GatewayService/"
+
+
+# ------------------------------------------------------------------------------------------- the base class
+
+
+class BehaviorInterceptor(grpc.aio.ServerInterceptor):
+    """Wraps GatewayService handlers; subclasses override `wrap_unary` and/or `wrap_stream`."""
+
+    def wrap_unary(self, behavior, method: str):
+        return behavior
+
+    def wrap_stream(self, behavior, method: str):
+        return behavior
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or not method.startswith(GATEWAY_METHOD_PREFIX):
+            return handler
+        if handler.unary_unary is not None:
+            return handler._replace(unary_unary=self.wrap_unary(handler.unary_unary, method))
+        if handler.unary_stream is not None:
+            return handler._replace(unary_stream=self.wrap_stream(handler.unary_stream, method))
+        return handler
+
+
+def status_of(exc: BaseException | None, context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+    """The status a call ended with, seen from a wrapper around its behaviour."""
+    if isinstance(exc, asyncio.CancelledError | GeneratorExit):
+        return grpc.StatusCode.CANCELLED
+    code = context.code()
+    if isinstance(code, grpc.StatusCode) and code is not grpc.StatusCode.OK:
+        return code
+    return grpc.StatusCode.OK if exc is None else grpc.StatusCode.UNKNOWN
+
+
+def incoming_request_id(request: Any, context: grpc.aio.ServicerContext) -> str | None:
+    value = getattr(request, "request_id", "")
+    if value:
+        return value
+    for key, item in context.invocation_metadata() or ():
+        if key == REQUEST_ID_KEY:
+            return item if isinstance(item, str) else item.decode()
+    return None
+
+
+# ------------------------------------------------------------------------------------------- logging
+
+
+class AccessLogInterceptor(BehaviorInterceptor):
+    """One line per call: method, status, duration; stamped with the request id."""
+
+    def wrap_unary(self, behavior, method: str):
+        async def logged(request, context):
+            started, exc = time.monotonic(), None
+            with bind_request_id(incoming_request_id(request, context)):
+                try:
+                    return await behavior(request, context)
+                except BaseException as error:
+                    exc = error
+                    raise
+                finally:
+                    _log_call(method, status_of(exc, context), started)
+
+        return logged
+
+    def wrap_stream(self, behavior, method: str):
+        async def logged(request, context):
+            started, exc, count = time.monotonic(), None, 0
+            with bind_request_id(incoming_request_id(request, context)):
+                try:
+                    async with contextlib.aclosing(behavior(request, context)) as responses:
+                        async for response in responses:
+                            count += 1
+                            yield response
+                except BaseException as error:
+                    exc = error
+                    raise
+                finally:
+                    _log_call(method, status_of(exc, context), started, count)
+
+        return logged
+
+
+def _log_call(method: str, code: grpc.StatusCode, started: float, num_responses: int | None = None) -> None:
+    extra = {"rpc_method": method, "grpc_status": code.name, "duration_s": round(time.monotonic() - started, 4)}
+    streamed = "" if num_responses is None else f", {num_responses} messages"
+    level = logging.INFO if code in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED) else logging.WARNING
+    log.log(level, "%s %s in %.3f s%s", method, code.name, extra["duration_s"], streamed, extra=extra)
+
+
+# ------------------------------------------------------------------------------------------- metrics
+
+
+class MetricsInterceptor(BehaviorInterceptor):
+    """Generate streams: running gauge, request counts by status, TTFT, time per output token, latency."""
+
+    def __init__(self, metrics: ServiceMetrics) -> None:
+        self._metrics = metrics
+        self._running = 0
+
+    def wrap_stream(self, behavior, method: str):
+        async def measured(request, context):
+            started, exc, first_text_s, final = time.monotonic(), None, None, None
+            self._set_running(+1)
+            try:
+                async with contextlib.aclosing(behavior(request, context)) as responses:
+                    async for response in responses:
+                        if first_text_s is None and getattr(response, "text", ""):
+                            first_text_s = time.monotonic() - started
+                        if response.HasField("final"):
+                            final = response.final
+                        yield response
+            except BaseException as error:
+                exc = error
+                raise
+            finally:
+                self._set_running(-1)
+                self._observe(status_of(exc, context), time.monotonic() - started, first_text_s, final)
+
+        return measured
+
+    def _set_running(self, delta: int) -> None:
+        self._running += delta
+        self._metrics.set_running(self._running)
+
+    def _observe(self, code: grpc.StatusCode, e2e_s: float, ttft_s: float | None, final: Any) -> None:
+        tpot_s = None
+        if ttft_s is not None and final is not None and final.completion_tokens > 1:
+            tpot_s = (e2e_s - ttft_s) / (final.completion_tokens - 1)
+        self._metrics.observe_request(code.name, ttft_s=ttft_s, tpot_s=tpot_s, e2e_s=e2e_s)

@@ -1,0 +1,68 @@
+"""Admission checks: prompt and generation lengths, stop strings, sampling ranges, concurrent streams.
+
+Bad input raises `InvalidInput` (INVALID_ARGUMENT); a gateway already running its maximum number of streams
+raises `TooManyStreams` (RESOURCE_EXHAUSTED). Both carry a message that names the limit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+from gateway.config import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, GatewayLimits
+from specdec.errors import InvalidInput, SpecdecError
+from specdec.rpc.sampling_codec import sampling_from_proto
+from specdec.sampling_params import SamplingParams
+from specdec.v1 import common_pb2
+
+
+class TooManyStreams(SpecdecError):
+    status = "RESOURCE_EXHAUSTED"
+
+
+def check_prompt_length(num_tokens: int, limits: GatewayLimits, max_context_len: int = 0) -> None:
+    """The prompt must be non-empty, within --max-prompt-tokens and leave room for one token in the context."""
+    if num_tokens == 0:
+        raise InvalidInput("the prompt is empty")
+    if limits.max_prompt_tokens is not None and num_tokens > limits.max_prompt_tokens:
+        raise InvalidInput(f"the prompt has {num_tokens} tokens; the limit is {limits.max_prompt_tokens}")
+    if max_context_len and num_tokens >= max_context_len:
+        raise InvalidInput(
+            f"the prompt has {num_tokens} tokens; the model's context holds {max_context_len} "
+            "(prompt plus at least one new token)"
+        )
+
+
+def resolve_sampling(msg: common_pb2.SamplingParams | None, limits: GatewayLimits, vocab_size: int) -> SamplingParams:
+    """Sampling params with the gateway's default max_new_tokens, checked against ranges and limits."""
+    params = sampling_from_proto(msg, default_max_new_tokens=limits.default_max_new_tokens)
+    return params.validate(vocab_size=vocab_size, max_new_tokens_limit=limits.max_new_tokens)
+
+
+def check_stop_strings(stop: Sequence[str]) -> tuple[str, ...]:
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidInput(f"{len(stop)} stop strings; at most {MAX_STOP_STRINGS} are allowed")
+    for s in stop:
+        if not s:
+            raise InvalidInput("stop strings must not be empty")
+        if len(s) > MAX_STOP_STRING_CHARS:
+            raise InvalidInput(f"a stop string is {len(s)} characters long; the limit is {MAX_STOP_STRING_CHARS}")
+    return tuple(stop)
+
+
+class StreamSlots:
+    """At most `limit` Generate streams at once (None: no limit); the next one is refused, not queued."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self.active = 0
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        if self.limit is not None and self.active >= self.limit:
+            raise TooManyStreams(f"too many concurrent streams (limit {self.limit}); retry later")
+        self.active += 1
+        try:
+            yield
+        finally:
+            self.active -= 1

@@ -1,0 +1,206 @@
+"""Target, draft and gateway as local processes (`specdec up`, and `specdec generate` without a gateway).
+
+    with LocalStack(StackConfig.free_ports()) as stack:   # starts all three, waits until each is SERVING
+        print(stack.gateway_addr)
+
+Each service runs as `python -m specdec serve-*` in its own session, so a terminal's Ctrl-C reaches only this
+process, which then stops them in order (gateway, draft, target) with SIGTERM, and SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import IO
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specdec.errors import NotReady
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+BUNDLED_MODELS = REPO_ROOT / "models" / "tiny-code"
+DEFAULT_TARGET_DIR = BUNDLED_MODELS / "target"
+DEFAULT_DRAFT_DIR = BUNDLED_MODELS / "draft"
+DEFAULT_PORTS = {"gateway": 50050, "draft": 50051, "target": 50052}
+HEALTH_NAMES = {
+    "target": "specdec.v1.TargetService",
+    "draft": "specdec.v1.DraftService",
+    "gateway": "specdec.v1.GatewayService",
+}
+STOP_ORDER = ("gateway", "draft", "target")
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    target_dir: str = str(DEFAULT_TARGET_DIR)
+    draft_dir: str | None = str(DEFAULT_DRAFT_DIR)  # None: no draft (the gateway uses plain Generate)
+    device: str = "cpu"
+    host: str = "127.0.0.1"
+    gateway_port: int = DEFAULT_PORTS["gateway"]
+    draft_port: int = DEFAULT_PORTS["draft"]
+    target_port: int = DEFAULT_PORTS["target"]
+
+    @classmethod
+    def free_ports(cls, **kwargs) -> StackConfig:
+        """A config whose three ports are free right now (for a stack started on the side)."""
+        gateway, draft, target = _free_ports(3)
+        return replace(cls(**kwargs), gateway_port=gateway, draft_port=draft, target_port=target)
+
+    def addr(self, service: str) -> str:
+        return f"{self.host}:{getattr(self, f'{service}_port')}"
+
+    def commands(self) -> dict[str, list[str]]:
+        """The `specdec serve-*` command line of each service, in start order."""
+        specdec = [sys.executable, "-m", "specdec"]
+        target_addr, draft_addr = self.addr("target"), self.addr("draft")
+        commands = {
+            "target": [
+                *specdec, "serve-target", "--model", self.target_dir, "--device", self.device,
+                "--host", self.host, "--port", str(self.target_port),
+            ],
+        }  # fmt: skip
+        if self.draft_dir is not None:
+            commands["draft"] = [
+                *specdec, "serve-draft", "--model", self.draft_dir, "--target-model", self.target_dir,
+                "--target", target_addr, "--device", self.device, "--host", self.host, "--port", str(self.draft_port),
+            ]  # fmt: skip
+        pair = f"{draft_addr if self.draft_dir is not None else ''}={target_addr}"
+        commands["gateway"] = [
+            *specdec, "serve-gateway", "--model", self.target_dir, "--pair", pair,
+            "--host", self.host, "--port", str(self.gateway_port),
+        ]  # fmt: skip
+        return commands
+
+
+class LocalStack:
+    """Owns the three processes. `log_dir` None: they write to this process's stderr; else one file each."""
+
+    def __init__(self, config: StackConfig, log_dir: str | None = None) -> None:
+        self.config = config
+        self._log_dir = log_dir
+        self._procs: dict[str, subprocess.Popen] = {}
+        self._logs: dict[str, IO[bytes]] = {}
+
+    @property
+    def gateway_addr(self) -> str:
+        return self.config.addr("gateway")
+
+    def addresses(self) -> dict[str, str]:
+        return {name: self.config.addr(name) for name in self.config.commands()}
+
+    def start(self, timeout_s: float = 180.0) -> None:
+        """Start every service and wait until each reports SERVING; on failure stop them all and raise."""
+        try:
+            for name, command in self.config.commands().items():
+                self._procs[name] = subprocess.Popen(command, start_new_session=True, **self._output(name))
+            self._wait_serving(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _output(self, name: str) -> dict:
+        if self._log_dir is None:
+            return {}
+        log = open(os.path.join(self._log_dir, f"{name}.log"), "wb")  # noqa: SIM115 - closed in stop()
+        self._logs[name] = log
+        return {"stdout": log, "stderr": subprocess.STDOUT}
+
+    def _wait_serving(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        waiting = dict(self._procs)
+        while waiting:
+            for name in list(waiting):
+                self.check_alive()
+                if _is_serving(self.config.addr(name), HEALTH_NAMES[name]):
+                    del waiting[name]
+            if waiting and time.monotonic() > deadline:
+                raise NotReady(f"not SERVING after {timeout_s:g} s: {', '.join(waiting)}{self._log_hint()}")
+            if waiting:
+                time.sleep(0.2)
+
+    def check_alive(self) -> None:
+        """Raise NotReady naming the first service whose process has exited."""
+        for name, proc in self._procs.items():
+            code = proc.poll()
+            if code is not None:
+                raise NotReady(f"{name} exited with status {code}{self._log_tail(name)}")
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM in STOP_ORDER, each given `grace_s` to drain, then SIGKILL. Safe to call twice."""
+        for name in STOP_ORDER:
+            proc = self._procs.pop(name, None)
+            if proc is None or proc.poll() is not None:
+                continue
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._procs.clear()
+        for log in self._logs.values():
+            log.close()
+
+    def _log_tail(self, name: str, max_chars: int = 2000) -> str:
+        if name not in self._logs:
+            return ""
+        self._logs[name].flush()
+        text = Path(self._logs[name].name).read_text(errors="replace")
+        return f"; last output:\n{text[-max_chars:]}"
+
+    def _log_hint(self) -> str:
+        return f" (logs in {self._log_dir})" if self._log_dir else ""
+
+    def __enter__(self) -> LocalStack:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def temporary_stack(config: StackConfig, timeout_s: float = 180.0):
+    """A stack whose logs go to a temporary dir (shown if a service fails); stopped on exit."""
+    with tempfile.TemporaryDirectory(prefix="specdec-stack-") as log_dir:
+        stack = LocalStack(config, log_dir)
+        stack.start(timeout_s)
+        try:
+            yield stack
+        finally:
+            stack.stop()
+
+
+def is_gateway_serving(addr: str, timeout_s: float = 1.0) -> bool:
+    return _is_serving(addr, HEALTH_NAMES["gateway"], timeout_s)
+
+
+def _is_serving(addr: str, service: str, timeout_s: float = 1.0) -> bool:
+    with grpc.insecure_channel(addr) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
+            )
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()

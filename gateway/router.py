@@ -1,0 +1,178 @@
+"""Routing over the configured draft/target pairs: least-loaded, health-checked, sticky for a request's lifetime.
+
+Each pair is up or down per part (draft, target). A pair whose target is up takes requests; one whose draft
+is up too serves them speculatively, otherwise through the target's plain Generate. `acquire` picks the pair
+with the fewest streams in flight among the best class (speculative pairs first when the request wants
+speculation), round-robin among equals; the request keeps its `Lease` (and so its pair) until it ends, unless
+the pair fails under it. A part that fails a call is marked down at once (`report_failure`); the health loop
+probes every part and brings it back when it answers SERVING again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc.aio
+
+from gateway.config import PairAddress
+from gateway.downstream import DraftClient, TargetClient
+from specdec.errors import NotReady
+from specdec.rpc.tls import TlsConfig
+
+log = logging.getLogger(__name__)
+
+STARTUP_POLL_S = 0.25  # health-check interval while no pair is up yet
+
+
+class Part(enum.Enum):
+    DRAFT = "draft"
+    TARGET = "target"
+
+
+@dataclass
+class Pair:
+    index: int
+    address: PairAddress
+    target: TargetClient
+    draft: DraftClient | None
+    target_up: bool = False
+    draft_up: bool = False
+    in_flight: int = 0
+    target_model: str = ""  # from GetModelInfo once the target was seen up
+    draft_model: str = ""
+    max_context_len: int = 0  # 0: not known yet
+
+    @property
+    def usable(self) -> bool:
+        return self.target_up
+
+    @property
+    def speculative(self) -> bool:
+        return self.target_up and self.draft is not None and self.draft_up
+
+    def __str__(self) -> str:
+        return f"pair {self.index} ({self.address})"
+
+
+@dataclass
+class Lease:
+    """A request's hold on a pair; `Router.release` gives it back (once)."""
+
+    pair: Pair
+    released: bool = field(default=False, compare=False)
+
+
+class Router:
+    def __init__(self, pairs: Sequence[Pair], health_interval_s: float = 2.0) -> None:
+        self.pairs = list(pairs)
+        self._health_interval_s = health_interval_s
+        self._turn = itertools.count()
+        self._health_task: asyncio.Task | None = None
+        self.any_up = asyncio.Event()
+
+    @classmethod
+    def connect(cls, addresses: Sequence[PairAddress], tls: TlsConfig | None, health_interval_s: float) -> Router:
+        pairs = [
+            Pair(i, addr, TargetClient(addr.target, tls), DraftClient(addr.draft, tls) if addr.draft else None)
+            for i, addr in enumerate(addresses)
+        ]
+        return cls(pairs, health_interval_s)
+
+    # -- leases ---------------------------------------------------------------------------------------------
+    def acquire(self, speculative: bool, exclude: Sequence[Pair] = ()) -> Lease:
+        """The least-loaded usable pair (speculative pairs first if `speculative`); NotReady when none."""
+        candidates = [p for p in self.pairs if p.usable and p not in exclude]
+        if not candidates:
+            down = ", ".join(str(p.address) for p in self.pairs)
+            raise NotReady(f"no draft/target pair is available (pairs: {down}); retry later")
+        turn = next(self._turn)
+        n = len(self.pairs)
+
+        def rank(pair: Pair) -> tuple[bool, int, int]:
+            return (speculative and not pair.speculative, pair.in_flight, (pair.index - turn) % n)
+
+        pair = min(candidates, key=rank)
+        pair.in_flight += 1
+        return Lease(pair)
+
+    def release(self, lease: Lease) -> None:
+        if not lease.released:
+            lease.released = True
+            lease.pair.in_flight -= 1
+
+    def switch(self, lease: Lease, speculative: bool) -> Lease:
+        """Move a request off its failed pair onto another one (NotReady when there is none)."""
+        self.release(lease)
+        return self.acquire(speculative, exclude=[lease.pair])
+
+    def report_failure(self, pair: Pair, part: Part, reason: str) -> None:
+        """Take `part` of `pair` out of rotation until a health check finds it SERVING again."""
+        attr = "draft_up" if part is Part.DRAFT else "target_up"
+        if getattr(pair, attr):
+            log.warning("%s: %s marked down (%s)", pair, part.value, reason)
+        setattr(pair, attr, False)
+
+    @property
+    def pairs_up(self) -> int:
+        return sum(p.usable for p in self.pairs)
+
+    # -- health ---------------------------------------------------------------------------------------------
+    async def check_once(self) -> None:
+        await asyncio.gather(*(self._check_pair(pair) for pair in self.pairs))
+        if self.pairs_up:
+            self.any_up.set()
+
+    async def _check_pair(self, pair: Pair) -> None:
+        target_up = await pair.target.is_serving()
+        if target_up and not pair.target_up:
+            await self._learn_target(pair)
+        self._set(pair, Part.TARGET, target_up)
+        if pair.draft is not None:
+            draft_up = await pair.draft.is_serving()
+            if draft_up and not pair.draft_up:
+                await self._learn_draft(pair)
+            self._set(pair, Part.DRAFT, draft_up)
+
+    def _set(self, pair: Pair, part: Part, up: bool) -> None:
+        attr = "draft_up" if part is Part.DRAFT else "target_up"
+        if getattr(pair, attr) != up:
+            log.info("%s: %s is %s", pair, part.value, "up" if up else "down")
+        setattr(pair, attr, up)
+
+    async def _learn_target(self, pair: Pair) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            info = await pair.target.model_info()
+            pair.target_model, pair.max_context_len = info.model, info.max_context_len
+
+    async def _learn_draft(self, pair: Pair) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            pair.draft_model = (await pair.draft.model_info()).model
+
+    async def _health_loop(self) -> None:
+        while True:
+            try:
+                await self.check_once()
+            except Exception:  # a bug here must not stop routing; the next round tries again
+                log.exception("health check round failed")
+            await asyncio.sleep(self._health_interval_s if self.pairs_up else STARTUP_POLL_S)
+
+    def start(self) -> None:
+        """Start the background health loop (call inside the event loop)."""
+        if self._health_task is None:
+            self._health_task = asyncio.create_task(self._health_loop(), name="gateway-health")
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        for pair in self.pairs:
+            await pair.target.close()
+            if pair.draft is not None:
+                await pair.draft.close()

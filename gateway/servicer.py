@@ -1,0 +1,142 @@
+"""`GatewayService`: text in, routed generation, text deltas out; plus Tokenize, Detokenize, ListModels."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import grpc.aio
+
+from gateway.config import GatewayLimits
+from gateway.downstream import Finish
+from gateway.fallback import FINISH_STOP, FallbackGeneration, GenerationPlan
+from gateway.limits import StreamSlots, check_prompt_length, check_stop_strings, resolve_sampling
+from gateway.prompts import EncodedInput, encode_input
+from gateway.router import Router
+from gateway.stream import TextStream
+from specdec.rpc.errors import map_servicer_errors
+from specdec.rpc.metadata import downstream_timeout
+from specdec.telemetry import bind_request_id
+from specdec.tokenizer import Tokenizer
+from specdec.v1 import gateway_pb2, gateway_pb2_grpc
+
+GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
+
+
+@map_servicer_errors
+class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
+    def __init__(self, tokenizer: Tokenizer, router: Router, limits: GatewayLimits, model_dir: str) -> None:
+        self._tokenizer = tokenizer
+        self._router = router
+        self._limits = limits
+        self._slots = StreamSlots(limits.max_concurrent_streams)
+        self._model_dir_name = Path(model_dir).name
+
+    # -- Generate -------------------------------------------------------------------------------------------
+    async def Generate(self, request, context):
+        started = time.monotonic()
+        request_id = request.request_id or uuid.uuid4().hex
+        with bind_request_id(request_id):
+            plan, stop = self._plan(request, request_id)
+            with self._slots.hold():
+                generation = FallbackGeneration(self._router, plan, lambda: downstream_timeout(context))
+                try:
+                    async for response in self._stream(generation, plan, stop, started):
+                        yield response
+                except grpc.aio.AioRpcError as exc:  # a downstream refusal (bad input, KV full, deadline)
+                    await context.abort(exc.code(), exc.details() or exc.code().name)
+
+    def _plan(self, request, request_id: str) -> tuple[GenerationPlan, tuple[str, ...]]:
+        """Validate the request and turn it into what the pair runs; raises InvalidInput."""
+        encoded = encode_input(self._tokenizer, request)
+        check_prompt_length(len(encoded.token_ids), self._limits, self._max_context_len())
+        sampling = resolve_sampling(
+            request.sampling if request.HasField("sampling") else None, self._limits, self._tokenizer.vocab_size
+        )
+        stop = check_stop_strings(request.stop)
+        stop_ids = self._stop_token_ids(encoded, sampling.stop_token_ids, sampling.ignore_eos)
+        finish_ids = stop_ids if sampling.ignore_eos else (*stop_ids, *self._tokenizer.eos_token_ids)
+        plan = GenerationPlan(
+            request_id=request_id,
+            prompt_ids=encoded.token_ids,
+            sampling=dataclasses.replace(sampling, stop_token_ids=stop_ids),
+            speculative=not request.no_speculation,
+            finish_token_ids=frozenset(finish_ids),
+            spec=request.spec if request.HasField("spec") else None,
+        )
+        return plan, stop
+
+    def _stop_token_ids(self, encoded: EncodedInput, requested: tuple[int, ...], ignore_eos: bool) -> tuple[int, ...]:
+        """A chat reply also ends at the template's turn-end marker (unless the client ignores eos)."""
+        if not encoded.is_chat or ignore_eos:
+            return requested
+        return tuple(dict.fromkeys([*requested, *self._tokenizer.chat_stop_token_ids]))
+
+    def _max_context_len(self) -> int:
+        known = [p.max_context_len for p in self._router.pairs if p.usable and p.max_context_len]
+        return min(known, default=0)
+
+    async def _stream(
+        self, generation: FallbackGeneration, plan: GenerationPlan, stop: tuple[str, ...], started: float
+    ) -> AsyncIterator[gateway_pb2.GatewayServiceGenerateResponse]:
+        text = TextStream(self._tokenizer, stop)
+        first_text_at: float | None = None
+        async with contextlib.aclosing(generation.run()) as chunks:
+            async for chunk in chunks:
+                delta = text.push(chunk.token_ids)
+                finish = Finish(FINISH_STOP) if text.stopped else chunk.finish
+                if finish is not None:
+                    delta += text.flush()
+                if delta and first_text_at is None:
+                    first_text_at = time.monotonic()
+                response = gateway_pb2.GatewayServiceGenerateResponse(text=delta, token_ids=chunk.token_ids)
+                if finish is not None:
+                    response.final.CopyFrom(self._stats(generation, plan, finish, started, first_text_at))
+                    yield response
+                    return  # leaving the loop closes the downstream stream (a stop string cancels it)
+                if delta or chunk.token_ids:
+                    yield response
+
+    def _stats(
+        self,
+        generation: FallbackGeneration,
+        plan: GenerationPlan,
+        finish: Finish,
+        started: float,
+        first_text_at: float | None,
+    ) -> gateway_pb2.GatewayStats:
+        now = time.monotonic()
+        speculative = generation.speculative
+        return gateway_pb2.GatewayStats(
+            finish_reason=finish.reason,
+            prompt_tokens=len(plan.prompt_ids),
+            completion_tokens=len(generation.generated),
+            tau=finish.tau if speculative else 0.0,
+            accepted_per_position=list(finish.accepted_per_position) if speculative else [],
+            time_to_first_token_s=(first_text_at or now) - started,
+            total_s=now - started,
+            speculative=speculative,
+            request_id=plan.request_id,
+        )
+
+    # -- the rest -------------------------------------------------------------------------------------------
+    async def Tokenize(self, request, context):
+        return gateway_pb2.TokenizeResponse(token_ids=encode_input(self._tokenizer, request).token_ids)
+
+    async def Detokenize(self, request, context):
+        return gateway_pb2.DetokenizeResponse(text=self._tokenizer.decode(request.token_ids))
+
+    async def ListModels(self, request, context):
+        up = [p for p in self._router.pairs if p.usable]
+        known = up or self._router.pairs
+        target = next((p.target_model for p in known if p.target_model), self._model_dir_name)
+        draft = next((p.draft_model for p in known if p.draft_model), "")
+        card = gateway_pb2.ModelCard(
+            id=target, target=target, draft=draft, max_context_len=self._max_context_len(), pairs_up=len(up)
+        )
+        return gateway_pb2.ListModelsResponse(models=[card])

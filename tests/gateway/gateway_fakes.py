@@ -1,0 +1,184 @@
+"""Fake DraftService / TargetService servicers on loopback, and a gateway in front of them, for gateway tests.
+
+Both fakes "decode" one scripted token sequence (`FakeModel.script`) deterministically: the k-th generated
+token of a request is `script[k]`, whatever the prompt, so a continuation (prompt + tokens so far, id `rid~n`)
+goes on exactly where the first attempt stopped, like greedy decoding. The draft sends 3 tokens per chunk
+(tau 3), the target one. Each fake records what it saw: requests, deadlines, cancellations, releases.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+
+import grpc
+import grpc.aio
+
+from gateway.config import GatewayConfig, GatewayLimits, PairAddress
+from gateway.serve import start_gateway
+from specdec.rpc.server import start_server
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, gateway_pb2_grpc, target_pb2, target_pb2_grpc
+
+EOS = 2
+STOP = common_pb2.FINISH_REASON_STOP
+LENGTH = common_pb2.FINISH_REASON_LENGTH
+
+
+@dataclass
+class Seen:
+    """What one fake service saw."""
+
+    requests: list = field(default_factory=list)  # (request_id, prompt_ids, max_new_tokens)
+    deadlines: list = field(default_factory=list)  # seconds left on each Generate call
+    cancelled: list = field(default_factory=list)  # request ids whose stream the caller closed
+    released: list = field(default_factory=list)
+    running: set = field(default_factory=set)
+
+
+class FakeModel:
+    def __init__(self, script: list[int]) -> None:
+        self.script = script
+        self._prompt_len: dict[str, int] = {}
+
+    def plan(self, request_id: str, prompt_ids, sampling) -> tuple[list[int], int]:
+        """The tokens this request generates from here, and its finish reason."""
+        base = request_id.split("~")[0]
+        done = len(prompt_ids) - self._prompt_len.setdefault(base, len(prompt_ids))
+        stop_ids = set(sampling.stop_token_ids) | ({EOS} if not sampling.ignore_eos else set())
+        out = []
+        for token in self.script[done:]:
+            if len(out) == sampling.max_new_tokens:
+                return out, LENGTH
+            out.append(token)
+            if token in stop_ids:
+                return out, STOP
+        return out, LENGTH
+
+
+class _Behaviour:
+    def __init__(self, model: FakeModel) -> None:
+        self.model = model
+        self.seen = Seen()
+        self.fail_after_chunks: int | None = None  # abort the stream with UNAVAILABLE after this many chunks
+        self.hang_after_chunks: int | None = None  # stop producing (until cancelled) after this many chunks
+        self.delay_s = 0.0
+
+    async def stream(self, request, context, chunk_size: int):
+        rid = request.request_id
+        self.seen.requests.append((rid, list(request.prompt_ids), request.sampling.max_new_tokens))
+        self.seen.deadlines.append(context.time_remaining())
+        tokens, reason = self.model.plan(rid, request.prompt_ids, request.sampling)
+        chunks = [tokens[i : i + chunk_size] for i in range(0, len(tokens), chunk_size)] or [[]]
+        self.seen.running.add(rid)
+        try:
+            for n, chunk in enumerate(chunks):
+                if n == self.fail_after_chunks:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "fake service went away")
+                if n == self.hang_after_chunks:
+                    await asyncio.sleep(3600)
+                await asyncio.sleep(self.delay_s)
+                yield chunk, (reason if n == len(chunks) - 1 else None)
+        except (asyncio.CancelledError, GeneratorExit):
+            self.seen.cancelled.append(rid)
+            raise
+        finally:
+            self.seen.running.discard(rid)
+
+
+class FakeTarget(target_pb2_grpc.TargetServiceServicer, _Behaviour):
+    max_context_len = 512
+
+    async def Generate(self, request, context):
+        async for chunk, reason in self.stream(request, context, chunk_size=1):
+            yield target_pb2.TargetServiceGenerateResponse(token_ids=chunk, finish_reason=reason or 0)
+
+    async def Release(self, request, context):
+        self.seen.released.extend(request.request_ids)
+        return target_pb2.ReleaseResponse()
+
+    async def GetModelInfo(self, request, context):
+        return target_pb2.TargetServiceGetModelInfoResponse(
+            model="fake-target", max_context_len=self.max_context_len, eos_token_ids=[EOS]
+        )
+
+
+class FakeDraft(draft_pb2_grpc.DraftServiceServicer, _Behaviour):
+    async def Generate(self, request, context):
+        async for chunk, reason in self.stream(request, context, chunk_size=3):
+            msg = draft_pb2.DraftServiceGenerateResponse(token_ids=chunk)
+            if reason is not None:
+                stats = draft_pb2.GenerationStats(finish_reason=reason, tau=3.0, accepted_per_position=[5, 4])
+                msg.final.CopyFrom(stats)
+            yield msg
+
+    async def GetModelInfo(self, request, context):
+        return draft_pb2.DraftServiceGetModelInfoResponse(model="fake-draft")
+
+
+async def serve_fake(servicer, add, health_name: str):
+    handle = await start_server([lambda s: add(servicer, s)], [health_name], "127.0.0.1", 0)
+    await handle.set_serving(True)
+    return handle
+
+
+@dataclass
+class FakePair:
+    target: FakeTarget
+    draft: FakeDraft
+    target_handle: object
+    draft_handle: object
+
+    @property
+    def address(self) -> PairAddress:
+        return PairAddress(f"127.0.0.1:{self.draft_handle.bound_port}", f"127.0.0.1:{self.target_handle.bound_port}")
+
+
+async def start_fake_pair(model: FakeModel) -> FakePair:
+    target, draft = FakeTarget(model), FakeDraft(model)
+    t = await serve_fake(target, target_pb2_grpc.add_TargetServiceServicer_to_server, "specdec.v1.TargetService")
+    d = await serve_fake(draft, draft_pb2_grpc.add_DraftServiceServicer_to_server, "specdec.v1.DraftService")
+    return FakePair(target, draft, t, d)
+
+
+@contextlib.asynccontextmanager
+async def gateway_over(addresses, model_dir: str, limits: GatewayLimits = GatewayLimits(), api_keys=()):
+    """A gateway over `addresses`, waited until some pair is up; yields (gateway, stub)."""
+    config = GatewayConfig(model_dir=model_dir, pairs=tuple(addresses), limits=limits, health_interval_s=0.2)
+    gateway = await start_gateway(config, api_keys=api_keys)
+    await asyncio.wait_for(gateway.router.any_up.wait(), 10)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}")
+    try:
+        yield gateway, gateway_pb2_grpc.GatewayServiceStub(channel)
+    finally:
+        await channel.close()
+        await gateway.stop(grace_s=None)
+
+
+@contextlib.asynccontextmanager
+async def fake_stack(model: FakeModel, model_dir: str, num_pairs: int = 1, **gateway_kwargs):
+    """`num_pairs` fake pairs and a gateway over them; yields (pairs, gateway, stub)."""
+    pairs = [await start_fake_pair(model) for _ in range(num_pairs)]
+    try:
+        async with gateway_over([p.address for p in pairs], model_dir, **gateway_kwargs) as (gateway, stub):
+            yield pairs, gateway, stub
+    finally:
+        for pair in pairs:
+            await pair.draft_handle.stop(None)
+            await pair.target_handle.stop(None)
+
+
+def run(coro, timeout_s: float = 30):
+    return asyncio.run(asyncio.wait_for(coro, timeout=timeout_s))
+
+
+async def collect(call):
+    """(text, token ids, final stats, number of messages) of a Generate call."""
+    text, ids, final, count = "", [], None, 0
+    while (msg := await call.read()) is not grpc.aio.EOF:
+        text += msg.text
+        ids += list(msg.token_ids)
+        count += 1
+        if msg.HasField("final"):
+            final = msg.final
+    return text, ids, final, count

@@ -1,0 +1,150 @@
+"""Fallback and routing over fake pairs: a failing draft or target never interrupts the client's stream."""
+
+from __future__ import annotations
+
+import asyncio
+
+from conftest import SCRIPT_TEXT
+from gateway_fakes import FakeModel, PairAddress, collect, fake_stack, gateway_over, run, start_fake_pair
+
+from specdec.v1 import common_pb2, gateway_pb2
+
+
+def request(**kwargs) -> gateway_pb2.GatewayServiceGenerateRequest:
+    return gateway_pb2.GatewayServiceGenerateRequest(
+        prompt="def fib(n):", sampling=common_pb2.SamplingParams(max_new_tokens=100), **kwargs
+    )
+
+
+def test_gateway_draft_failing_mid_stream_continues_on_the_target(fake_model, model_dir):
+    async def body():
+        async with fake_stack(fake_model, model_dir) as (pairs, gateway, stub):
+            pairs[0].draft.fail_after_chunks = 2
+            result = await collect(stub.Generate(request(request_id="r1")))
+            await asyncio.sleep(0.1)  # the Release of the draft's request runs in the background
+            return pairs, gateway, result
+
+    pairs, gateway, (text, ids, final, count) = run(body())
+    assert text == SCRIPT_TEXT and ids == fake_model.script  # one stream, same text, no token twice
+    assert not final.speculative and final.completion_tokens == len(fake_model.script)
+    ((rid, prompt, max_new),) = pairs[0].target.seen.requests
+    assert rid == "r1~1" and max_new == 100 - 6  # continued after the 2 chunks of 3 tokens already sent
+    assert prompt[-6:] == fake_model.script[:6]
+    assert pairs[0].target.seen.released == ["r1"]
+    assert not gateway.router.pairs[0].draft_up  # taken out until a health check finds it again
+
+
+def test_gateway_draft_server_killed_mid_stream_gives_the_same_text(fake_model, model_dir):
+    async def body():
+        async with fake_stack(fake_model, model_dir) as (pairs, _, stub):
+            pairs[0].draft.hang_after_chunks = 1
+            call = stub.Generate(request())
+            first = await call.read()
+            await pairs[0].draft_handle.stop(None)  # the draft process dies with the stream open
+            text, _, final, _ = await collect(call)
+            return first.text + text, final
+
+    text, final = run(body())
+    assert text == SCRIPT_TEXT and final.finish_reason == common_pb2.FINISH_REASON_STOP
+
+
+def test_gateway_draft_down_at_start_serves_from_the_target(fake_model, model_dir):
+    async def body():
+        pair = await start_fake_pair(fake_model)
+        await pair.draft_handle.stop(None)
+        try:
+            async with gateway_over([pair.address], model_dir) as (_, stub):
+                return await collect(stub.Generate(request()))
+        finally:
+            await pair.target_handle.stop(None)
+
+    text, _, final, _ = run(body())
+    assert text == SCRIPT_TEXT and not final.speculative
+
+
+def test_gateway_target_failing_mid_stream_continues_on_another_pair(fake_model, model_dir):
+    async def body():
+        async with fake_stack(fake_model, model_dir, num_pairs=2) as (pairs, gateway, stub):
+            pairs[0].target.fail_after_chunks = 3
+            gateway.router.pairs[1].in_flight = 5  # make pair 0 the least loaded
+            result = await collect(stub.Generate(request(no_speculation=True, request_id="t1")))
+            return pairs, result
+
+    pairs, (text, _, final, _) = run(body())
+    assert text == SCRIPT_TEXT
+    assert [r[0] for r in pairs[0].target.seen.requests] == ["t1"]
+    assert [r[0] for r in pairs[1].target.seen.requests][0] == "t1~1"
+
+
+def test_gateway_routes_to_the_least_loaded_pair_and_keeps_a_request_on_it(fake_model, model_dir):
+    async def body():
+        async with fake_stack(fake_model, model_dir, num_pairs=2) as (pairs, gateway, stub):
+            for pair in pairs:
+                pair.draft.hang_after_chunks = 1
+            calls = [stub.Generate(request(request_id=f"h{i}")) for i in range(2)]
+            for call in calls:
+                await call.read()
+            loads = [p.in_flight for p in gateway.router.pairs]
+            for call in calls:
+                call.cancel()
+            await asyncio.sleep(0.2)
+            return pairs, loads, [p.in_flight for p in gateway.router.pairs]
+
+    pairs, loads, after = run(body())
+    assert loads == [1, 1] and after == [0, 0]
+    assert {r[0] for p in pairs for r in p.draft.seen.requests} == {"h0", "h1"}
+    assert all(len(p.draft.seen.requests) == 1 for p in pairs)
+
+
+def test_gateway_unavailable_when_no_pair_is_up(model_dir):
+    async def body():
+        import grpc
+
+        from gateway.config import GatewayConfig
+        from gateway.serve import start_gateway
+
+        config = GatewayConfig(model_dir=model_dir, pairs=(PairAddress(None, "127.0.0.1:9"),), health_interval_s=0.1)
+        gateway = await start_gateway(config)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+                from specdec.v1 import gateway_pb2_grpc
+
+                stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+                try:
+                    await collect(stub.Generate(request()))
+                except grpc.aio.AioRpcError as exc:
+                    return exc.code(), exc.details()
+        finally:
+            await gateway.stop(None)
+
+    code, details = run(body())
+    assert code.name == "UNAVAILABLE" and "no draft/target pair is available" in details
+
+
+def test_gateway_pair_comes_back_after_a_health_check(fake_model, model_dir):
+    async def body():
+        async with fake_stack(fake_model, model_dir) as (_, gateway, stub):
+            pair = gateway.router.pairs[0]
+            gateway.router.report_failure(pair, pair_part("draft"), "test")
+            assert not pair.speculative
+            for _ in range(50):
+                await asyncio.sleep(0.05)
+                if pair.speculative:
+                    break
+            return pair.speculative, await collect(stub.Generate(request()))
+
+    back, (_, _, final, _) = run(body())
+    assert back and final.speculative
+
+
+def pair_part(name: str):
+    from gateway.router import Part
+
+    return Part(name)
+
+
+def test_fake_model_is_deterministic_across_continuations():
+    model = FakeModel([5, 6, 7, 2])
+    sampling = common_pb2.SamplingParams(max_new_tokens=10)
+    assert model.plan("a", [1, 1], sampling) == ([5, 6, 7, 2], common_pb2.FINISH_REASON_STOP)
+    assert model.plan("a~1", [1, 1, 5, 6], sampling) == ([7, 2], common_pb2.FINISH_REASON_STOP)
