@@ -56,6 +56,11 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, path: str | Path) -> ModelConfig:
+        """Read `path/config.json`; a name from `specdec.models.presets` (e.g. "llama3-8b") gives that shape."""
+        from specdec.models.presets import PRESETS
+
+        if str(path) in PRESETS and not Path(path).is_dir():
+            return cls.from_dict(PRESETS[str(path)], str(path))
         path = Path(path)
         cfg_file = path / "config.json"
         if not cfg_file.is_file():

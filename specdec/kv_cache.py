@@ -99,11 +99,12 @@ class PagedKVCache:
 
     # ---- addressing ---------------------------------------------------------------------------------------
     def slots(self, rid: str, start: int, end: int) -> torch.Tensor:
-        """Slot ids of positions [start, end) of a request. # [end - start] int64 on the cache device"""
+        """Slot ids of positions [start, end) of a request. # [end - start] int64 on the CPU (attention
+        backends move what they need to the device once per forward)"""
         table = self.table(rid)
         pos = torch.arange(start, end)
         pages = torch.tensor(table.pages, dtype=torch.int64)[pos // self.page_size]
-        return (pages * self.page_size + pos % self.page_size).to(self.k.device)
+        return pages * self.page_size + pos % self.page_size
 
     def move(self, rid: str, src_positions: list[int], dst_start: int) -> None:
         """Copy K/V of `src_positions` (ascending, each >= its destination) to positions dst_start, dst_start+1..

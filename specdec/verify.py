@@ -60,3 +60,25 @@ def verify_stochastic(
             return Verdict(accepted, sample(p, gen))
         accepted.append(nxt)
         node = nxt
+
+
+def verify_simulated(
+    tokens: list[int], parents: list[int], target_argmax: list[int], mean_accept_len: float, gen: torch.Generator
+) -> Verdict:
+    """BENCHMARKING ONLY (`--simulate-accept-len`): the output is NOT the target's.
+
+    Accepts a Binomial(depth, p) number of nodes along the first-child chain, p chosen so that tokens per step
+    (accepted + bonus) average `mean_accept_len` (capped by the chain depth); the bonus is the target's argmax
+    there, so the work done per step is the real one.
+    """
+    children = children_lists(parents)
+    chain, node = [], 0
+    while children[node]:
+        node = children[node][0]
+        chain.append(node)
+    if not chain:
+        return Verdict([], target_argmax[0])
+    p = min(1.0, max(0.0, (mean_accept_len - 1.0) / len(chain)))
+    m = int((torch.rand(len(chain), generator=gen) < p).sum().item())
+    accepted = chain[:m]
+    return Verdict(accepted, target_argmax[accepted[-1] if accepted else 0])

@@ -8,10 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-REPO = Path(__file__).resolve().parents[1]
-TINY = REPO / "models" / "tiny-code"
-SHARED_PROMPTS = REPO.parent / "shared" / "prompts" / "dev.jsonl"
+from repo_paths import SHARED_PROMPTS, TINY
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

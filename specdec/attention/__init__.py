@@ -13,7 +13,7 @@ def register_backend(name: str, cls) -> None:
     BACKENDS[name] = cls
 
 
-def make_backend(name: str, kv_cache):
+def make_backend(name: str, kv_cache, num_qo_heads: int):
     if name == "flashinfer" and name not in BACKENDS:
         try:
             from specdec.attention import flashinfer_backend  # noqa: F401  (registers itself)
@@ -21,7 +21,7 @@ def make_backend(name: str, kv_cache):
             raise ConfigError(f"attention backend 'flashinfer' needs the gpu extra ({exc})") from exc
     if name not in BACKENDS:
         raise ConfigError(f"unknown attention backend {name!r}; supported: {', '.join(sorted(BACKENDS))}")
-    return BACKENDS[name](kv_cache)
+    return BACKENDS[name](kv_cache, num_qo_heads)
 
 
 __all__ = ["AttentionBatch", "SeqAttention", "make_backend", "register_backend", "BACKENDS"]

@@ -14,12 +14,17 @@ from specdec.attention.batch import AttentionBatch, SeqAttention
 class TorchAttention:
     name = "torch"
 
-    def __init__(self, kv_cache):
+    def __init__(self, kv_cache, num_qo_heads: int = 0):
         self.kv = kv_cache
 
     def plan(self, batch: AttentionBatch) -> AttentionBatch:
-        """Per-forward preparation shared by all layers (nothing to do for the reference backend)."""
-        return batch
+        """Per-forward preparation shared by all layers: slot ids and masks on the cache's device."""
+        dev = self.kv.k.device
+        if batch.write_slots.device == dev:
+            return batch
+        seqs = [SeqAttention(s.ctx_slots.to(dev), s.num_q, None if s.tail_mask is None else s.tail_mask.to(dev))
+                for s in batch.seqs]
+        return AttentionBatch(seqs, batch.write_slots.to(dev))
 
     def forward(
         self,

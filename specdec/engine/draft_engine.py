@@ -70,7 +70,7 @@ class DraftEngine:
         cfg = model.cfg
         self.dtype = next(model.parameters()).dtype
         self.kv = PagedKVCache(1, cfg.num_kv_heads, cfg.head_dim, num_pages, page_size, self.dtype, device)
-        self.backend = make_backend(attention_backend, self.kv)
+        self.backend = make_backend(attention_backend, self.kv, cfg.num_heads)
         self.max_context = max_context
         self.requests: dict[str, DraftRequest] = {}
         self._reserved = 0

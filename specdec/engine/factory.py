@@ -30,6 +30,7 @@ class EngineOptions:
     max_batch_size: int = 64
     max_context: int = 0  # 0 = the model's max_position_embeddings
     dummy_weights: bool = False
+    simulate_accept_len: float = 0.0  # target only; benchmarking: accepted lengths are simulated
 
     def validate(self) -> EngineOptions:
         if not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -63,7 +64,11 @@ def build_target(path: str, opts: EngineOptions) -> TargetEngine:
     per_page = 2 * cfg.num_layers * opts.page_size * cfg.num_kv_heads * cfg.head_dim * itemsize
     pages = _num_pages(opts, per_page, max_context)
     log.info("target KV pool: %d pages of %d tokens (%.1f MiB)", pages, opts.page_size, pages * per_page / 2**20)
-    return TargetEngine(model, pages, opts.page_size, opts.attention_backend, max_context, device=opts.device)
+    if opts.simulate_accept_len:
+        log.warning("SIMULATED ACCEPTANCE (--simulate-accept-len %.2f): outputs are NOT the target model's; "
+                    "for benchmarking only", opts.simulate_accept_len)
+    return TargetEngine(model, pages, opts.page_size, opts.attention_backend, max_context, device=opts.device,
+                        simulate_accept_len=opts.simulate_accept_len)
 
 
 def build_draft(path: str, target_path: str, spec: SpecConfig, opts: EngineOptions, max_context: int) -> DraftEngine:

@@ -25,7 +25,7 @@ from specdec.models.llama import LlamaForCausalLM
 from specdec.sampling import make_generator, sample, target_probs
 from specdec.sampling_params import SamplingParams
 from specdec.tree import ancestor_mask, depths, validate_tree
-from specdec.verify import verify_greedy, verify_stochastic
+from specdec.verify import verify_greedy, verify_simulated, verify_stochastic
 
 
 @dataclass
@@ -50,12 +50,14 @@ class TargetEngine:
         max_context: int | None = None,
         max_draft_tokens: int = 64,
         device: str | torch.device = "cpu",
+        simulate_accept_len: float = 0.0,
     ):
         cfg = model.cfg
+        self.simulate_accept_len = simulate_accept_len  # benchmarking only: outputs are not the target's
         self.model, self.cfg, self.device = model, cfg, torch.device(device)
         dtype = next(model.parameters()).dtype
         self.kv = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages, page_size, dtype, device)
-        self.backend = make_backend(attention_backend, self.kv)
+        self.backend = make_backend(attention_backend, self.kv, cfg.num_heads)
         self.max_context = min(max_context or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.max_draft_tokens = max_draft_tokens
         self.requests: dict[str, TargetRequest] = {}
@@ -180,7 +182,10 @@ class TargetEngine:
     def _accept(self, inp: VerifyInput, logits, hidden, aux, start: int) -> VerifyOutput:
         rid, req = inp.request_id, self.requests[inp.request_id]
         tokens, parents = list(inp.draft_tokens), list(inp.parents)
-        if req.sampling.greedy:
+        if self.simulate_accept_len:
+            verdict = verify_simulated(tokens, parents, logits.argmax(-1).tolist(), self.simulate_accept_len,
+                                       req.generator)
+        elif req.sampling.greedy:
             verdict = verify_greedy(tokens, parents, logits.argmax(-1).tolist())
         else:
             verdict = verify_stochastic(tokens, parents, target_probs(logits, req.sampling), req.generator)

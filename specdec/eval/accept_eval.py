@@ -28,6 +28,7 @@ class EvalSettings:
     temperature: float = 0.0
     batch_size: int = 1
     seed: int = 0
+    near_tie: float = NEAR_TIE  # top-2 logit gap under which a greedy difference is numerical noise
 
 
 def read_prompts(path: str, limit: int | None) -> list[str]:
@@ -89,7 +90,8 @@ def run_accept_eval(
             if pos is None:
                 continue
             entry = {"prompt": i, "position": pos}
-            near = pos < min(len(s.tokens), len(p.tokens)) and is_near_tie(target, prompt_ids[i], p.tokens[:pos])
+            near = pos < min(len(s.tokens), len(p.tokens)) and is_near_tie(
+                target, prompt_ids[i], p.tokens[:pos], settings.near_tie)
             (near_ties if near else mismatches).append(entry)
     # steps that ended a request were cut at max_new_tokens/EOS; without them tau is the pure acceptance rate
     mid = [n for r in spec for n in r.accept_lengths[:-1]]

@@ -24,6 +24,9 @@ def add_engine_args(parser: argparse.ArgumentParser, default_port: int) -> None:
     e.add_argument("--max-context", type=int, default=0, help="context length; 0 = the model's")
     e.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"],
                    help="dummy = random weights of the checkpoint's shape (benchmarking only)")
+    e.add_argument("--simulate-accept-len", type=float, default=0.0,
+                   help="BENCHMARKING ONLY (target): accept a simulated number of draft tokens per step with this "
+                        "mean tokens/step; outputs are then NOT the model's. Default off")
     e.add_argument("--disable-cuda-graph", action="store_true", help="run the GPU path eagerly (no CUDA graphs)")
 
 
@@ -31,5 +34,5 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
     return EngineOptions(
         device=args.device, dtype=args.dtype, attention_backend=args.attention_backend, page_size=args.page_size,
         num_pages=args.num_pages, max_batch_size=args.max_batch_size, max_context=args.max_context,
-        dummy_weights=args.load_format == "dummy",
+        dummy_weights=args.load_format == "dummy", simulate_accept_len=getattr(args, "simulate_accept_len", 0.0),
     ).validate()

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import threading
 
-from conftest import TINY
+from repo_paths import TINY
 
 from specdec.cli import build_parser
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from conftest import TINY
+from repo_paths import TINY
 
 from specdec.engine.draft_engine import SpecConfig
 from specdec.engine.factory import EngineOptions, build_draft, build_target

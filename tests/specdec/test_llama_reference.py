@@ -43,7 +43,7 @@ def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
 def _cache(model, page_size=4, pages=64):
     c = model.cfg
     kv = PagedKVCache(c.num_layers, c.num_kv_heads, c.head_dim, pages, page_size, torch.float32, "cpu")
-    return kv, make_backend("torch", kv)
+    return kv, make_backend("torch", kv, c.num_heads)
 
 
 def _run(model, backend, ids, positions, seqs, slots):

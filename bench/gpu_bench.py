@@ -1,0 +1,246 @@
+"""GPU benchmark (issue 6): floors, 8B-shaped plain decode and verify vs the floor, draft step times, simulated
+acceptance speedups, the tiny pair's real tau and speed, and transformers' generate, all in one run.
+
+    python bench/gpu_bench.py --out results.json            # on a CUDA machine
+    python bench/gpu_bench.py --sections floors,plain8b     # a subset
+
+Every section is timed with CUDA events after warm-up; each writes its results even if a later one fails.
+Simulated-acceptance rows are labelled SIMULATED: their outputs are not the target's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from specdec.engine.draft_engine import SpecConfig  # noqa: E402
+from specdec.engine.factory import EngineOptions, build_draft, build_target  # noqa: E402
+from specdec.engine.generate import generate  # noqa: E402
+from specdec.engine.requests import VerifyInput  # noqa: E402
+from specdec.sampling_params import SamplingParams  # noqa: E402
+
+TINY = Path(__file__).resolve().parents[1] / "models" / "tiny-code"
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _sync_time(fn, repeat=1):
+    _sync()
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        out = fn()
+    _sync()
+    return (time.perf_counter() - t0) / repeat, out
+
+
+def floors(res):
+    n = 1 << 30  # 2 GiB of bf16
+    x = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty_like(x)
+    y.copy_(x)
+    t, _ = _sync_time(lambda x=x, y=y: y.copy_(x), 10)
+    bw = 2 * x.numel() * 2 / t
+    res["copy_bandwidth_GBps"] = round(bw / 1e9, 1)
+    del x, y
+    torch.cuda.empty_cache()
+    return bw
+
+
+DEVICE = "cuda"
+
+
+def _opts(backend, **kw):
+    return EngineOptions(device=DEVICE, dtype="bfloat16" if DEVICE == "cuda" else "float32",
+                         attention_backend=backend, **kw)
+
+
+def _decode_rate(target, draft, prompts, new_tokens, **sp):
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, **sp)
+    generate(target, draft, prompts, params, max_batch_size=len(prompts))  # warm-up (JIT, allocator)
+    t, out = _sync_time(lambda: generate(target, draft, prompts, params, max_batch_size=len(prompts)))
+    toks = sum(len(r.tokens) for r in out)
+    steps = sum(r.num_verify_steps for r in out)
+    tau = sum(len(r.tokens) - 1 for r in out) / steps if steps and draft is not None else 1.0
+    return toks / t, tau
+
+
+def plain8b(res, args, bw):
+    opts = _opts(args.backend, dummy_weights=True, max_batch_size=32, max_context=4096, num_pages=8192)
+    target = build_target("llama3-8b", opts)
+    weight_bytes = sum(p.numel() * p.element_size() for p in target.model.parameters())
+    floor_s = weight_bytes / bw
+    res["weight_GB"] = round(weight_bytes / 1e9, 2)
+    res["floor_ms_per_forward"] = round(floor_s * 1e3, 3)
+    res["floor_tokens_per_s_bs1"] = round(1 / floor_s, 1)
+    prompt = [list(range(1000, 1512))]
+    rate, _ = _decode_rate(target, None, prompt, args.new_tokens)
+    res["plain_tokens_per_s_bs1"] = round(rate, 1)
+    res["plain_fraction_of_floor"] = round(rate * floor_s, 3)
+    # verify steps of 8 and 64 draft tokens at bs 1 (random weights: usually nothing accepted)
+    from specdec.engine.requests import PrefillInput
+
+    for n_draft, topk in ((8, 1), (64, 8)):
+        rid = f"v{n_draft}"
+        target.prefill([PrefillInput(rid, prompt[0], SamplingParams(max_new_tokens=10000, ignore_eos=True))])
+        parents = [-1] * topk + [i - topk for i in range(topk, n_draft)] if topk > 1 else list(range(-1, n_draft - 1))
+        inp = [VerifyInput(rid, [7] * n_draft, parents)]
+        for _ in range(3):
+            target.verify(inp)
+        t, _ = _sync_time(lambda inp=inp: target.verify(inp), 20)
+        res[f"verify_ms_{n_draft}_draft_tokens"] = round(t * 1e3, 3)
+        res[f"verify_{n_draft}_vs_floor"] = round(t / floor_s, 3)
+        target.release(rid)
+    res["note"] = "torch eager + flashinfer attention, no CUDA graphs"
+    return target
+
+
+def draft8b(res, args, target):
+    opts = _opts(args.backend, dummy_weights=True, max_batch_size=32, max_context=4096, num_pages=4096)
+    for kind in ("llama3-8b-eagle1",):
+        draft = build_draft(kind, "llama3-8b", SpecConfig(6, 1, 6), opts, target.max_context)
+        rid = "d0"
+        draft.add(rid, 2000)
+        feats = torch.randn(512, 4096, device="cuda", dtype=torch.bfloat16)
+        draft.extend([(rid, list(range(512)), feats)])
+        t, _ = _sync_time(partial(draft.propose, [rid]), 20)
+        res[f"{kind}_propose_ms_chain6"] = round(t * 1e3, 3)
+        t, _ = _sync_time(partial(_extend_and_rewind, draft, rid, feats[:4]), 20)
+        res[f"{kind}_extend4_ms"] = round(t * 1e3, 3)
+        draft.release(rid)
+    torch.cuda.empty_cache()
+
+
+def _extend_and_rewind(draft, rid, feats):
+    """Extend over 4 tokens, then drop them again so every repetition sees the same length."""
+    n = draft.requests[rid].kv_len
+    draft.extend([(rid, [5, 6, 7, 8], feats)])
+    draft.kv.resize(rid, n)
+    draft.requests[rid].kv_len = n
+
+
+def simulated(res, args, target):
+    opts = _opts(args.backend, dummy_weights=True, max_batch_size=32, max_context=4096, num_pages=4096)
+    draft = build_draft("llama3-8b-eagle1", "llama3-8b", SpecConfig(6, 1, 6), opts, target.max_context)
+    rows = []
+    for bs in args.batch_sizes:
+        prompts = [list(range(1000 + i, 1256 + i)) for i in range(bs)]
+        target.simulate_accept_len = 0.0
+        plain, _ = _decode_rate(target, None, prompts, args.new_tokens)
+        for tau in (3.0, 5.0):
+            target.simulate_accept_len = tau
+            spec, measured_tau = _decode_rate(target, draft, prompts, args.new_tokens)
+            rows.append({"bs": bs, "simulated_tau": tau, "measured_tau": round(measured_tau, 2),
+                         "plain_tok_s": round(plain, 1), "spec_tok_s": round(spec, 1),
+                         "speedup": round(spec / plain, 2)})
+            print("SIMULATED", rows[-1], flush=True)
+    target.simulate_accept_len = 0.0
+    res["SIMULATED_acceptance_rows"] = rows
+
+
+def tiny(res, args):
+    opts = _opts(args.backend, max_batch_size=32, num_pages=4096)
+    target = build_target(str(TINY / "target"), opts)
+    from specdec.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(TINY / "target")
+    lines = ["def f(x):\n"] * 32
+    if args.prompts:
+        lines = [json.loads(x)["prompt"] for x in Path(args.prompts).read_text().splitlines() if x.strip()]
+    rows = []
+    for kind, spec in (("draft", SpecConfig(5, 1, 5)), ("draft-eagle3", SpecConfig(5, 1, 5)),
+                       ("draft", SpecConfig(6, 4, 16))):
+        draft = build_draft(str(TINY / kind), str(TINY / "target"), spec, opts, target.max_context)
+        for bs in args.batch_sizes:
+            prompts = [tok.encode(p)[-256:] for p in lines[:bs]]
+            plain, _ = _decode_rate(target, None, prompts, 64)
+            rate, tau = _decode_rate(target, draft, prompts, 64)
+            rows.append({"draft": kind, "spec": f"s{spec.num_steps}k{spec.topk}d{spec.num_draft_tokens}", "bs": bs,
+                         "tau": round(tau, 2), "plain_tok_s": round(plain, 1), "spec_tok_s": round(rate, 1),
+                         "speedup": round(rate / plain, 2)})
+            print(rows[-1], flush=True)
+    res["tiny_rows"] = rows
+
+
+def hf(res, args):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specdec.models.presets import PRESETS
+
+    cfg = LlamaConfig(**{k: v for k, v in PRESETS["llama3-8b"].items() if k != "architectures"})
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).eval()
+    torch.set_default_dtype(torch.float32)
+    ids = torch.arange(1000, 1512, device="cuda").unsqueeze(0)
+    for label, kw in (("dynamic", {}), ("static", {"cache_implementation": "static"})):
+        try:
+            model.generate(ids, max_new_tokens=8, do_sample=False, **kw)
+            n = args.new_tokens
+            t, out = _sync_time(partial(model.generate, ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                        **kw))
+            new = out.shape[1] - ids.shape[1]
+            res[f"transformers_generate_{label}_tok_s_bs1"] = round(new / t, 1)
+        except Exception as exc:  # noqa: BLE001
+            res[f"transformers_generate_{label}_error"] = repr(exc)[:300]
+    model = None
+    torch.cuda.empty_cache()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="gpu_bench.json")
+    ap.add_argument("--backend", default="flashinfer")
+    ap.add_argument("--sections", default="floors,plain8b,draft8b,simulated,hf,tiny")
+    ap.add_argument("--batch-sizes", default="1,8,32")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prompts", default=None)
+    ap.add_argument("--device", default="cuda", help="cuda; cpu only smoke-tests the script (tiny section)")
+    args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    args.batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
+    gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    res = {"gpu": gpu, "torch": torch.__version__, "args": vars(args)}
+    sections = args.sections.split(",")
+    bw, target = 4.0e12, None
+    for name in sections:
+        t0 = time.time()
+        try:
+            if name == "floors":
+                bw = floors(res)
+            elif name == "plain8b":
+                target = plain8b(res, args, bw)
+            elif name == "draft8b" and target is not None:
+                draft8b(res, args, target)
+            elif name == "simulated" and target is not None:
+                simulated(res, args, target)
+            elif name == "hf":
+                if target is not None:
+                    del target
+                    target = None
+                    torch.cuda.empty_cache()
+                hf(res, args)
+            elif name == "tiny":
+                tiny(res, args)
+        except Exception:  # noqa: BLE001 - keep what the other sections measured
+            res[f"{name}_error"] = traceback.format_exc()[-2000:]
+        res[f"{name}_seconds"] = round(time.time() - t0, 1)
+        Path(args.out).write_text(json.dumps(res, indent=1))
+        print(name, "done", json.dumps({k: v for k, v in res.items() if not isinstance(v, list)})[:1500], flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

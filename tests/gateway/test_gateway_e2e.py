@@ -1,0 +1,108 @@
+"""End to end over loopback: the real target, draft and gateway as processes (as `specdec up` starts them).
+
+Short greedy generations of the bundled tiny pair on CPU. The test that kills the draft runs last in this
+module, since it takes the shared stack's draft down.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from gateway.client import GatewayClient
+from gateway.local_stack import StackConfig, temporary_stack
+from specdec.v1 import target_pb2, target_pb2_grpc
+
+PROMPTS = ["def fibonacci(n):", 'def bfs(G, source):\n    """Breadth-first search from source."""\n']
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def stack():
+    with temporary_stack(StackConfig.free_ports(), timeout_s=240) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    with GatewayClient(stack.gateway_addr, timeout_s=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def plain_texts(client):
+    return [client.complete(p, max_new_tokens=NEW_TOKENS, no_speculation=True)[0] for p in PROMPTS]
+
+
+def kv_pages_free(stack) -> tuple[int, int]:
+    with grpc.insecure_channel(stack.config.addr("target")) as channel:
+        info = target_pb2_grpc.TargetServiceStub(channel).GetModelInfo(target_pb2.TargetServiceGetModelInfoRequest())
+    return info.kv.pages_free, info.kv.pages_total
+
+
+def test_gateway_e2e_greedy_speculative_text_equals_plain(client, plain_texts):
+    for prompt, plain in zip(PROMPTS, plain_texts, strict=True):
+        text, stats = client.complete(prompt, max_new_tokens=NEW_TOKENS)
+        assert text == plain and text
+        assert stats.speculative and stats.tau > 1.0 and stats.completion_tokens <= NEW_TOKENS
+        assert stats.finish_reason in ("length", "stop")
+
+
+def test_gateway_e2e_stop_string(client, plain_texts):
+    plain = plain_texts[0]
+    stop = plain[len(plain) // 2 : len(plain) // 2 + 3]
+    text, stats = client.complete(PROMPTS[0], max_new_tokens=NEW_TOKENS, stop=[stop])
+    assert text == plain[: plain.index(stop)] and stats.finish_reason == "stop"
+
+
+def test_gateway_e2e_cancel_frees_kv(client, stack):
+    free_before, total = kv_pages_free(stack)
+    stream = client.generate(PROMPTS[1] * 4, max_new_tokens=400)
+    next(iter(stream))
+    assert kv_pages_free(stack)[0] < free_before  # the request holds pages while it runs
+    stream.cancel()
+    deadline = time.monotonic() + 10
+    while kv_pages_free(stack)[0] != free_before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert kv_pages_free(stack) == (free_before, total)
+
+
+def test_gateway_e2e_bad_input_statuses(client):
+    with pytest.raises(grpc.RpcError) as too_many:
+        client.complete("x", max_new_tokens=5000)
+    assert too_many.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "exceeds the limit 4096" in too_many.value.details()
+    with pytest.raises(grpc.RpcError) as empty:
+        client.complete("", max_new_tokens=4)
+    assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "empty" in empty.value.details()
+
+
+def test_gateway_e2e_draft_killed_mid_stream_same_text_one_stream(client, stack, plain_texts):
+    stream = client.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS)
+    chunks = iter(stream)
+    first = next(chunks)
+    os.kill(stack.process("draft").pid, signal.SIGKILL)
+    text = first + "".join(chunks)
+    assert text == plain_texts[0]
+    assert stream.stats is not None and not stream.stats.speculative
+    again, stats = client.complete(PROMPTS[1], max_new_tokens=NEW_TOKENS)  # draft down: served by the target
+    assert again == plain_texts[1] and not stats.speculative
+
+
+def test_gateway_e2e_readme_command_starts_a_local_stack():
+    """`specdec generate "def fibonacci(n):"` with nothing running: it starts and stops its own stack."""
+    result = subprocess.run(
+        [sys.executable, "-m", "specdec", "generate", "--max-new-tokens", "16", "def fibonacci(n):"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip()
+    assert "tokens/s" in result.stderr and "16 tokens" in result.stderr
