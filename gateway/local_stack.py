@@ -94,15 +94,24 @@ class LocalStack:
     def gateway_addr(self) -> str:
         return self.config.addr("gateway")
 
+    def process(self, service: str) -> subprocess.Popen:
+        """The running process of "target", "draft" or "gateway"."""
+        return self._procs[service]
+
     def addresses(self) -> dict[str, str]:
         return {name: self.config.addr(name) for name in self.config.commands()}
 
     def start(self, timeout_s: float = 180.0) -> None:
         """Start every service and wait until each reports SERVING; on failure stop them all and raise."""
-        try:
-            for name, command in self.config.commands().items():
-                self._procs[name] = subprocess.Popen(command, start_new_session=True, **self._output(name))
-            self._wait_serving(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        commands = self.config.commands()
+        try:  # the model services load side by side; the gateway starts once they serve, so it sees both up
+            for name in ("target", "draft", "gateway"):
+                if name == "gateway":
+                    self._wait_serving(deadline - time.monotonic())
+                if name in commands:
+                    self._procs[name] = subprocess.Popen(commands[name], start_new_session=True, **self._output(name))
+            self._wait_serving(deadline - time.monotonic())
         except BaseException:
             self.stop()
             raise
@@ -117,6 +126,7 @@ class LocalStack:
     def _wait_serving(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         waiting = dict(self._procs)
+        timeout_s = max(timeout_s, 0.0)
         while waiting:
             for name in list(waiting):
                 self.check_alive()

@@ -5,7 +5,7 @@ is up too serves them speculatively, otherwise through the target's plain Genera
 with the fewest streams in flight among the best class (speculative pairs first when the request wants
 speculation), round-robin among equals; the request keeps its `Lease` (and so its pair) until it ends, unless
 the pair fails under it. A part that fails a call is marked down at once (`report_failure`); the health loop
-probes every part and brings it back when it answers SERVING again.
+probes every part (every 0.25 s while some part is down) and brings it back when it answers SERVING again.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from specdec.rpc.tls import TlsConfig
 
 log = logging.getLogger(__name__)
 
-STARTUP_POLL_S = 0.25  # health-check interval while no pair is up yet
+FAST_POLL_S = 0.25  # health-check interval while some part of some pair is down
 
 
 class Part(enum.Enum):
@@ -160,7 +160,10 @@ class Router:
                 await self.check_once()
             except Exception:  # a bug here must not stop routing; the next round tries again
                 log.exception("health check round failed")
-            await asyncio.sleep(self._health_interval_s if self.pairs_up else STARTUP_POLL_S)
+            await asyncio.sleep(FAST_POLL_S if self._any_part_down() else self._health_interval_s)
+
+    def _any_part_down(self) -> bool:
+        return any(not p.target_up or (p.draft is not None and not p.draft_up) for p in self.pairs)
 
     def start(self) -> None:
         """Start the background health loop (call inside the event loop)."""

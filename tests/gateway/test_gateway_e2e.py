@@ -61,16 +61,21 @@ def test_gateway_e2e_stop_string(client, plain_texts):
     assert text == plain[: plain.index(stop)] and stats.finish_reason == "stop"
 
 
+def wait_all_pages_free(stack, timeout_s: float = 10.0) -> tuple[int, int]:
+    deadline = time.monotonic() + timeout_s
+    while (kv := kv_pages_free(stack))[0] != kv[1] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return kv
+
+
 def test_gateway_e2e_cancel_frees_kv(client, stack):
-    free_before, total = kv_pages_free(stack)
+    free, total = wait_all_pages_free(stack)  # also proves the stop-string request above released its pages
+    assert free == total
     stream = client.generate(PROMPTS[1] * 4, max_new_tokens=400)
     next(iter(stream))
-    assert kv_pages_free(stack)[0] < free_before  # the request holds pages while it runs
+    assert kv_pages_free(stack)[0] < total  # the request holds pages while it runs
     stream.cancel()
-    deadline = time.monotonic() + 10
-    while kv_pages_free(stack)[0] != free_before and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert kv_pages_free(stack) == (free_before, total)
+    assert wait_all_pages_free(stack) == (total, total)
 
 
 def test_gateway_e2e_bad_input_statuses(client):
