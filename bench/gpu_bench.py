@@ -106,6 +106,21 @@ def plain8b(res, args, bw):
     return target
 
 
+def profile8b(res, args, target):
+    """Where a bs-1 plain decode step of the 8B shape spends its time (CPU launch overhead vs GPU kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompts = [list(range(1000, 1512))]
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    generate(target, None, prompts, params)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        generate(target, None, prompts, params)
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+    table_gpu = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15)
+    Path(args.out).with_suffix(".profile.txt").write_text(table + "\n\n" + table_gpu)
+    res["profile_written"] = str(Path(args.out).with_suffix(".profile.txt"))
+
+
 def draft8b(res, args, target):
     opts = _opts(args.backend, dummy_weights=True, max_batch_size=32, max_context=4096, num_pages=4096)
     for kind in ("llama3-8b-eagle1",):
@@ -202,7 +217,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gpu_bench.json")
     ap.add_argument("--backend", default="flashinfer")
-    ap.add_argument("--sections", default="floors,plain8b,draft8b,simulated,hf,tiny")
+    ap.add_argument("--sections", default="floors,plain8b,profile,draft8b,simulated,tiny,hf")
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompts", default=None)
@@ -222,6 +237,8 @@ def main() -> int:
                 bw = floors(res)
             elif name == "plain8b":
                 target = plain8b(res, args, bw)
+            elif name == "profile" and target is not None:
+                profile8b(res, args, target)
             elif name == "draft8b" and target is not None:
                 draft8b(res, args, target)
             elif name == "simulated" and target is not None:

@@ -48,12 +48,14 @@ class FlashInferAttention:
                 masks.append(visibility_mask(s, "cpu").reshape(-1))
         dev = kv.k.device
         mask = torch.cat(masks).to(dev, non_blocking=True) if custom else None
+
+        def on_dev(values) -> torch.Tensor:  # flashinfer packs custom masks on the GPU from these
+            return torch.tensor(values, dtype=torch.int32).to(dev, non_blocking=True)
+
         self.wrapper.plan(
-            torch.tensor(qo, dtype=torch.int32), torch.tensor(kv_ptr, dtype=torch.int32),
-            torch.cat(pages).to(torch.int32).to(dev, non_blocking=True), torch.tensor(last, dtype=torch.int32),
+            on_dev(qo), on_dev(kv_ptr), torch.cat(pages).to(torch.int32).to(dev, non_blocking=True), on_dev(last),
             self.num_qo_heads, kv.k.shape[2], kv.k.shape[3], ps, custom_mask=mask, causal=not custom,
-            sm_scale=kv.k.shape[3] ** -0.5,
-            q_data_type=kv.k.dtype, kv_data_type=kv.k.dtype,
+            sm_scale=kv.k.shape[3] ** -0.5, q_data_type=kv.k.dtype, kv_data_type=kv.k.dtype,
         )
         self._write_slots = batch.write_slots.to(dev, non_blocking=True)
         return batch
