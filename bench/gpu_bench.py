@@ -88,7 +88,15 @@ def plain8b(res, args, bw):
     rate, _ = _decode_rate(target, None, prompt, args.new_tokens)
     res["plain_tokens_per_s_bs1"] = round(rate, 1)
     res["plain_fraction_of_floor"] = round(rate * floor_s, 3)
-    # verify steps of 8 and 64 draft tokens at bs 1 (random weights: usually nothing accepted)
+    try:
+        _verify_times(res, target, prompt, floor_s)
+    except Exception:  # noqa: BLE001 - keep the target for the other sections
+        res["verify8b_error"] = traceback.format_exc()[-1500:]
+    res["note"] = "torch eager + flashinfer attention, no CUDA graphs"
+    return target
+
+
+def _verify_times(res, target, prompt, floor_s):
     from specdec.engine.requests import PrefillInput
 
     for n_draft, topk in ((8, 1), (64, 8)):
@@ -102,8 +110,6 @@ def plain8b(res, args, bw):
         res[f"verify_ms_{n_draft}_draft_tokens"] = round(t * 1e3, 3)
         res[f"verify_{n_draft}_vs_floor"] = round(t / floor_s, 3)
         target.release(rid)
-    res["note"] = "torch eager + flashinfer attention, no CUDA graphs"
-    return target
 
 
 def profile8b(res, args, target):

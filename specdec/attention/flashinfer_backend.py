@@ -28,7 +28,8 @@ class FlashInferAttention:
         if dev.type != "cuda":
             raise ValueError("the flashinfer backend needs a CUDA device (use --attention-backend torch on CPU)")
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
-        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, kv_layout="NHD")
+        # fa2: flashinfer 0.5.3's SM90 (fa3) kernels reject custom masks ("operation not supported")
+        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, kv_layout="NHD", backend="fa2")
         self._planned: AttentionBatch | None = None
         self._write_slots: torch.Tensor | None = None
 

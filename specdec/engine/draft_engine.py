@@ -141,8 +141,9 @@ class DraftEngine:
         f_tokens = torch.stack([r.topk_index for r in reqs])  # [b, k] frontier tokens
         f_scores = torch.stack([r.topk_p for r in reqs]).float()  # [b, k]
         f_hidden = torch.stack([r.hidden for r in reqs]).unsqueeze(1).expand(b, k, -1)  # [b, k, hidden]
-        f_cand = torch.arange(k).expand(b, k)  # [b, k] candidate index of each frontier node
-        cand_tokens, cand_scores, cand_parents = [f_tokens], [f_scores], [torch.full((b, k), -1)]
+        dev = f_tokens.device
+        f_cand = torch.arange(k, device=dev).expand(b, k)  # [b, k] candidate index of each frontier node
+        cand_tokens, cand_scores, cand_parents = [f_tokens], [f_scores], [torch.full((b, k), -1, device=dev)]
         ancestors = [[[j] for j in range(k)] for _ in range(b)]  # temp-slot indices of fed ancestors
         for depth in range(1, steps):
             out = self._step(rids, reqs, f_tokens, f_hidden, depth, ancestors)  # [b, k, hidden]
