@@ -4,7 +4,7 @@ Used by the image HEALTHCHECK (docker, compose) and by the Helm chart's exec pro
 native gRPC probe cannot speak TLS). Settings come from flags, falling back to environment variables, so the
 same image serves every role:
   SPECDEC_HEALTH_ADDR     host:port to check (default localhost:$SPECDEC_HEALTH_PORT, port default 50050)
-  SPECDEC_HEALTH_SERVICE  grpc.health.v1 service name (default "specdec.v1.Gateway")
+  SPECDEC_HEALTH_SERVICE  grpc.health.v1 service name (default "specdec.v1.GatewayService")
   SPECDEC_HEALTH_TLS_CA / _CERT / _KEY / _SERVER_NAME   switch to TLS (client cert optional)
 """
 
@@ -20,7 +20,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     default_addr = env("SPECDEC_HEALTH_ADDR") or f"localhost:{env('SPECDEC_HEALTH_PORT', '50050')}"
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--addr", default=default_addr)
-    parser.add_argument("--service", default=env("SPECDEC_HEALTH_SERVICE", "specdec.v1.Gateway"))
+    parser.add_argument("--service", default=env("SPECDEC_HEALTH_SERVICE", "specdec.v1.GatewayService"))
     parser.add_argument("--timeout", type=float, default=float(env("SPECDEC_HEALTH_TIMEOUT", "4")))
     parser.add_argument("--tls-ca", default=env("SPECDEC_HEALTH_TLS_CA", ""))
     parser.add_argument("--tls-cert", default=env("SPECDEC_HEALTH_TLS_CERT", ""))

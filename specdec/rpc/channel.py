@@ -22,13 +22,19 @@ from specdec.rpc.tls import TlsConfig
 
 
 def make_channel(
-    addr: str, tls: TlsConfig | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    addr: str,
+    tls: TlsConfig | None = None,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    interceptors=None,
 ) -> grpc.aio.Channel:
-    """An aio channel to `addr` ("host:port"); plaintext without `tls`. Close with `await channel.close()`."""
+    """An aio channel to `addr` ("host:port"); plaintext without `tls`. Close with `await channel.close()`.
+
+    interceptors: client interceptors, e.g. `specdec.telemetry.grpc_tracing.client_interceptors()`."""
     options = channel_options(max_message_bytes)
+    interceptors = list(interceptors) if interceptors else None
     if tls is None:
-        return grpc.aio.insecure_channel(addr, options=options)
-    return grpc.aio.secure_channel(addr, tls.channel_credentials(), options=options)
+        return grpc.aio.insecure_channel(addr, options=options, interceptors=interceptors)
+    return grpc.aio.secure_channel(addr, tls.channel_credentials(), options=options, interceptors=interceptors)
 
 
 async def wait_for_serving(

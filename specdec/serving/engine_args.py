@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from specdec.engine.factory import EngineOptions
-
 
 def add_engine_args(parser: argparse.ArgumentParser, default_port: int) -> None:
     g = parser.add_argument_group("server")
@@ -30,7 +28,9 @@ def add_engine_args(parser: argparse.ArgumentParser, default_port: int) -> None:
     e.add_argument("--disable-cuda-graph", action="store_true", help="run the GPU path eagerly (no CUDA graphs)")
 
 
-def engine_options(args: argparse.Namespace) -> EngineOptions:
+def engine_options(args: argparse.Namespace):
+    from specdec.engine.factory import EngineOptions  # torch: imported only when a service starts
+
     return EngineOptions(
         device=args.device, dtype=args.dtype, attention_backend=args.attention_backend, page_size=args.page_size,
         num_pages=args.num_pages, max_batch_size=args.max_batch_size, max_context=args.max_context,

@@ -44,7 +44,10 @@ def bind_request_id(request_id: str | None) -> Iterator[None]:
     try:
         yield
     finally:
-        request_id_var.reset(token)
+        try:
+            request_id_var.reset(token)
+        except ValueError:  # a streaming handler closed from another context (client cancel): nothing to undo
+            pass
 
 
 class ContextFilter(logging.Filter):

@@ -37,7 +37,7 @@ FULL = f"{RELEASE}-specdec"
 # API schemas, so these are checked by the assertions below instead of against a schema.
 CRD_KINDS = {"ServiceMonitor"}
 HEALTH_NAMES = {
-    "gateway": "specdec.v1.Gateway",
+    "gateway": "specdec.v1.GatewayService",
     "draft": "specdec.v1.DraftService",
     "target": "specdec.v1.TargetService",
 }
@@ -512,7 +512,7 @@ def test_notes_show_port_forward_and_grpcurl():
     proc = run_helm("install", RELEASE, str(CHART), "--dry-run=client", "--namespace", NAMESPACE)
     notes = proc.stdout.split("NOTES:", 1)[1]
     assert f"port-forward svc/{FULL}-gateway 50050:50050" in notes
-    assert "grpcurl -plaintext" in notes and "specdec.v1.Gateway/Generate" in notes
+    assert "grpcurl -plaintext" in notes and "specdec.v1.GatewayService/Generate" in notes
     assert f"helm test {RELEASE}" in notes
 
 
