@@ -44,10 +44,9 @@ def bind_request_id(request_id: str | None) -> Iterator[None]:
     try:
         yield
     finally:
-        try:
+        # a streaming handler closed from another context (client cancel) has nothing to undo
+        with contextlib.suppress(ValueError):
             request_id_var.reset(token)
-        except ValueError:  # a streaming handler closed from another context (client cancel): nothing to undo
-            pass
 
 
 class ContextFilter(logging.Filter):
