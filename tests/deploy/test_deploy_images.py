@@ -105,7 +105,11 @@ def test_healthcheck_defaults_come_from_the_environment(monkeypatch):
 def test_compose_file_wires_the_three_services():
     compose = yaml.safe_load((REPO / "deploy" / "compose.yaml").read_text())
     services = compose["services"]
-    health = {"target": ("50052", "TargetService"), "draft": ("50051", "DraftService"), "gateway": ("50050", "GatewayService")}
+    health = {
+        "target": ("50052", "TargetService"),
+        "draft": ("50051", "DraftService"),
+        "gateway": ("50050", "GatewayService"),
+    }
     for name, (port, health_name) in health.items():
         svc = services[name]
         assert svc["command"][0] == f"serve-{name}"
