@@ -26,8 +26,8 @@ class Eagle1Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, positions, rope, backend, batch):
-        x = x + self.self_attn(x, positions, rope, backend, batch)
+    def forward(self, x, rot, backend, batch):
+        x = x + self.self_attn(x, rot, backend, batch)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -40,9 +40,9 @@ class Eagle3MidLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, embeds, g, positions, rope, backend, batch):
+    def forward(self, embeds, g, rot, backend, batch):
         attn_in = torch.cat([self.input_layernorm(embeds), self.hidden_norm(g)], dim=-1)
-        x = g + self.self_attn(attn_in, positions, rope, backend, batch)
+        x = g + self.self_attn(attn_in, rot, backend, batch)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -85,9 +85,9 @@ class EagleDraft(nn.Module):
         embeds = self.embed_tokens(input_ids).to(features.dtype)
         if self.cfg.kind == "eagle1":
             x = self.fc(torch.cat([embeds, features], dim=-1))
-            return self.layers[0](x, positions, self.rope, backend, batch)
+            return self.layers[0](x, self.rope.at(positions, x.dtype), backend, batch)
         g = self.fc(features) if features.shape[-1] != self.cfg.hidden_size else features
-        return self.midlayer(embeds, g, positions, self.rope, backend, batch)
+        return self.midlayer(embeds, g, self.rope.at(positions, g.dtype), backend, batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, draft_vocab] float32
         if self.cfg.kind == "eagle1":

@@ -18,10 +18,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # HF semantics: normalise in float32, cast back, then scale
+        normed = nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -53,10 +52,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotation:
+        """The rotation for this forward's positions, gathered once and shared by every layer."""
+        return Rotation(self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype))
+
+
+class Rotation:
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
+        self.cos, self.sin = cos, sin  # [num_tokens, 1, head_dim]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor):
+        return q * self.cos + _rotate_half(q) * self.sin, k * self.cos + _rotate_half(k) * self.sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -71,8 +77,20 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
+        self.gate_up: torch.Tensor | None = None  # [2 * intermediate, hidden] after fuse()
+
+    def fuse(self) -> None:
+        """One matmul for gate and up: the two weights become views of one tensor (no extra memory)."""
+        fused = torch.cat([self.gate_proj.weight.data, self.up_proj.weight.data])
+        n = self.gate_proj.out_features
+        self.gate_proj.weight.data, self.up_proj.weight.data = fused[:n], fused[n:]
+        self.gate_up = fused
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:
+            return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = nn.functional.linear(x, self.gate_up).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
 
 
 class Attention(nn.Module):
@@ -88,13 +106,29 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(in_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
+        self.qkv: torch.Tensor | None = None  # [(heads + 2 * kv_heads) * head_dim, in] after fuse()
 
-    def forward(self, x, positions, rope: RotaryEmbedding, backend, batch: AttentionBatch) -> torch.Tensor:
+    def fuse(self) -> None:
+        """One matmul for q, k and v: the three weights become views of one tensor (no extra memory)."""
+        fused = torch.cat([self.q_proj.weight.data, self.k_proj.weight.data, self.v_proj.weight.data])
+        nq, nk = self.q_proj.out_features, self.k_proj.out_features
+        self.q_proj.weight.data, self.k_proj.weight.data = fused[:nq], fused[nq : nq + nk]
+        self.v_proj.weight.data = fused[nq + nk :]
+        self.qkv = fused
+
+    def _project(self, x):
+        if self.qkv is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        nq, nk = self.q_proj.out_features, self.k_proj.out_features
+        return nn.functional.linear(x, self.qkv).split([nq, nk, nk], dim=-1)
+
+    def forward(self, x, rot: Rotation, backend, batch: AttentionBatch) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        q, k, v = self._project(x)
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        q, k = rot(q, k)
         out = backend.forward(self.layer_id, q, k, v, batch, self.scale)  # [n, heads, head_dim]
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
@@ -109,6 +143,6 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, positions, rope, backend, batch):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, backend, batch)
+    def forward(self, x, rot: Rotation, backend, batch):
+        x = x + self.self_attn(self.input_layernorm(x), rot, backend, batch)
         return x + self.mlp(self.post_attention_layernorm(x))

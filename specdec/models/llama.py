@@ -50,10 +50,11 @@ class LlamaForCausalLM(nn.Module):
     ) -> TargetOutput:
         x = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
         aux = []
+        rot = self.rope.at(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
             if i in aux_layers:
                 aux.append(x)
-            x = layer(x, positions, self.rope, backend, batch)
+            x = layer(x, rot, backend, batch)
         if len(self.model.layers) in aux_layers:  # "input of layer L" = the residual stream before the final norm
             aux.append(x)
         aux_out = None

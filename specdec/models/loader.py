@@ -94,6 +94,7 @@ def load_target(
         tensors = load_tensors(path, names, dtype=dtype, device=device, on_file=_progress)
         _fill(model, tensors, str(path), skip=skip)
     model.tie_weights()
+    fuse_projections(model)
     return model.eval()
 
 
@@ -123,12 +124,21 @@ def load_draft(
     model = _build(EagleDraft, cfg, device, dtype, max_positions)
     if dummy:
         _random_init(model, seed=1)  # d2t stays zero: draft id == target id
+        fuse_projections(model)
         return model.eval()
     own = load_tensors(path, draft_names, dtype=dtype, device=device, on_file=_progress)
     own.pop("t2d", None)  # the draft->target map d2t is all we need
     shared = _shared_from_target(model, cfg, target_path, dtype, device, have=own)
     _fill(model, {**shared, **own}, str(path))
+    fuse_projections(model)
     return model.eval()
+
+
+def fuse_projections(model: nn.Module) -> None:
+    """q/k/v and gate/up as single matmuls (fewer kernel launches per layer); weights stay where they are."""
+    for module in model.modules():
+        if hasattr(module, "fuse"):
+            module.fuse()
 
 
 def _shared_from_target(model, cfg, target_path, dtype, device, have) -> dict:
