@@ -31,6 +31,7 @@ class EngineOptions:
     max_context: int = 0  # 0 = the model's max_position_embeddings
     dummy_weights: bool = False
     simulate_accept_len: float = 0.0  # target only; benchmarking: accepted lengths are simulated
+    cuda_graphs: bool = True  # used on CUDA with the flashinfer backend; --disable-cuda-graph turns them off
 
     def validate(self) -> EngineOptions:
         if not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -67,8 +68,10 @@ def build_target(path: str, opts: EngineOptions) -> TargetEngine:
     if opts.simulate_accept_len:
         log.warning("SIMULATED ACCEPTANCE (--simulate-accept-len %.2f): outputs are NOT the target model's; "
                     "for benchmarking only", opts.simulate_accept_len)
+    graphs = opts.cuda_graphs and opts.device.startswith("cuda") and opts.attention_backend == "flashinfer"
     return TargetEngine(model, pages, opts.page_size, opts.attention_backend, max_context, device=opts.device,
-                        simulate_accept_len=opts.simulate_accept_len)
+                        max_batch_size=opts.max_batch_size, simulate_accept_len=opts.simulate_accept_len,
+                        cuda_graphs=graphs)
 
 
 def build_draft(path: str, target_path: str, spec: SpecConfig, opts: EngineOptions, max_context: int) -> DraftEngine:

@@ -4,6 +4,12 @@ One `step()`: admit waiting requests (target prefill, draft extend over the prom
 propose trees (draft), verify them in one call (target), and extend the draft over what was accepted. With no
 draft the same loop is plain decoding (empty trees). `target` is anything with the TargetEngine methods
 `prefill`, `verify` and `release`: the engine itself in-process, or the draft service's gRPC client.
+
+Tracing (OpenTelemetry API only; off and free unless the service set it up): a request added with its trace
+context gets its target prefill inside that context. Each step decides once, via `step_spans`
+(`SPECDEC_STEP_SPAN_RATIO`), whether it records `draft.propose`, `draft.verify` (the Verify RPC's spans become
+its children) and `draft.extend`. A step covers a whole batch, so its spans are parented to the first request
+of the batch whose trace is sampled and linked to every other request's span (`batch_parent`).
 """
 
 from __future__ import annotations
@@ -12,13 +18,16 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from specdec.engine.draft_engine import DraftEngine
 from specdec.engine.requests import ABORT, RUNNING, PrefillInput, StepTimings, VerifyInput
-from specdec.errors import SpecdecError
+from specdec.errors import NotReady, OutOfPages, SpecdecError
 from specdec.sampling_params import SamplingParams
+from specdec.telemetry.tracing import StepSpanSampler, attached, batch_parent
 
 log = logging.getLogger(__name__)
+QUEUE_POLL_S = 0.01  # how often a request waiting for KV pages retries its admission
 
 
 @dataclass
@@ -42,12 +51,19 @@ class RunState:
     num_verify_steps: int = 0
     num_draft_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    blocked_since: float | None = None  # when admission first found the KV pools too full for it
+    trace_context: Any = None  # the request's OpenTelemetry context (None: not traced)
 
 
 class Scheduler:
     def __init__(self, target, draft: DraftEngine | None, max_context: int, max_batch_size: int = 64,
-                 feature_layers: tuple[int, ...] = ()):
+                 feature_layers: tuple[int, ...] = (), max_queue_wait_s: float = 0.0,
+                 step_spans: StepSpanSampler | None = None):
         self.target, self.draft = target, draft
+        self.step_spans = step_spans or StepSpanSampler(0.0)  # default: no step spans
+        # a request refused for lack of KV pages waits (FIFO) up to this long, then fails OutOfPages; 0: at once
+        self.max_queue_wait_s = max_queue_wait_s
+        self._retry_at = 0.0  # while the pools are full: when the queue head may try again
         self.max_context, self.max_batch_size = max_context, max_batch_size
         self.feature_layers = feature_layers
         self.waiting: deque[RunState] = deque()
@@ -56,8 +72,9 @@ class Scheduler:
         self.timings = StepTimings()
 
     # ---- queue ----------------------------------------------------------------------------------------------
-    def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> RunState:
-        state = RunState(request_id, list(prompt_ids), sampling)
+    def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, trace_context=None) -> RunState:
+        """Queue a request; `trace_context` (see `current_trace_context`) parents its spans on this thread."""
+        state = RunState(request_id, list(prompt_ids), sampling, trace_context=trace_context)
         self.waiting.append(state)
         return state
 
@@ -72,9 +89,12 @@ class Scheduler:
     # ---- one step -------------------------------------------------------------------------------------------
     def step(self) -> list[Event]:
         events = self._apply_aborts()
+        events += self._expire_blocked()
         events += self._admit()
         if self.running:
             events += self._decode()
+        elif self.waiting and self._retry_at:  # waiting for pages held elsewhere: do not spin
+            time.sleep(max(0.0, self._retry_at - time.monotonic()))
         return events
 
     def _apply_aborts(self) -> list[Event]:
@@ -90,19 +110,47 @@ class Scheduler:
         self._aborts.clear()
         return events
 
+    def _expire_blocked(self) -> list[Event]:
+        """Requests that waited max_queue_wait_s for KV pages fail with OutOfPages (RESOURCE_EXHAUSTED)."""
+        now, events = time.monotonic(), []
+        for state in [s for s in self.waiting if s.blocked_since is not None]:
+            waited = now - state.blocked_since
+            if waited >= self.max_queue_wait_s:
+                self.waiting.remove(state)
+                err = OutOfPages(f"KV pool full: waited {waited:.1f} s for pages (limit {self.max_queue_wait_s:g} s)")
+                events.append(Event(state.request_id, [], ABORT, error=err))
+        if not self.waiting:
+            self._retry_at = 0.0
+        return events
+
+    def _block_waiting(self) -> None:
+        now = time.monotonic()
+        for state in self.waiting:
+            if state.blocked_since is None:
+                state.blocked_since = now
+        self._retry_at = now + QUEUE_POLL_S
+
     def _admit(self) -> list[Event]:
         events, extend = [], []
+        if self._retry_at and time.monotonic() < self._retry_at:
+            return events
+        self._retry_at = 0.0
         while self.waiting and len(self.running) < self.max_batch_size:
             state = self.waiting.popleft()
             rid = state.request_id
             try:
                 if self.draft is not None:
                     self.draft.add(rid, len(state.prompt_ids) + state.sampling.max_new_tokens)
-                out = self.target.prefill([PrefillInput(rid, state.prompt_ids, state.sampling,
-                                                        self.feature_layers, self.draft is not None)])[0]
+                with attached(state.trace_context):  # the Prefill RPC joins the request's trace
+                    out = self.target.prefill([PrefillInput(rid, state.prompt_ids, state.sampling,
+                                                            self.feature_layers, self.draft is not None)])[0]
             except SpecdecError as exc:
                 if self.draft is not None and rid in self.draft.requests:
                     self.draft.release(rid)
+                if isinstance(exc, OutOfPages) and self.max_queue_wait_s > 0:
+                    self.waiting.appendleft(state)  # wait (FIFO) until pages free up or the limit passes
+                    self._block_waiting()
+                    break
                 events.append(Event(rid, [], ABORT, error=exc))
                 continue
             state.num_generated = 1
@@ -115,23 +163,44 @@ class Scheduler:
             if self.draft is not None:
                 extend.append((rid, state.prompt_ids[1:] + [out.first_token], out.features))
         if extend:
-            t0 = time.perf_counter()
-            self.draft.extend(extend)
-            self.timings.extend_s += time.perf_counter() - t0
+            self._extend(extend, self._step_trace([self.running[rid] for rid, _, _ in extend]), "draft.extend_prompt")
         return events
+
+    def _step_trace(self, states: list[RunState]) -> tuple[bool, Any, list]:
+        """(sampled, parent context, links) for one step's spans over `states`."""
+        if not self.step_spans.sample_step():
+            return False, None, []
+        parent, links = batch_parent([s.trace_context for s in states])
+        return parent is not None, parent, links
+
+    def _extend(self, extend: list, trace: tuple[bool, Any, list], name: str = "draft.extend") -> None:
+        sampled, parent, links = trace
+        t0 = time.perf_counter()
+        with self.step_spans.span(name, sampled, links, parent, batch_size=len(extend)):
+            self.draft.extend(extend)
+        self.timings.extend_s += time.perf_counter() - t0
 
     def _decode(self) -> list[Event]:
         rids = list(self.running)
-        trees = self._propose(rids)
+        trace = sampled, parent, links = self._step_trace([self.running[rid] for rid in rids])
+        with self.step_spans.span("draft.propose", sampled, links, parent, batch_size=len(rids)) as span:
+            trees = self._propose(rids)
+            num_draft_tokens = sum(len(t.tokens) for t in trees)
+            if span is not None:
+                span.set_attribute("num_draft_tokens", num_draft_tokens)
         t0 = time.perf_counter()
         try:
-            outputs = self.target.verify(
-                [VerifyInput(rid, list(t.tokens), list(t.parents)) for rid, t in zip(rids, trees, strict=True)]
-            )
+            with self.step_spans.span("draft.verify", sampled, links, parent, batch_size=len(rids),
+                                      num_draft_tokens=num_draft_tokens) as span:
+                outputs = self.target.verify(
+                    [VerifyInput(rid, list(t.tokens), list(t.parents)) for rid, t in zip(rids, trees, strict=True)]
+                )
+                if span is not None:
+                    span.set_attribute("accepted", sum(out.num_accepted_drafts for out in outputs))
         except SpecdecError as exc:  # the whole batch failed (e.g. the target went away)
             log.error("verify failed for %d requests: %s", len(rids), exc)
-            for rid in rids:
-                self._finish(rid, release_target=False)
+            for rid in rids:  # a target that answered (malformed reply) may still hold them; a dead one not
+                self._finish(rid, release_target=not isinstance(exc, NotReady))
             return [Event(rid, [], ABORT, error=exc) for rid in rids]
         self.timings.verify_s += time.perf_counter() - t0
         events, extend = [], []
@@ -145,9 +214,7 @@ class Scheduler:
             elif self.draft is not None:
                 extend.append((out.request_id, out.tokens, out.features))
         if extend:
-            t0 = time.perf_counter()
-            self.draft.extend(extend)
-            self.timings.extend_s += time.perf_counter() - t0
+            self._extend(extend, trace)
         return events
 
     def _propose(self, rids: list[str]) -> list:

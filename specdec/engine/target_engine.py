@@ -50,7 +50,9 @@ class TargetEngine:
         max_context: int | None = None,
         max_draft_tokens: int = 64,
         device: str | torch.device = "cpu",
+        max_batch_size: int = 64,
         simulate_accept_len: float = 0.0,
+        cuda_graphs: bool = False,
     ):
         cfg = model.cfg
         self.simulate_accept_len = simulate_accept_len  # benchmarking only: outputs are not the target's
@@ -62,6 +64,13 @@ class TargetEngine:
         self.max_draft_tokens = max_draft_tokens
         self.requests: dict[str, TargetRequest] = {}
         self._reserved = 0
+        self.graphs = None
+        if cuda_graphs:
+            from specdec.engine.cuda_graphs import TargetGraphs
+
+            scratch = self.kv.pool.alloc(-(-(max_draft_tokens + 1) // page_size))  # padding rows live here
+            self._reserved += len(scratch)
+            self.graphs = TargetGraphs(model, self.kv, scratch, self.max_context, max_batch_size)
 
     # ---- admission --------------------------------------------------------------------------------------
     @property
@@ -171,7 +180,7 @@ class TargetEngine:
             seqs.append(SeqAttention(ctx, n, mask))
             slots.append(ctx[req.kv_len :])
             rows.append(n)
-        hidden, aux = self._forward(ids, torch.cat(pos), seqs, torch.cat(slots), inputs)
+        hidden, aux = self._forward(ids, torch.cat(pos), seqs, torch.cat(slots), inputs, graphable=True)
         logits = self.model.compute_logits(hidden)  # [num_tokens, vocab]
         outputs, start = [], 0
         for inp, n in zip(inputs, rows, strict=True):
@@ -234,15 +243,20 @@ class TargetEngine:
             raise UnknownRequest(f"unknown request id {rid!r}")
         return req
 
-    def _forward(self, ids, positions, seqs, write_slots, inputs):
-        layers = sorted({i for inp in inputs for i in self.requests[inp.request_id].feature_layers})
-        batch = self.backend.plan(AttentionBatch(seqs, write_slots))
-        out = self.model(
-            torch.tensor(ids, device=self.device), positions.to(self.device), self.backend, batch, tuple(layers)
-        )
+    def _forward(self, ids, positions, seqs, write_slots, inputs, graphable: bool = False):
+        layers = tuple(sorted({i for inp in inputs for i in self.requests[inp.request_id].feature_layers}))
+        n = seqs[0].num_q
+        if graphable and self.graphs is not None and all(s.num_q == n for s in seqs) and \
+                self.graphs.usable(len(seqs), n):
+            hidden, aux_cat = self.graphs.run(ids, positions.to(self.device), seqs, write_slots, n, layers)
+        else:
+            batch = self.backend.plan(AttentionBatch(seqs, write_slots))
+            out = self.model(torch.tensor(ids, device=self.device), positions.to(self.device), self.backend, batch,
+                             layers)
+            hidden, aux_cat = out.hidden, out.aux
         h = self.cfg.hidden_size
-        aux = {layer: out.aux[:, j * h : (j + 1) * h] for j, layer in enumerate(layers)} if layers else {}
-        return out.hidden, aux
+        aux = {layer: aux_cat[:, j * h : (j + 1) * h] for j, layer in enumerate(layers)} if layers else {}
+        return hidden, aux
 
     @staticmethod
     def _features(req: TargetRequest, hidden, aux: dict, rows: torch.Tensor) -> torch.Tensor:
@@ -259,5 +273,6 @@ class TargetEngine:
         return [sample(p, req.generator) for p in probs]
 
     def kv_stats(self) -> tuple[int, int, int]:
-        """(page_size, pages_total, pages_free)"""
-        return self.kv.page_size, self.kv.num_total_pages, self.kv.num_free_pages
+        """(page_size, pages_total, pages_free); pages set aside for CUDA-graph padding are not counted"""
+        scratch = len(self.graphs.scratch_pages) if self.graphs is not None else 0
+        return self.kv.page_size, self.kv.num_total_pages - scratch, self.kv.num_free_pages

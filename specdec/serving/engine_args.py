@@ -11,6 +11,9 @@ def add_engine_args(parser: argparse.ArgumentParser, default_port: int) -> None:
     g.add_argument("--port", type=int, default=default_port, help=f"gRPC port, default {default_port}")
     g.add_argument("--drain-seconds", type=float, default=30.0,
                    help="on SIGTERM, how long running requests may take to finish, default 30")
+    g.add_argument("--max-queue-wait-seconds", type=float, default=30.0,
+                   help="how long a request may wait for KV pages before RESOURCE_EXHAUSTED (0 = refuse at "
+                        "once), default 30")
     e = parser.add_argument_group("engine")
     e.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N, default cpu")
     e.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -35,4 +38,5 @@ def engine_options(args: argparse.Namespace):
         device=args.device, dtype=args.dtype, attention_backend=args.attention_backend, page_size=args.page_size,
         num_pages=args.num_pages, max_batch_size=args.max_batch_size, max_context=args.max_context,
         dummy_weights=args.load_format == "dummy", simulate_accept_len=getattr(args, "simulate_accept_len", 0.0),
+        cuda_graphs=not args.disable_cuda_graph,
     ).validate()

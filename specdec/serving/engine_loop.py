@@ -19,6 +19,7 @@ from specdec.engine.requests import RUNNING
 from specdec.engine.scheduler import Event, Scheduler
 from specdec.errors import NotReady, SpecdecError
 from specdec.sampling_params import SamplingParams
+from specdec.telemetry.tracing import current_trace_context
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,8 @@ class EngineLoop:
         """Add a request to the scheduler and yield its events until it finishes; leaving early aborts it."""
         loop = asyncio.get_running_loop()
         s = _Stream(asyncio.Queue(), loop)
-        await self.call(self._add_stream, request_id, prompt_ids, sampling, s)
+        # the caller's trace (contextvars do not reach the engine thread): parents the request's spans there
+        await self.call(self._add_stream, request_id, prompt_ids, sampling, s, current_trace_context())
         finished = False
         try:
             while True:
@@ -97,13 +99,13 @@ class EngineLoop:
             if not finished:
                 await asyncio.shield(self.call(self._abort_stream, request_id))
 
-    def _add_stream(self, request_id, prompt_ids, sampling, stream: _Stream) -> None:
+    def _add_stream(self, request_id, prompt_ids, sampling, stream: _Stream, trace_context=None) -> None:
         from specdec.errors import DuplicateRequest
 
         if request_id in self._streams:
             raise DuplicateRequest(f"request {request_id!r} is already running")
         self._streams[request_id] = stream
-        self.scheduler.add(request_id, prompt_ids, sampling)
+        self.scheduler.add(request_id, prompt_ids, sampling, trace_context)
 
     def _abort_stream(self, request_id: str) -> bool:
         found = request_id in self._streams

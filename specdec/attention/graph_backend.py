@@ -1,0 +1,75 @@
+"""flashinfer attention with fixed-address buffers, so a whole target forward can be captured in a CUDA graph.
+
+One instance per captured shape (B requests x n new tokens each). `plan(seqs)` runs on the host before every
+replay and writes the page tables and mask into the buffers the graph reads; `forward` (inside the graph) writes
+K/V at the slots in `write_slots` and runs the attention. Shorter batches are padded with requests that live in
+the engine's scratch pages.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.attention.batch import SeqAttention
+from specdec.attention.torch_backend import visibility_mask
+
+WORKSPACE_BYTES = 128 << 20
+
+
+class GraphAttention:
+    name = "flashinfer-graph"
+
+    def __init__(self, kv_cache, num_qo_heads: int, batch_size: int, tokens_per_seq: int, max_pages_per_seq: int):
+        import flashinfer
+
+        self.kv, self.num_qo_heads = kv_cache, num_qo_heads
+        self.batch_size, self.n = batch_size, tokens_per_seq
+        dev = kv_cache.k.device
+        i32 = dict(dtype=torch.int32, device=dev)
+        self.causal = tokens_per_seq == 1  # one query per request sees its whole context: no mask needed
+        max_ctx = max_pages_per_seq * kv_cache.page_size
+        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
+        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True,
+            qo_indptr_buf=torch.zeros(batch_size + 1, **i32), paged_kv_indptr_buf=torch.zeros(batch_size + 1, **i32),
+            paged_kv_indices_buf=torch.zeros(batch_size * max_pages_per_seq, **i32),
+            paged_kv_last_page_len_buf=torch.zeros(batch_size, **i32),
+            custom_mask_buf=None if self.causal else torch.zeros(
+                batch_size * (tokens_per_seq * max_ctx + 7) // 8 + batch_size, dtype=torch.uint8, device=dev),
+            mask_indptr_buf=None if self.causal else torch.zeros(batch_size + 1, **i32),
+            backend="fa2",
+        )
+        self.write_slots = torch.zeros(batch_size * tokens_per_seq, dtype=torch.int64, device=dev)
+
+    def plan(self, seqs: list[SeqAttention], write_slots: torch.Tensor) -> None:
+        """Host side, before capture or replay: seqs has exactly `batch_size` entries of `n` queries each."""
+        kv, ps = self.kv, self.kv.page_size
+        dev = kv.k.device
+        qo, kv_ptr, pages, last, masks = [0], [0], [], [], []
+        for s in seqs:
+            seq_pages = s.ctx_slots[::ps] // ps
+            pages.append(seq_pages)
+            qo.append(qo[-1] + s.num_q)
+            kv_ptr.append(kv_ptr[-1] + seq_pages.shape[0])
+            last.append(s.ctx_slots.shape[0] - (seq_pages.shape[0] - 1) * ps)
+            if not self.causal:
+                masks.append(visibility_mask(s, "cpu").reshape(-1))
+
+        def on_dev(values) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32).to(dev, non_blocking=True)
+
+        self.wrapper.plan(
+            on_dev(qo), on_dev(kv_ptr), torch.cat(pages).to(torch.int32).to(dev, non_blocking=True), on_dev(last),
+            self.num_qo_heads, kv.k.shape[2], kv.k.shape[3], ps,
+            custom_mask=None if self.causal else torch.cat(masks).to(dev, non_blocking=True), causal=self.causal,
+            sm_scale=kv.k.shape[3] ** -0.5, q_data_type=kv.k.dtype, kv_data_type=kv.k.dtype,
+        )
+        self.write_slots.copy_(write_slots, non_blocking=True)
+
+    def forward(self, layer: int, q, k, v, batch, scale: float) -> torch.Tensor:
+        k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]
+        k_cache[self.write_slots] = k.to(k_cache.dtype)
+        v_cache[self.write_slots] = v.to(v_cache.dtype)
+        ps = self.kv.page_size
+        paged = (k_cache.view(-1, ps, *k_cache.shape[1:]), v_cache.view(-1, ps, *v_cache.shape[1:]))
+        return self.wrapper.run(q.to(k_cache.dtype), paged).to(q.dtype)

@@ -1,0 +1,109 @@
+"""CUDA-graph replay of the target forward for uniform batches: B requests x n new tokens each (plain decode:
+n = 1; tree verify: n = num_draft_tokens + 1), with the flashinfer backend.
+
+Graphs are captured for a ladder of batch sizes the first time a (n, aux layers) shape is seen, largest first,
+sharing one memory pool; a batch is padded to the next captured size with requests that live in scratch pages.
+Replay feeds the same inputs as an eager forward; `tests/gpu` checks replay == eager.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specdec.attention.batch import SeqAttention
+from specdec.attention.graph_backend import GraphAttention
+
+log = logging.getLogger(__name__)
+
+BATCH_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    attn: GraphAttention
+    ids: torch.Tensor  # [B * n] int64
+    positions: torch.Tensor  # [B * n] int64
+    hidden: torch.Tensor  # [B * n, hidden]
+    aux: torch.Tensor | None  # [B * n, len(aux) * hidden]
+
+
+class TargetGraphs:
+    def __init__(self, model, kv, scratch_pages: list[int], max_context: int, max_batch_size: int):
+        self.model, self.kv = model, kv
+        self.scratch_pages = scratch_pages
+        self.max_pages_per_seq = -(-max_context // kv.page_size) + 1
+        self.ladder = tuple(b for b in BATCH_LADDER if b <= max_batch_size) or (1,)
+        self.graphs: dict[tuple[int, int, tuple[int, ...]], _Graph] = {}
+        self.pool = None
+        self.failed: set[tuple[int, tuple[int, ...]]] = set()
+
+    def usable(self, num_seqs: int, n: int) -> bool:
+        return num_seqs <= self.ladder[-1] and n <= len(self.scratch_pages) * self.kv.page_size
+
+    def run(self, ids: list[int], positions: torch.Tensor, seqs: list[SeqAttention], write_slots: torch.Tensor,
+            n: int, aux_layers: tuple[int, ...]):
+        """Same inputs and outputs as the eager forward (hidden [T, H], aux [T, A*H] or None), T = len(seqs) * n."""
+        b = len(seqs)
+        bucket = next(x for x in self.ladder if x >= b)
+        key = (bucket, n, aux_layers)
+        if key not in self.graphs:
+            self._capture_ladder(n, aux_layers)
+        g = self.graphs[key]
+        pad = bucket - b
+        pad_seqs = [self._scratch_seq(n) for _ in range(pad)]
+        pad_slots = self._scratch_slots(n).repeat(pad)
+        g.attn.plan(seqs + pad_seqs, torch.cat([write_slots, pad_slots]))
+        dev = g.ids.device
+        t = b * n
+        g.ids[:t].copy_(torch.tensor(ids, dtype=torch.int64), non_blocking=True)
+        g.ids[t:].zero_()
+        g.positions[:t].copy_(positions, non_blocking=True)
+        if pad:
+            g.positions[t:].copy_(torch.arange(n, device=dev).repeat(pad))
+        g.graph.replay()
+        return g.hidden[:t], (g.aux[:t] if g.aux is not None else None)
+
+    # ---- capture --------------------------------------------------------------------------------------------
+    def _scratch_slots(self, n: int) -> torch.Tensor:
+        ps = self.kv.page_size
+        pos = torch.arange(n)
+        pages = torch.tensor(self.scratch_pages)[pos // ps]
+        return pages * ps + pos % ps
+
+    def _scratch_seq(self, n: int) -> SeqAttention:
+        mask = None if n == 1 else torch.ones(n, n, dtype=torch.bool).tril()
+        return SeqAttention(self._scratch_slots(n), n, mask)
+
+    def _capture_ladder(self, n: int, aux_layers: tuple[int, ...]) -> None:
+        t0 = time.perf_counter()
+        mem0 = torch.cuda.memory_allocated()
+        for bucket in sorted(self.ladder, reverse=True):
+            self.graphs[(bucket, n, aux_layers)] = self._capture(bucket, n, aux_layers)
+        log.info("captured target CUDA graphs for n=%d tokens/request, batch sizes %s, aux %s in %.1f s (+%.0f MiB)",
+                 n, list(self.ladder), list(aux_layers), time.perf_counter() - t0,
+                 (torch.cuda.memory_allocated() - mem0) / 2**20)
+
+    @torch.inference_mode()
+    def _capture(self, bucket: int, n: int, aux_layers: tuple[int, ...]) -> _Graph:
+        dev = self.kv.k.device
+        attn = GraphAttention(self.kv, self.model.cfg.num_heads, bucket, n, self.max_pages_per_seq)
+        ids = torch.zeros(bucket * n, dtype=torch.int64, device=dev)
+        positions = torch.arange(n, device=dev).repeat(bucket)
+        attn.plan([self._scratch_seq(n) for _ in range(bucket)], self._scratch_slots(n).repeat(bucket))
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up outside the graph (lazy inits, autotuning)
+                self.model(ids, positions, attn, None, aux_layers)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self.model(ids, positions, attn, None, aux_layers)
+        return _Graph(graph, attn, ids, positions, out.hidden, out.aux)
