@@ -13,13 +13,11 @@ import torch
 from specdec.attention.batch import SeqAttention
 from specdec.attention.torch_backend import visibility_mask
 
-WORKSPACE_BYTES = 128 << 20
-
-
 class GraphAttention:
     name = "flashinfer-graph"
 
-    def __init__(self, kv_cache, num_qo_heads: int, batch_size: int, tokens_per_seq: int, max_pages_per_seq: int):
+    def __init__(self, kv_cache, num_qo_heads: int, batch_size: int, tokens_per_seq: int, max_pages_per_seq: int,
+                 workspace: torch.Tensor):
         import flashinfer
 
         self.kv, self.num_qo_heads = kv_cache, num_qo_heads
@@ -28,7 +26,7 @@ class GraphAttention:
         i32 = dict(dtype=torch.int32, device=dev)
         self.causal = tokens_per_seq == 1  # one query per request sees its whole context: no mask needed
         max_ctx = max_pages_per_seq * kv_cache.page_size
-        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
+        self.workspace = workspace  # shared by all captured shapes: they never run at the same time
         self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_cuda_graph=True,
             qo_indptr_buf=torch.zeros(batch_size + 1, **i32), paged_kv_indptr_buf=torch.zeros(batch_size + 1, **i32),

@@ -20,6 +20,7 @@ from specdec.attention.graph_backend import GraphAttention
 log = logging.getLogger(__name__)
 
 BATCH_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+WORKSPACE_BYTES = 512 << 20  # flashinfer's float scratch for split-KV partial results, shared by every graph
 
 
 @dataclass
@@ -40,7 +41,7 @@ class TargetGraphs:
         self.ladder = tuple(b for b in BATCH_LADDER if b <= max_batch_size) or (1,)
         self.graphs: dict[tuple[int, int, tuple[int, ...]], _Graph] = {}
         self.pool = None
-        self.failed: set[tuple[int, tuple[int, ...]]] = set()
+        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=kv.k.device)
 
     def usable(self, num_seqs: int, n: int) -> bool:
         return num_seqs <= self.ladder[-1] and n <= len(self.scratch_pages) * self.kv.page_size
@@ -91,7 +92,7 @@ class TargetGraphs:
     @torch.inference_mode()
     def _capture(self, bucket: int, n: int, aux_layers: tuple[int, ...]) -> _Graph:
         dev = self.kv.k.device
-        attn = GraphAttention(self.kv, self.model.cfg.num_heads, bucket, n, self.max_pages_per_seq)
+        attn = GraphAttention(self.kv, self.model.cfg.num_heads, bucket, n, self.max_pages_per_seq, self.workspace)
         ids = torch.zeros(bucket * n, dtype=torch.int64, device=dev)
         positions = torch.arange(n, device=dev).repeat(bucket)
         attn.plan([self._scratch_seq(n) for _ in range(bucket)], self._scratch_slots(n).repeat(bucket))
