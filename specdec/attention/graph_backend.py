@@ -13,6 +13,7 @@ import torch
 from specdec.attention.batch import SeqAttention
 from specdec.attention.torch_backend import visibility_mask
 
+
 class GraphAttention:
     name = "flashinfer-graph"
 
