@@ -18,6 +18,7 @@ from specdec.rpc.service_runner import ServiceSpec, run_service
 from specdec.rpc.tls import TlsConfig
 from specdec.serving.engine_args import engine_options
 from specdec.serving.engine_loop import EngineLoop
+from specdec.telemetry import StepSpanSampler, TelemetryConfig
 from specdec.v1 import draft_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ def _load(args, opts, spec: SpecConfig):
     max_context = min(info.max_context_len, opts.max_context or info.max_context_len)
     log.info("target %s: context length %d", info.model, max_context)
     engine = build_draft(args.model, args.target_model, spec, opts, max_context)
+    client.feature_dim = info.hidden_size * max(1, len(feature_layers_for(engine)))
     return client, engine, max_context, info
 
 
@@ -58,9 +60,14 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
 
     async def load(metrics) -> str:
         client, engine, max_context, info = await asyncio.to_thread(_load, args, opts, spec)
-        sched = Scheduler(client, engine, max_context, opts.max_batch_size, feature_layers_for(engine))
+        sched = Scheduler(client, engine, max_context, opts.max_batch_size, feature_layers_for(engine),
+                          max_queue_wait_s=args.max_queue_wait_seconds,
+                          step_spans=StepSpanSampler.from_config(TelemetryConfig.from_env()))
         loop = EngineLoop(sched, "draft-engine")
         loop.on_step = lambda events: _observe(metrics, engine, events)
+        kv = engine.kv
+        metrics.track(kv_pages=lambda: (kv.num_total_pages - kv.num_free_pages, kv.num_free_pages),
+                      running=lambda: len(engine.requests), waiting=lambda: len(sched.waiting))
         loop.start()
         servicer.engine, servicer.loop, servicer.metrics = engine, loop, metrics
         servicer.max_context, servicer.vocab_size = max_context, info.vocab_size
@@ -78,13 +85,12 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
         servicers=[lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, s)],
         load=load, close=close, host=args.host, port=args.port, tls=TlsConfig.from_args(args),
         metrics_port=args.metrics_port, drain_s=args.drain_seconds,
+        trace_parent_required=(f"/{HEALTH_NAME}/GetModelInfo",),
     ), shutdown, ready)
 
 
 def _observe(metrics, engine, events) -> None:
-    kv = engine.kv
-    metrics.set_kv(kv.num_total_pages - kv.num_free_pages, kv.num_free_pages)
-    metrics.set_running(len(engine.requests))
+    """Spec-decode counters of one step (KV and request gauges are read at scrape time, see `track`)."""
     verified = [e for e in events if e.from_verify]
     if verified:
         metrics.observe_batch(len(verified))

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
 from specdec.engine.draft_engine import DraftEngine
 from specdec.engine.requests import RUNNING
-from specdec.errors import InvalidInput
+from specdec.errors import InvalidInput, SpecdecError
 from specdec.rpc.errors import map_servicer_errors
 from specdec.rpc.sampling_codec import sampling_from_proto
 from specdec.rpc.target_codec import check_request_id, finish_to_proto
@@ -54,6 +55,23 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                                f"num_draft_tokens={mine.num_draft_tokens}; per-request {differs} is not supported")
 
     async def Generate(self, request, context):
+        outcome = "CANCELLED"  # unless the stream ends or fails: the client left
+        try:
+            async with contextlib.aclosing(self._generate(request)) as responses:
+                async for msg in responses:
+                    yield msg
+            outcome = "OK"  # observed with its latencies by `_generate`
+        except SpecdecError as exc:
+            outcome = exc.status
+            raise
+        except Exception:
+            outcome = "INTERNAL"
+            raise
+        finally:
+            if outcome != "OK" and self.metrics is not None:
+                self.metrics.observe_request(outcome)
+
+    async def _generate(self, request):
         rid, prompt, sampling = self._check(request)
         with bind_request_id(rid):
             t0 = time.perf_counter()
@@ -76,7 +94,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                         completion_tokens=n, num_verify_steps=steps, tau=tau, accepted_per_position=per_pos,
                         time_to_first_token_s=ttft, total_s=total))
                     log.info("done: %d prompt + %d new tokens, tau %.2f, ttft %.3f s, %.3f s (%s)", len(prompt), n,
-                             tau, ttft, total, ev.finish_reason)
+                             tau, ttft, total, ev.finish_reason,
+                             extra={"prompt_tokens": len(prompt), "completion_tokens": n, "tau": round(tau, 3),
+                                    "num_verify_steps": steps, "accepted_per_position": per_pos,
+                                    "ttft_s": round(ttft, 4), "total_s": round(total, 4),
+                                    "finish_reason": ev.finish_reason})
                     if self.metrics is not None:
                         self.metrics.observe_request("OK", ttft_s=ttft, tpot_s=(total - ttft) / max(1, n - 1),
                                                      e2e_s=total)

@@ -3,6 +3,8 @@ turned back into the engine's exceptions (so the scheduler handles a remote targ
 
 from __future__ import annotations
 
+import contextlib
+
 import grpc
 
 from specdec.engine.requests import PrefillInput, PrefillOutput, VerifyInput, VerifyOutput
@@ -14,8 +16,12 @@ from specdec.rpc.target_codec import (
     verify_outputs_from_proto,
     verify_to_proto,
 )
+from specdec.rpc.tensor_codec import tensor_from_proto
 from specdec.rpc.tls import TlsConfig
-from specdec.v1 import target_pb2, target_pb2_grpc
+from specdec.telemetry.grpc_tracing import blocking_call_metadata
+from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
+
+TARGET_SERVICE_PATH = "/specdec.v1.TargetService/"  # span name when a stub method does not tell its own
 
 _BY_CODE = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidInput,
@@ -23,6 +29,10 @@ _BY_CODE = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: OutOfPages,
     grpc.StatusCode.UNAVAILABLE: NotReady,
 }
+
+
+class MalformedReply(SpecdecError):
+    """The target answered with something the draft cannot use (INTERNAL: not the caller's fault)."""
 
 
 def _translate(exc: grpc.RpcError) -> SpecdecError:
@@ -43,19 +53,55 @@ class TargetClient:
                         else grpc.insecure_channel(addr, options=opts))
         self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
         self.addr, self.timeout_s, self.device = addr, timeout_s, device
+        self.feature_dim = 0  # set once the draft is built: the feature width it consumes (0: not checked)
 
     def _call(self, method, request):
+        """One blocking call; under a trace (a sampled step, a request's prefill) it carries `traceparent` and
+        gets a CLIENT span (the aio interceptors do not apply to this blocking channel)."""
         try:
-            return method(request, timeout=self.timeout_s)
+            with blocking_call_metadata(getattr(method, "_method", TARGET_SERVICE_PATH)) as metadata:
+                return method(request, timeout=self.timeout_s, metadata=metadata or None)
         except grpc.RpcError as exc:
             raise _translate(exc) from None
 
     def prefill(self, inputs: list[PrefillInput]) -> list[PrefillOutput]:
-        return [prefill_output_from_proto(self._call(self.stub.Prefill, prefill_to_proto(i)), self.device)
-                for i in inputs]
+        outputs = []
+        for inp in inputs:
+            msg = self._call(self.stub.Prefill, prefill_to_proto(inp))
+            try:
+                if msg.request_id != inp.request_id or (inp.return_features and not msg.HasField("features")):
+                    raise MalformedReply(f"target: malformed Prefill reply for {inp.request_id!r}")
+                rows = len(inp.prompt_ids) if inp.return_features else None
+                outputs.append(self._checked(prefill_output_from_proto, msg, expected_rows=rows))
+            except MalformedReply:
+                self._release_quietly(inp.request_id)  # the target admitted it; nobody else will free it
+                raise
+        return outputs
 
     def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
-        return verify_outputs_from_proto(self._call(self.stub.Verify, verify_to_proto(inputs)), self.device)
+        msg = self._call(self.stub.Verify, verify_to_proto(inputs))
+        ids = [r.request_id for r in msg.results]
+        if ids != [i.request_id for i in inputs]:
+            raise MalformedReply(f"target: Verify answered {ids[:4]} for {[i.request_id for i in inputs][:4]}")
+        for r in msg.results:
+            running = r.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
+            if not r.tokens or r.num_feature_rows != (len(r.tokens) if running else 0):
+                raise MalformedReply(f"target: Verify result for {r.request_id!r} has {len(r.tokens)} tokens "
+                                     f"and {r.num_feature_rows} feature rows")
+        return self._checked(verify_outputs_from_proto, msg)
+
+    def _checked(self, decode, msg, **expected):
+        """Decode a reply's features, checking rows and the feature width; a bad blob is the target's fault."""
+        try:
+            if self.feature_dim and msg.HasField("features"):
+                tensor_from_proto(msg.features, expected_dim=self.feature_dim, **expected)
+            return decode(msg, self.device)
+        except InvalidInput as exc:
+            raise MalformedReply(f"target: malformed features: {exc}") from None
+
+    def _release_quietly(self, request_id: str) -> None:
+        with contextlib.suppress(SpecdecError):
+            self.release(request_id)
 
     def release(self, request_id: str) -> None:
         self._call(self.stub.Release, target_pb2.ReleaseRequest(request_ids=[request_id]))

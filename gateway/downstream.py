@@ -18,7 +18,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specdec.errors import SpecdecError
 from specdec.rpc.channel import make_channel
 from specdec.rpc.metadata import request_id_metadata
-from specdec.rpc.options import channel_options
 from specdec.rpc.sampling_codec import sampling_to_proto
 from specdec.rpc.tls import TlsConfig
 from specdec.sampling_params import SamplingParams
@@ -62,15 +61,8 @@ def is_backend_failure(exc: BaseException) -> bool:
 
 
 def open_channel(addr: str, tls: TlsConfig | None) -> grpc.aio.Channel:
-    """`make_channel`, plus the tracing interceptors when tracing is on (make_channel takes none)."""
-    interceptors = client_interceptors()
-    if not interceptors:
-        return make_channel(addr, tls)
-    if tls is None:
-        return grpc.aio.insecure_channel(addr, options=channel_options(), interceptors=interceptors)
-    return grpc.aio.secure_channel(
-        addr, tls.channel_credentials(), options=channel_options(), interceptors=interceptors
-    )
+    """`make_channel`, plus the tracing interceptors when tracing is on (none when off)."""
+    return make_channel(addr, tls, interceptors=client_interceptors())
 
 
 class _ServiceClient:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from gateway.downstream import Chunk, Finish, StreamBroken, is_backend_failure
 from gateway.router import Lease, Part, Router
 from specdec.sampling_params import SamplingParams
+from specdec.telemetry import get_tracer
 from specdec.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,10 @@ class FallbackGeneration:
         self._background: set[asyncio.Task] = set()
 
     async def run(self) -> AsyncIterator[Chunk]:
-        lease = self._router.acquire(self._plan.speculative)
+        with get_tracer().start_as_current_span("gateway.route") as span:
+            lease = self._router.acquire(self._plan.speculative)
+            span.set_attribute("specdec.pair", str(lease.pair))
+            span.set_attribute("speculative", self._plan.speculative and lease.pair.speculative)
         try:
             use_draft = self._plan.speculative and lease.pair.speculative
             max_attempts = 2 * len(self._router.pairs) + 1

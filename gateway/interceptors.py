@@ -90,25 +90,43 @@ class AccessLogInterceptor(BehaviorInterceptor):
 
     def wrap_stream(self, behavior, method: str):
         async def logged(request, context):
-            started, exc, count = time.monotonic(), None, 0
+            started, exc, count, final = time.monotonic(), None, 0, None
             with bind_request_id(incoming_request_id(request, context)):
                 try:
                     async with contextlib.aclosing(behavior(request, context)) as responses:
                         async for response in responses:
                             count += 1
+                            if final is None and _has_final(response):
+                                final = response.final
                             yield response
                 except BaseException as error:
                     exc = error
                     raise
                 finally:
-                    _log_call(method, status_of(exc, context), started, count)
+                    _log_call(method, status_of(exc, context), started, count, final)
 
         return logged
 
 
-def _log_call(method: str, code: grpc.StatusCode, started: float, num_responses: int | None = None) -> None:
+def _has_final(response: Any) -> bool:
+    try:
+        return response.HasField("final")
+    except ValueError:  # a message without a `final` field
+        return False
+
+
+def _log_call(
+    method: str, code: grpc.StatusCode, started: float, num_responses: int | None = None, final: Any = None
+) -> None:
+    """One line per call; a Generate that finished adds its tokens, tau and timings (`GatewayStats`)."""
     extra = {"rpc_method": method, "grpc_status": code.name, "duration_s": round(time.monotonic() - started, 4)}
     streamed = "" if num_responses is None else f", {num_responses} messages"
+    if final is not None:
+        extra.update(prompt_tokens=final.prompt_tokens, completion_tokens=final.completion_tokens,
+                      tau=round(final.tau, 3), accepted_per_position=list(final.accepted_per_position),
+                      ttft_s=round(final.time_to_first_token_s, 4), speculative=final.speculative)
+        streamed += (f", {final.prompt_tokens} prompt + {final.completion_tokens} new tokens, tau {final.tau:.2f}, "
+                     f"ttft {final.time_to_first_token_s:.3f} s")
     level = logging.INFO if code in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED) else logging.WARNING
     log.log(level, "%s %s in %.3f s%s", method, code.name, extra["duration_s"], streamed, extra=extra)
 

@@ -21,7 +21,7 @@ from gateway.router import Router
 from gateway.stream import TextStream
 from specdec.rpc.errors import map_servicer_errors
 from specdec.rpc.metadata import downstream_timeout
-from specdec.telemetry import bind_request_id
+from specdec.telemetry import bind_request_id, get_tracer
 from specdec.tokenizer import Tokenizer
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -42,7 +42,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         started = time.monotonic()
         request_id = request.request_id or uuid.uuid4().hex
         with bind_request_id(request_id):
-            plan, stop = self._plan(request, request_id)
+            with get_tracer().start_as_current_span("gateway.tokenize") as span:
+                plan, stop = self._plan(request, request_id)
+                span.set_attribute("num_prompt_tokens", len(plan.prompt_ids))
             with self._slots.hold():
                 generation = FallbackGeneration(self._router, plan, lambda: downstream_timeout(context))
                 try:

@@ -25,9 +25,11 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
 
     async def load(metrics) -> str:
         engine = await asyncio.to_thread(build_target, args.model, opts)
-        loop = EngineLoop(Scheduler(engine, None, engine.max_context, opts.max_batch_size), "target-engine")
-        loop.on_step = lambda events: metrics.set_kv(
-            engine.kv.num_total_pages - engine.kv.num_free_pages, engine.kv.num_free_pages)
+        loop = EngineLoop(Scheduler(engine, None, engine.max_context, opts.max_batch_size,
+                                    max_queue_wait_s=args.max_queue_wait_seconds), "target-engine")
+        kv = engine.kv  # gauges read at scrape time: Verify and Prefill run between steps, not in them
+        metrics.track(kv_pages=lambda: (kv.num_total_pages - kv.num_free_pages, kv.num_free_pages),
+                      running=lambda: len(engine.requests), waiting=lambda: len(loop.scheduler.waiting))
         loop.start()
         servicer.engine, servicer.loop, servicer.metrics = engine, loop, metrics
         state["loop"] = loop
@@ -42,5 +44,6 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
         servicers=[lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s)],
         load=load, close=close, host=args.host, port=args.port, tls=TlsConfig.from_args(args),
         metrics_port=args.metrics_port, drain_s=args.drain_seconds,
+        trace_parent_required=tuple(f"/{HEALTH_NAME}/{m}" for m in ("Verify", "Release", "GetModelInfo")),
     )
     await run_service(spec, shutdown, ready)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import time
 
+from opentelemetry import trace
+
 from specdec.engine.requests import RUNNING
 from specdec.engine.target_engine import TargetEngine
 from specdec.rpc.errors import map_servicer_errors
@@ -18,7 +20,8 @@ from specdec.rpc.target_codec import (
     verify_outputs_to_proto,
 )
 from specdec.serving.engine_loop import EngineLoop
-from specdec.telemetry import bind_request_id
+from specdec.telemetry import bind_request_id, get_tracer
+from specdec.telemetry.tracing import batch_parent, current_trace_context
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -32,22 +35,38 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def Prefill(self, request, context):
         inp = prefill_from_proto(request)
         with bind_request_id(inp.request_id):
+            t0 = time.perf_counter()
             out = (await self.loop.call(self.engine.prefill, [inp]))[0]
+            elapsed = time.perf_counter() - t0
+            trace.get_current_span().set_attribute("num_prompt_tokens", len(inp.prompt_ids))
+            log.info("prefill: %d prompt tokens in %.3f s", len(inp.prompt_ids), elapsed,
+                     extra={"prompt_tokens": len(inp.prompt_ids), "prefill_s": round(elapsed, 4)})
             return prefill_output_to_proto(out)
 
     async def Verify(self, request, context):
         inputs = verify_from_proto(request)
         if not inputs:
             return target_pb2.VerifyResponse()
-        outputs = await self.loop.call_batched(self._verify_many, inputs)
+        outputs = await self.loop.call_batched(self._verify_many, (inputs, current_trace_context()))
         return verify_outputs_to_proto(outputs)
 
-    def _verify_many(self, groups: list[list]) -> list[list]:
-        """Several Verify RPCs that arrived together run as one forward (engine thread)."""
-        flat = [inp for g in groups for inp in g]
-        outs = self.engine.verify(flat)
+    def _verify_many(self, groups: list[tuple[list, object]]) -> list[list]:
+        """Several Verify RPCs that arrived together run as one forward (engine thread). Each group is
+        (inputs, the RPC's trace context or None); a traced batch gets one `target.verify_batch` span,
+        parented to the first traced RPC and linked to the others."""
+        flat = [inp for g, _ in groups for inp in g]
+        if self.metrics is not None:
+            self.metrics.observe_batch(len(flat))
+        parent, links = batch_parent([ctx for _, ctx in groups])
+        if parent is None:
+            outs = self.engine.verify(flat)
+        else:
+            attributes = {"batch_size": len(flat), "num_rpcs": len(groups),
+                          "num_draft_tokens": sum(len(i.draft_tokens) for i in flat)}
+            with get_tracer().start_as_current_span("target.verify_batch", parent, links=links, attributes=attributes):
+                outs = self.engine.verify(flat)
         result, start = [], 0
-        for g in groups:
+        for g, _ in groups:
             result.append(outs[start : start + len(g)])
             start += len(g)
         return result

@@ -34,18 +34,19 @@ class ServiceSpec:
     tls: TlsConfig | None
     metrics_port: int = 0
     drain_s: float = 30.0
+    # methods traced only under a caller's trace (per-step and polling RPCs: no root trace for each call)
+    trace_parent_required: tuple[str, ...] = ()
 
 
 async def run_service(spec: ServiceSpec, shutdown: asyncio.Event, ready: Callable[[int], None] | None = None) -> None:
     t0 = time.perf_counter()
-    provider = setup_tracing(f"specdec-{spec.name}")
+    provider = setup_tracing(f"{spec.name}_service")  # OTEL_SERVICE_NAME overrides
     gate = ReadinessGate(spec.health_name)
     metrics = ServiceMetrics(spec.name)
     handle = await start_server(spec.servicers, [spec.health_name], spec.host, spec.port, spec.tls,
-                                interceptors=[gate, *server_interceptors(provider)])
+                                interceptors=[gate, *server_interceptors(provider, spec.trace_parent_required)])
     if spec.metrics_port:
-        start_metrics_server(spec.metrics_port, metrics.registry)
-        log.info("metrics on :%d/metrics", spec.metrics_port)
+        start_metrics_server(spec.metrics_port, metrics.registry)  # logs its address
     try:
         loading = asyncio.ensure_future(spec.load(metrics))
         stop = asyncio.ensure_future(shutdown.wait())

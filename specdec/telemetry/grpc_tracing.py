@@ -55,7 +55,16 @@ def server_interceptors(
     provider = provider or active_provider()
     if provider is None:
         return []
-    return [TracingServerInterceptor(get_tracer(provider), parent_required)]
+    return [TracingServerInterceptor(get_tracer(provider), {*parent_required, *PROBE_METHODS})]
+
+
+# Probes and tooling, traced only under a caller's trace (a health check every few seconds is not a trace).
+PROBE_METHODS = frozenset({
+    "/grpc.health.v1.Health/Check",
+    "/grpc.health.v1.Health/Watch",
+    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+    "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+})
 
 
 # ---------------------------------------------------------------------------------------------- client side
@@ -134,6 +143,46 @@ class UnaryStreamTracing(_ClientTracing, grpc.aio.UnaryStreamClientInterceptor):
 
 
 _FINISHING: set[asyncio.Future] = set()
+
+
+@contextlib.contextmanager
+def blocking_call_metadata(
+    method: str | bytes, metadata: Collection[tuple[str, str]] = (), tracer: trace.Tracer | None = None
+) -> Iterator[list[tuple[str, str]]]:
+    """For a blocking (non-aio) call, where the interceptors above do not apply: yields the call's metadata
+    with `traceparent` added, under the same rules (outside any trace: nothing added, no span; under a
+    sampled-out span: the flag passed on, no span; else a CLIENT span named after `method`, ended with the
+    call's status when the block exits).
+
+        with blocking_call_metadata("/specdec.v1.TargetService/Verify") as metadata:
+            reply = stub.Verify(request, metadata=metadata)
+    """
+    current = trace.get_current_span()
+    if not current.get_span_context().is_valid:
+        yield list(metadata)
+        return
+    if not current.is_recording():
+        yield _with_context(metadata, otel_context.get_current())
+        return
+    name = _method_name(method)
+    span = (tracer or get_tracer()).start_span(name, kind=SpanKind.CLIENT, attributes=_rpc_attributes(name))
+    try:
+        yield _with_context(metadata, trace.set_span_in_context(span))
+    except grpc.RpcError as exc:
+        code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+        _finish(span, code, exc.details() if hasattr(exc, "details") else str(exc))
+        raise
+    except BaseException as exc:
+        span.record_exception(exc)
+        _finish(span, grpc.StatusCode.UNKNOWN, str(exc))
+        raise
+    _finish(span, grpc.StatusCode.OK)
+
+
+def _with_context(metadata: Collection[tuple[str, str]], ctx: otel_context.Context) -> list[tuple[str, str]]:
+    carrier: dict[str, str] = {}
+    PROPAGATOR.inject(carrier, context=ctx)
+    return [*((k, v) for k, v in metadata if k not in _PROPAGATED_KEYS), *carrier.items()]
 
 
 async def _finish_stream(span: trace.Span, call: grpc.aio.Call) -> None:

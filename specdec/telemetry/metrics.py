@@ -13,7 +13,7 @@ Every series carries `service` and `model_name` labels.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -180,6 +180,22 @@ class ServiceMetrics:
     def set_kv(self, used: int, free: int) -> None:
         self._kv_used.set(used)
         self._kv_free.set(free)
+
+    def track(
+        self,
+        kv_pages: Callable[[], tuple[int, int]] | None = None,
+        running: Callable[[], int] | None = None,
+        waiting: Callable[[], int] | None = None,
+    ) -> None:
+        """Read gauges when scraped instead of setting them: `kv_pages() -> (used, free)`, `running()`,
+        `waiting()`. They run on the scrape thread, so they should only read plain counters (a `len`)."""
+        if kv_pages is not None:
+            self._kv_used.set_function(lambda: kv_pages()[0])
+            self._kv_free.set_function(lambda: kv_pages()[1])
+        if running is not None:
+            self._running.set_function(running)
+        if waiting is not None:
+            self._waiting.set_function(waiting)
 
     def observe_batch(self, n: int) -> None:
         self._batch.observe(n)

@@ -14,9 +14,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -142,16 +143,65 @@ class StepSpanSampler:
         return self._always or self._random() < self.ratio
 
     def span(
-        self, name: str, sampled: bool, links: Sequence[trace.Link] = (), **attributes: Any
+        self,
+        name: str,
+        sampled: bool,
+        links: Sequence[trace.Link] = (),
+        context: otel_context.Context | None = None,
+        **attributes: Any,
     ) -> contextlib.AbstractContextManager[trace.Span | None]:
         """A current span named `name` with `attributes` when `sampled`, else a null context (yields None).
 
-        `links` can point at the spans of the requests in the batch (`trace.Link(span_context)`).
+        `context`: the parent (default: the current context). `links` can point at the spans of the requests
+        in the batch (`trace.Link(span_context)`); `batch_parent` gives both for a batch.
         """
         if not sampled:
             return _NULL_SPAN
         assert self._tracer is not None  # sampled is only ever True with a tracer
-        return self._tracer.start_as_current_span(name, links=links, attributes=attributes)
+        return self._tracer.start_as_current_span(name, context=context, links=links, attributes=attributes)
 
 
 _NULL_SPAN = contextlib.nullcontext(None)
+
+
+def current_trace_context() -> otel_context.Context | None:
+    """The current context when it holds a span (to carry a request's trace to another thread), else None.
+
+    Contextvars do not follow work handed to the engine thread; store this with the request instead."""
+    if not trace.get_current_span().get_span_context().is_valid:
+        return None
+    return otel_context.get_current()
+
+
+def batch_parent(
+    contexts: Sequence[otel_context.Context | None],
+) -> tuple[otel_context.Context | None, list[trace.Link]]:
+    """Parent and links for a span that covers a whole batch of requests (a speculative step).
+
+    The parent is the first request whose span is sampled (the step's spans join that request's trace);
+    every other request with a span gets a link (Jaeger shows them as references). No sampled request:
+    parent None, and the caller should record no step spans (they would be orphan root traces).
+    """
+    parent, links = None, []
+    for ctx in contexts:
+        if ctx is None:
+            continue
+        span_context = trace.get_current_span(ctx).get_span_context()
+        if parent is None and span_context.trace_flags.sampled:
+            parent = ctx
+        elif span_context.is_valid:
+            links.append(trace.Link(span_context))
+    return parent, links
+
+
+@contextlib.contextmanager
+def attached(ctx: otel_context.Context | None) -> Iterator[None]:
+    """Make `ctx` current inside the block (e.g. a request's context on the engine thread); None: no-op."""
+    if ctx is None:
+        yield
+        return
+    token = otel_context.attach(ctx)
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
