@@ -65,6 +65,8 @@ class DraftEngine:
         attention_backend: str = "torch",
         max_context: int = 2048,
         device: str | torch.device = "cpu",
+        cuda_graphs: bool = False,
+        max_batch_size: int = 64,
     ):
         self.model, self.spec, self.device = model, spec.validate(), torch.device(device)
         cfg = model.cfg
@@ -74,6 +76,11 @@ class DraftEngine:
         self.max_context = max_context
         self.requests: dict[str, DraftRequest] = {}
         self._reserved = 0
+        self.graphs = None
+        if cuda_graphs and spec.topk == 1 and spec.num_steps > 1:  # chains only, for now
+            from specdec.engine.draft_graphs import DraftChainGraphs
+
+            self.graphs = DraftChainGraphs(self, max_batch_size)
 
     @property
     def temp_slots(self) -> int:
@@ -135,6 +142,8 @@ class DraftEngine:
     # ---- propose ------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, rids: list[str]) -> list[TokenTree]:
+        if self.graphs is not None and self.graphs.usable(len(rids)):
+            return self.graphs.propose(rids)
         k, steps = self.spec.topk, self.spec.num_steps
         reqs = [self.requests[r] for r in rids]
         b = len(reqs)

@@ -84,4 +84,6 @@ def build_draft(path: str, target_path: str, spec: SpecConfig, opts: EngineOptio
     per_page = 2 * opts.page_size * cfg.num_kv_heads * cfg.head_dim * itemsize
     pages = _num_pages(opts, per_page, max_context)
     log.info("draft KV pool: %d pages of %d tokens", pages, opts.page_size)
-    return DraftEngine(model, spec, pages, opts.page_size, opts.attention_backend, max_context, device=opts.device)
+    graphs = opts.cuda_graphs and opts.device.startswith("cuda") and opts.attention_backend == "flashinfer"
+    return DraftEngine(model, spec, pages, opts.page_size, opts.attention_backend, max_context, device=opts.device,
+                       cuda_graphs=graphs, max_batch_size=opts.max_batch_size)

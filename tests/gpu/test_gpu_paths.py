@@ -36,8 +36,9 @@ def test_flashinfer_matches_torch_backend_prefill_and_tree():
 
 
 @pytest.mark.parametrize("kind", ["draft", "draft-eagle3"])
-@pytest.mark.parametrize("backend,dtype,near_tie", [("torch", "float32", 1e-4), ("flashinfer", "bfloat16", 0.1)])
-def test_greedy_speculative_equals_plain_on_gpu(kind, backend, dtype, near_tie, dev_prompts, tiny_tokenizer):
+@pytest.mark.parametrize("backend,dtype,near_tie,topk", [
+    ("torch", "float32", 1e-4, 2), ("flashinfer", "bfloat16", 0.1, 2), ("flashinfer", "bfloat16", 0.1, 1)])
+def test_greedy_speculative_equals_plain_on_gpu(kind, backend, dtype, near_tie, topk, dev_prompts, tiny_tokenizer):
     from repo_paths import TINY
 
     from specdec.engine.draft_engine import SpecConfig
@@ -46,7 +47,9 @@ def test_greedy_speculative_equals_plain_on_gpu(kind, backend, dtype, near_tie, 
 
     target = _engine(backend, dtype)
     opts = EngineOptions(device="cuda", dtype=dtype, attention_backend=backend, num_pages=512)
-    draft = build_draft(str(TINY / kind), str(TINY / "target"), SpecConfig(5, 2, 8), opts, target.max_context)
+    spec = SpecConfig(5, 2, 8) if topk == 2 else SpecConfig(5, 1, 5)  # topk 1 + flashinfer: draft CUDA graphs
+    draft = build_draft(str(TINY / kind), str(TINY / "target"), spec, opts, target.max_context)
+    assert (draft.graphs is not None) == (backend == "flashinfer" and topk == 1)
     prompts = [tiny_tokenizer.encode(p)[-256:] for p in dev_prompts[:16]]
     out = run_accept_eval(target, draft, prompts, EvalSettings(max_new_tokens=64, batch_size=8, near_tie=near_tie))
     print(kind, backend, dtype, {k: v for k, v in out.items() if k != "settings"})
@@ -79,3 +82,34 @@ def test_cuda_graph_replay_equals_eager(num_requests):
                 rel = ((x.features.float() - y.features.float()).norm() / y.features.float().norm()).item()
                 assert rel < 1e-2
     assert graphed.graphs.graphs, "no graph was captured"
+
+
+@pytest.mark.parametrize("kind", ["draft", "draft-eagle3"])
+def test_draft_chain_graph_equals_eager(kind):
+    """The captured chain proposal gives the eager proposal's tokens (batch 3, padded to 4)."""
+    from repo_paths import TINY
+
+    from specdec.engine.draft_engine import SpecConfig
+    from specdec.engine.factory import EngineOptions, build_draft
+
+    opts = EngineOptions(device="cuda", dtype="bfloat16", attention_backend="flashinfer", num_pages=256)
+    graphed = build_draft(str(TINY / kind), str(TINY / "target"), SpecConfig(6, 1, 6), opts, 2048)
+    eager = build_draft(str(TINY / kind), str(TINY / "target"), SpecConfig(6, 1, 6), opts, 2048)
+    eager.graphs = None
+    feat = graphed.model.feature_size
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for eng in (graphed, eager):
+        items = []
+        for i in range(3):
+            eng.add(f"r{i}", 500)
+            n = 20 + 7 * i
+            feats = torch.randn(n, feat, generator=torch.Generator(device="cuda").manual_seed(i), device="cuda")
+            items.append((f"r{i}", list(range(100 + i, 100 + i + n)), feats.to(torch.bfloat16)))
+        eng.extend(items)
+    del gen
+    a, b = graphed.propose(["r0", "r1", "r2"]), eager.propose(["r0", "r1", "r2"])
+    same = sum(x.tokens == y.tokens for x, y in zip(a, b, strict=True))
+    assert same >= 2, (a, b)  # bf16: a near-tie may flip one chain
+    assert all(len(t.tokens) == 6 and t.parents == (-1, 0, 1, 2, 3, 4) for t in a)
+    assert graphed.kv.num_free_pages + len(graphed.graphs.scratch_pages) == graphed.kv.num_total_pages - sum(
+        len(graphed.kv.table(r).pages) for r in ("r0", "r1", "r2"))

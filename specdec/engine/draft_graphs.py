@@ -1,0 +1,128 @@
+"""CUDA-graph replay of the draft's chain proposal (topk == 1): all `num_steps - 1` draft forwards of a batch,
+with their argmax and d2t mapping, as one graph per batch size (flashinfer backend).
+
+For a chain, draft step d of a request is a one-token decode at position kv_len + d - 1 over the request's prefix
+and the d - 1 chain tokens before it, so every step's attention plan is known on the host before the replay.
+Captured for the batch ladder on first use, padded with requests that live in scratch pages.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specdec.attention.batch import SeqAttention
+from specdec.attention.graph_backend import GraphAttention
+from specdec.engine.cuda_graphs import BATCH_LADDER
+from specdec.tree import TokenTree
+
+log = logging.getLogger(__name__)
+WORKSPACE_BYTES = 256 << 20
+
+
+@dataclass
+class _ChainGraph:
+    graph: torch.cuda.CUDAGraph
+    attn: list[GraphAttention]  # one per draft step
+    tokens0: torch.Tensor  # [B] the state's top-1 token (level 1 of the chain)
+    hidden0: torch.Tensor  # [B, hidden] the state's hidden
+    positions: torch.Tensor  # [steps - 1, B]
+    out_tokens: torch.Tensor  # [B, steps] chain tokens, level 1 first
+
+
+class DraftChainGraphs:
+    def __init__(self, engine, max_batch_size: int):
+        self.engine = engine
+        kv, steps = engine.kv, engine.spec.num_steps
+        self.scratch_pages = kv.pool.alloc(-(-steps // kv.page_size))
+        engine._reserved += len(self.scratch_pages)
+        self.max_pages_per_seq = -(-engine.max_context // kv.page_size) + 1
+        self.ladder = tuple(b for b in BATCH_LADDER if b <= max_batch_size) or (1,)
+        self.graphs: dict[int, _ChainGraph] = {}
+        self.pool = None
+        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=kv.k.device)
+
+    def usable(self, num_requests: int) -> bool:
+        return 0 < num_requests <= self.ladder[-1]
+
+    def propose(self, rids: list[str]) -> list[TokenTree]:
+        eng = self.engine
+        steps, num_draft = eng.spec.num_steps, eng.spec.num_draft_tokens
+        reqs = [eng.requests[r] for r in rids]
+        b = len(reqs)
+        bucket = next(x for x in self.ladder if x >= b)
+        if not self.graphs:
+            self._capture_ladder()
+        g = self.graphs[bucket]
+        for rid, req in zip(rids, reqs, strict=True):
+            eng.kv.resize(rid, req.kv_len + steps - 1)
+        pad = bucket - b
+        for d in range(1, steps):
+            seqs = [SeqAttention(eng.kv.slots(rid, 0, req.kv_len + d), 1) for rid, req in zip(rids, reqs, strict=True)]
+            write = [eng.kv.slots(rid, req.kv_len + d - 1, req.kv_len + d) for rid, req in zip(rids, reqs, strict=True)]
+            seqs += [self._scratch_seq(d)] * pad
+            write += [self._scratch_slots(d)[-1:]] * pad
+            g.attn[d - 1].plan(seqs, torch.cat(write))
+            pos = torch.tensor([r.kv_len + d - 1 for r in reqs] + [d - 1] * pad)
+            g.positions[d - 1].copy_(pos, non_blocking=True)
+        g.tokens0[:b].copy_(torch.stack([r.topk_index[0] for r in reqs]))
+        g.hidden0[:b].copy_(torch.stack([r.hidden for r in reqs]))
+        g.graph.replay()
+        for rid, req in zip(rids, reqs, strict=True):
+            eng.kv.resize(rid, req.kv_len)
+        parents = tuple(range(-1, num_draft - 1))
+        return [TokenTree(tuple(row), parents) for row in g.out_tokens[:b, :num_draft].tolist()]
+
+    # ---- capture --------------------------------------------------------------------------------------------
+    def _scratch_slots(self, n: int) -> torch.Tensor:
+        ps = self.engine.kv.page_size
+        pos = torch.arange(n)
+        return torch.tensor(self.scratch_pages)[pos // ps] * ps + pos % ps
+
+    def _scratch_seq(self, n: int) -> SeqAttention:
+        return SeqAttention(self._scratch_slots(n), 1, torch.ones(1, 1, dtype=torch.bool))
+
+    def _capture_ladder(self) -> None:
+        t0, mem0 = time.perf_counter(), torch.cuda.memory_allocated()
+        for bucket in sorted(self.ladder, reverse=True):
+            self.graphs[bucket] = self._capture(bucket)
+        log.info("captured draft chain-propose CUDA graphs for batch sizes %s in %.1f s (+%.0f MiB)",
+                 list(self.ladder), time.perf_counter() - t0, (torch.cuda.memory_allocated() - mem0) / 2**20)
+
+    @torch.inference_mode()
+    def _capture(self, bucket: int) -> _ChainGraph:
+        eng = self.engine
+        model, steps, dev = eng.model, eng.spec.num_steps, eng.kv.k.device
+        attn = [GraphAttention(eng.kv, model.cfg.num_heads, bucket, 1, self.max_pages_per_seq, self.workspace)
+                for _ in range(steps - 1)]
+        for d in range(1, steps):
+            attn[d - 1].plan([self._scratch_seq(d)] * bucket, self._scratch_slots(d)[-1:].repeat(bucket))
+        tokens0 = torch.zeros(bucket, dtype=torch.int64, device=dev)
+        hidden0 = torch.zeros(bucket, model.cfg.hidden_size, dtype=eng.dtype, device=dev)
+        positions = torch.zeros(steps - 1, bucket, dtype=torch.int64, device=dev)
+        out_tokens = torch.zeros(bucket, steps, dtype=torch.int64, device=dev)
+
+        def body():
+            tok, hid, outs = tokens0, hidden0, [tokens0]
+            for d in range(1, steps):
+                out = model(tok, hid, positions[d - 1], attn[d - 1], None)  # [B, hidden]
+                tok = model.to_target_ids(model.compute_logits(out).argmax(-1))
+                hid = out
+                outs.append(tok)
+            out_tokens.copy_(torch.stack(outs, dim=1))
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                body()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.pool):
+            body()
+        return _ChainGraph(graph, attn, tokens0, hidden0, positions, out_tokens)
