@@ -75,7 +75,7 @@ class SpanCounter(trace_service_pb2_grpc.TraceServiceServicer):
 
 def mode_env(mode: str, receiver: SpanCounter) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in TRACING_ENV}
-    env["PYTHONPATH"] = str(REPO_ROOT)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
     if mode != "off":
         env.update(OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{receiver.port}",
                    OTEL_TRACES_SAMPLER="parentbased_always_on",
@@ -87,10 +87,15 @@ class Stack:
     def __init__(self, config: StackConfig, env: dict[str, str], log_dir: str) -> None:
         self.config, self.procs = config, {}
         for name, argv in config.commands().items():
+            argv = [*argv, "--drain-seconds", "1"]
             with open(os.path.join(log_dir, f"{name}.log"), "wb") as log:
                 self.procs[name] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                                     cwd=REPO_ROOT)
-        self.wait_serving()
+        try:
+            self.wait_serving()
+        except BaseException:
+            self.stop()
+            raise
 
     def wait_serving(self, timeout_s: float = 240.0) -> None:
         deadline, waiting = time.monotonic() + timeout_s, list(SERVICES)
@@ -179,6 +184,7 @@ def main() -> None:
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     modes = args.modes.split(",")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the stack in flight
     receiver = SpanCounter()
     rows: list[dict] = []
     try:

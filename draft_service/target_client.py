@@ -8,7 +8,7 @@ import contextlib
 import grpc
 
 from specdec.engine.requests import PrefillInput, PrefillOutput, VerifyInput, VerifyOutput
-from specdec.errors import InvalidInput, NotReady, OutOfPages, SpecdecError, UnknownRequest
+from specdec.errors import DuplicateRequest, InvalidInput, NotReady, OutOfPages, SpecdecError, UnknownRequest
 from specdec.rpc.options import channel_options
 from specdec.rpc.target_codec import (
     prefill_output_from_proto,
@@ -26,6 +26,7 @@ TARGET_SERVICE_PATH = "/specdec.v1.TargetService/"  # span name when a stub meth
 _BY_CODE = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidInput,
     grpc.StatusCode.NOT_FOUND: UnknownRequest,
+    grpc.StatusCode.ALREADY_EXISTS: DuplicateRequest,
     grpc.StatusCode.RESOURCE_EXHAUSTED: OutOfPages,
     grpc.StatusCode.UNAVAILABLE: NotReady,
 }

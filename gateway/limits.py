@@ -39,6 +39,18 @@ def resolve_sampling(msg: common_pb2.SamplingParams | None, limits: GatewayLimit
     return params.validate(vocab_size=vocab_size, max_new_tokens_limit=limits.max_new_tokens)
 
 
+MAX_REQUEST_ID_CHARS = 128
+
+
+def check_request_id(request_id: str) -> str:
+    """A client's request id travels downstream in metadata (`x-request-id`): printable ASCII, at most 128."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidInput(f"request_id is {len(request_id)} characters long; the limit is {MAX_REQUEST_ID_CHARS}")
+    if not all(" " <= c <= "~" for c in request_id):
+        raise InvalidInput("request_id must be printable ASCII")
+    return request_id
+
+
 def check_stop_strings(stop: Sequence[str]) -> tuple[str, ...]:
     if len(stop) > MAX_STOP_STRINGS:
         raise InvalidInput(f"{len(stop)} stop strings; at most {MAX_STOP_STRINGS} are allowed")

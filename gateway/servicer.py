@@ -15,7 +15,13 @@ import grpc.aio
 from gateway.config import GatewayLimits
 from gateway.downstream import Finish
 from gateway.fallback import FINISH_STOP, FallbackGeneration, GenerationPlan
-from gateway.limits import StreamSlots, check_prompt_length, check_stop_strings, resolve_sampling
+from gateway.limits import (
+    StreamSlots,
+    check_prompt_length,
+    check_request_id,
+    check_stop_strings,
+    resolve_sampling,
+)
 from gateway.prompts import EncodedInput, encode_input
 from gateway.router import Router
 from gateway.stream import TextStream
@@ -40,7 +46,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     # -- Generate -------------------------------------------------------------------------------------------
     async def Generate(self, request, context):
         started = time.monotonic()
-        request_id = request.request_id or uuid.uuid4().hex
+        request_id = check_request_id(request.request_id) or uuid.uuid4().hex
         with bind_request_id(request_id):
             with get_tracer().start_as_current_span("gateway.tokenize") as span:
                 plan, stop = self._plan(request, request_id)
