@@ -72,3 +72,23 @@ class GraphAttention:
         ps = self.kv.page_size
         paged = (k_cache.view(-1, ps, *k_cache.shape[1:]), v_cache.view(-1, ps, *v_cache.shape[1:]))
         return self.wrapper.run(q.to(k_cache.dtype), paged).to(q.dtype)
+
+
+def scratch_slots(pages: list[int], page_size: int, n: int) -> torch.Tensor:
+    """Slots of positions 0..n-1 of the scratch pages that padded (fake) requests of a captured batch use."""
+    pos = torch.arange(n)
+    return torch.tensor(pages)[pos // page_size] * page_size + pos % page_size
+
+
+def capture_graph(body, pool) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Warm `body` up twice on a side stream (lazy inits, autotuning), then capture it into `pool`."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            body()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = body()
+    return graph, out

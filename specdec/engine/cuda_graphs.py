@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.attention.batch import SeqAttention
-from specdec.attention.graph_backend import GraphAttention
+from specdec.attention.graph_backend import GraphAttention, capture_graph, scratch_slots
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +71,7 @@ class TargetGraphs:
 
     # ---- capture --------------------------------------------------------------------------------------------
     def _scratch_slots(self, n: int) -> torch.Tensor:
-        ps = self.kv.page_size
-        pos = torch.arange(n)
-        pages = torch.tensor(self.scratch_pages)[pos // ps]
-        return pages * ps + pos % ps
+        return scratch_slots(self.scratch_pages, self.kv.page_size, n)
 
     def _scratch_seq(self, n: int) -> SeqAttention:
         mask = None if n == 1 else torch.ones(n, n, dtype=torch.bool).tril()
@@ -96,15 +93,7 @@ class TargetGraphs:
         ids = torch.zeros(bucket * n, dtype=torch.int64, device=dev)
         positions = torch.arange(n, device=dev).repeat(bucket)
         attn.plan([self._scratch_seq(n) for _ in range(bucket)], self._scratch_slots(n).repeat(bucket))
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up outside the graph (lazy inits, autotuning)
-                self.model(ids, positions, attn, None, aux_layers)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self.model(ids, positions, attn, None, aux_layers)
+        graph, out = capture_graph(lambda: self.model(ids, positions, attn, None, aux_layers), self.pool)
         return _Graph(graph, attn, ids, positions, out.hidden, out.aux)

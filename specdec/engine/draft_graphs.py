@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.attention.batch import SeqAttention
-from specdec.attention.graph_backend import GraphAttention
+from specdec.attention.graph_backend import GraphAttention, capture_graph, scratch_slots
 from specdec.engine.cuda_graphs import BATCH_LADDER
 from specdec.tree import TokenTree
 
@@ -78,9 +78,7 @@ class DraftChainGraphs:
 
     # ---- capture --------------------------------------------------------------------------------------------
     def _scratch_slots(self, n: int) -> torch.Tensor:
-        ps = self.engine.kv.page_size
-        pos = torch.arange(n)
-        return torch.tensor(self.scratch_pages)[pos // ps] * ps + pos % ps
+        return scratch_slots(self.scratch_pages, self.engine.kv.page_size, n)
 
     def _scratch_seq(self, n: int) -> SeqAttention:
         return SeqAttention(self._scratch_slots(n), 1, torch.ones(1, 1, dtype=torch.bool))
@@ -114,15 +112,7 @@ class DraftChainGraphs:
                 outs.append(tok)
             out_tokens.copy_(torch.stack(outs, dim=1))
 
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                body()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self.pool):
-            body()
+        graph, _ = capture_graph(body, self.pool)
         return _ChainGraph(graph, attn, tokens0, hidden0, positions, out_tokens)
