@@ -85,7 +85,7 @@ def mode_env(mode: str, receiver: SpanCounter) -> dict[str, str]:
 
 class Stack:
     def __init__(self, config: StackConfig, env: dict[str, str], log_dir: str) -> None:
-        self.config, self.procs = config, {}
+        self.config, self.procs, self.log_dir = config, {}, log_dir
         for name, argv in config.commands().items():
             argv = [*argv, "--drain-seconds", "1"]
             with open(os.path.join(log_dir, f"{name}.log"), "wb") as log:
@@ -102,7 +102,8 @@ class Stack:
         while waiting:
             for name in list(waiting):
                 if self.procs[name].poll() is not None:
-                    raise RuntimeError(f"{name} exited with {self.procs[name].returncode}")
+                    tail = Path(self.log_dir, f"{name}.log").read_text(errors="replace")[-2000:]
+                    raise RuntimeError(f"{name} exited with {self.procs[name].returncode}:\n{tail}")
                 if _is_serving(self.config.addr(name), HEALTH_NAMES[name]):
                     waiting.remove(name)
             if waiting and time.monotonic() > deadline:
