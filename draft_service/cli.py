@@ -15,7 +15,7 @@ def register(subparsers) -> None:
         "serve-draft", help="serve an EAGLE draft head that speculates for a target service",
         description="The draft service: proposes token trees, has the target verify them, streams tokens.",
     )
-    p.add_argument("--model", required=True, help="EAGLE-1 or EAGLE-3 head directory")
+    p.add_argument("--model", help="EAGLE-1 or EAGLE-3 head directory")
     p.add_argument("--target-model", required=True,
                    help="the target's checkpoint directory (the head reads embed_tokens / lm_head from it)")
     p.add_argument("--target", required=True, help="target service address HOST:PORT")

@@ -14,7 +14,7 @@ def register(subparsers) -> None:
         "serve-target", help="serve the target model (Prefill / Verify / Release / Generate)",
         description="The target service: verifies draft token trees and decodes plainly (the fallback).",
     )
-    p.add_argument("--model", required=True, help="target checkpoint directory (HF Llama format, safetensors)")
+    p.add_argument("--model", help="target checkpoint directory (HF Llama format, safetensors)")
     add_engine_args(p, DEFAULT_PORT)
     add_tls_args(p)
     add_telemetry_args(p)

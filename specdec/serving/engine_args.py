@@ -25,6 +25,8 @@ def add_engine_args(parser: argparse.ArgumentParser, default_port: int) -> None:
     e.add_argument("--max-context", type=int, default=0, help="context length; 0 = the model's")
     e.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"],
                    help="dummy = random weights of the checkpoint's shape (benchmarking only)")
+    e.add_argument("--config", metavar="NAME", help="with --load-format dummy: a named shape instead of --model "
+                   "(llama3-8b, llama3-8b-eagle1, llama3-8b-eagle3)")
     e.add_argument("--simulate-accept-len", type=float, default=0.0,
                    help="BENCHMARKING ONLY (target): accept a simulated number of draft tokens per step with this "
                         "mean tokens/step; outputs are then NOT the model's. Default off")
@@ -33,7 +35,17 @@ def add_engine_args(parser: argparse.ArgumentParser, default_port: int) -> None:
 
 def engine_options(args: argparse.Namespace):
     from specdec.engine.factory import EngineOptions  # torch: imported only when a service starts
+    from specdec.errors import ConfigError
+    from specdec.models.presets import PRESETS, preset_names
 
+    if args.config:
+        if args.load_format != "dummy":
+            raise ConfigError("--config NAME gives a shape without weights: it needs --load-format dummy")
+        if args.config not in PRESETS:
+            raise ConfigError(f"unknown --config {args.config!r}; known: {preset_names()}")
+        args.model = args.config
+    if not args.model:
+        raise ConfigError("--model DIR is required (or --load-format dummy --config NAME)")
     return EngineOptions(
         device=args.device, dtype=args.dtype, attention_backend=args.attention_backend, page_size=args.page_size,
         num_pages=args.num_pages, max_batch_size=args.max_batch_size, max_context=args.max_context,
