@@ -1,0 +1,119 @@
+"""Admission control: a request the KV pool cannot hold now waits (FIFO) up to --max-queue-wait-seconds, then
+fails RESOURCE_EXHAUSTED; a client deadline ends the wait early; nothing waits or leaks afterwards.
+
+The target's pool is 30 pages of 16 tokens; a request of 10 prompt + 200 new tokens reserves 18 of them (its
+tokens plus one full tree of 64 draft slots), so a second such request must wait for the first.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+from reliability_support import PROMPT_IDS, draft_kv, start_draft, start_target, target_kv, wait_whole
+
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+
+
+@pytest.fixture(scope="module")
+def stack():
+    target = start_target("--num-pages", "30", "--max-queue-wait-seconds", "20")
+    waits = start_draft(target.addr, "--max-queue-wait-seconds", "20")
+    short = start_draft(target.addr, "--max-queue-wait-seconds", "0.5")
+    yield target, waits, short
+    for s in (short, waits, target):
+        s.stop()
+
+
+def sampling(n: int) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(max_new_tokens=n, ignore_eos=True)
+
+
+def draft_stream(addr: str, rid: str, n: int, timeout: float | None = 60):
+    channel = grpc.insecure_channel(addr)
+    stub = draft_pb2_grpc.DraftServiceStub(channel)
+    req = draft_pb2.DraftServiceGenerateRequest(request_id=rid, prompt_ids=PROMPT_IDS, sampling=sampling(n))
+    return stub.Generate(req, timeout=timeout), channel
+
+
+def collect(call) -> tuple[list[int], float]:
+    """All tokens of a stream and when its first chunk arrived."""
+    tokens, first = [], None
+    for msg in call:
+        first = first or time.monotonic()
+        tokens += msg.token_ids
+    return tokens, first
+
+
+def test_reliability_admission_waits_for_pages_then_runs(stack):
+    target, waits, _ = stack
+    holder, ch1 = draft_stream(waits.addr, "hold-1", 200)
+    it = iter(holder)
+    first_chunk = next(it)
+    assert target_kv(target.addr)[2] == 1  # the holder runs (and has reserved 18 of the 30 pages)
+    waiter, ch2 = draft_stream(waits.addr, "wait-1", 200)
+    result = {}
+    t = threading.Thread(target=lambda: result.update(zip(("tokens", "first"), collect(waiter), strict=True)))
+    t.start()
+    held = list(first_chunk.token_ids) + [tok for msg in it for tok in msg.token_ids]
+    holder_done = time.monotonic()
+    t.join(60)
+    assert len(held) == 200 and result["tokens"] == held  # same greedy tokens, nothing lost
+    assert result["first"] >= holder_done - 0.05  # it was admitted only once the holder's pages came back
+    ch1.close(), ch2.close()
+    assert wait_whole(target_kv, target.addr)[:2] == (30, 30)
+
+
+def test_reliability_admission_gives_up_after_the_limit(stack):
+    target, waits, short = stack
+    holder, ch1 = draft_stream(waits.addr, "hold-2", 400)
+    next(iter(holder))
+    t0 = time.monotonic()
+    waiter, ch2 = draft_stream(short.addr, "wait-2", 200)
+    with pytest.raises(grpc.RpcError) as err:
+        collect(waiter)
+    waited = time.monotonic() - t0
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "KV pool full: waited" in err.value.details() and "limit 0.5 s" in err.value.details()
+    assert 0.5 <= waited < 10
+    never, ch3 = draft_stream(short.addr, "never-fits", 1500)  # more pages than the pool holds
+    with pytest.raises(grpc.RpcError) as err:
+        collect(never)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    holder.cancel()
+    for ch in (ch1, ch2, ch3):
+        ch.close()
+    assert wait_whole(target_kv, target.addr)[:2] == (30, 30)
+    assert wait_whole(draft_kv, short.addr)[2] == 0 and wait_whole(draft_kv, waits.addr)[2] == 0
+
+
+def test_reliability_admission_deadline_ends_the_wait(stack):
+    target, waits, _ = stack
+    holder, ch1 = draft_stream(waits.addr, "hold-3", 400)
+    next(iter(holder))
+    waiter, ch2 = draft_stream(waits.addr, "wait-3", 200, timeout=0.7)
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        collect(waiter)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - t0 < 5
+    holder.cancel()
+    ch1.close(), ch2.close()
+    # the waiting entry was dropped with the call: nothing is admitted later, every page comes back
+    assert wait_whole(draft_kv, waits.addr)[2] == 0
+    assert wait_whole(target_kv, target.addr) == (30, 30, 0)
+
+
+def test_reliability_admission_target_plain_generate_waits_too(stack):
+    target, waits, _ = stack
+    holder, ch1 = draft_stream(waits.addr, "hold-4", 200)
+    next(iter(holder))
+    with grpc.insecure_channel(target.addr) as ch:
+        stub = target_pb2_grpc.TargetServiceStub(ch)
+        req = target_pb2.TargetServiceGenerateRequest(request_id="plain-wait", prompt_ids=PROMPT_IDS,
+                                                      sampling=sampling(200))
+        tokens = [t for msg in stub.Generate(req, timeout=60) for t in msg.token_ids]
+    assert len(tokens) == 200
+    ch1.close()
+    assert wait_whole(target_kv, target.addr) == (30, 30, 0)

@@ -1,0 +1,160 @@
+"""SIGTERM drains each service (run as `python -m specdec serve-*` processes): health turns NOT_SERVING, new
+requests are refused with UNAVAILABLE, a running request that fits the grace period (--drain-seconds 3)
+finishes, one that does not ends with a status (never silently), and the process exits 0.
+
+Order matters: the gateway is drained first, then the draft, then the target they depend on.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+from reliability_support import (
+    DRAFT_HEALTH,
+    GATEWAY_HEALTH,
+    PROMPT_IDS,
+    SERVING,
+    TARGET_DIR,
+    TARGET_HEALTH,
+    ServiceProcess,
+    draft_process,
+    health,
+    target_process,
+)
+
+from specdec.v1 import (
+    common_pb2,
+    draft_pb2,
+    draft_pb2_grpc,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    target_pb2,
+    target_pb2_grpc,
+)
+
+GRACE_S = 3.0
+SHORT = common_pb2.SamplingParams(max_new_tokens=40, ignore_eos=True)
+LONG = common_pb2.SamplingParams(max_new_tokens=2000, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def procs(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    grace = ("--drain-seconds", str(GRACE_S))
+    target = target_process(*grace, log_dir=logs).start()
+    target.wait_serving(TARGET_HEALTH)
+    draft = draft_process(target.addr, *grace, log_dir=logs).start()
+    draft.wait_serving(DRAFT_HEALTH)
+    gateway = ServiceProcess(["serve-gateway", "--model", TARGET_DIR, "--pair", f"{draft.addr}={target.addr}",
+                              *grace], log_dir=logs).start().wait_serving(GATEWAY_HEALTH)
+    yield {"target": target, "draft": draft, "gateway": gateway}
+    for p in (gateway, draft, target):
+        p.kill()
+
+
+class Stream:
+    """Reads a server stream on a thread; records tokens, whether a finish arrived, and the final status."""
+
+    def __init__(self, call, finished):
+        self.call, self.finished = call, finished
+        self.tokens, self.done, self.code, self.ended_at = 0, False, grpc.StatusCode.OK, None
+        self.first = threading.Event()
+        self.thread = threading.Thread(target=self._read)
+        self.thread.start()
+
+    def _read(self):
+        try:
+            for msg in self.call:
+                self.tokens += len(msg.token_ids)
+                self.done = self.done or self.finished(msg)
+                self.first.set()
+        except grpc.RpcError as exc:
+            self.code = exc.code()
+        self.ended_at = time.monotonic()
+        self.first.set()
+
+    def join(self, timeout_s: float):
+        self.thread.join(timeout_s)
+        return self
+
+
+def drain(proc: ServiceProcess, service: str, start_stream, new_request) -> tuple[Stream, Stream, float]:
+    short, long = start_stream(SHORT), start_stream(LONG)
+    assert short.first.wait(30) and long.first.wait(30)
+    t0 = time.monotonic()
+    proc.terminate()
+    deadline = t0 + 5
+    while health(proc.addr, service) == SERVING:
+        assert time.monotonic() < deadline, "still SERVING after SIGTERM"
+        time.sleep(0.05)
+    with pytest.raises(grpc.RpcError) as err:
+        new_request()
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    short.join(30), long.join(30)
+    assert proc.proc.wait(GRACE_S + 15) == 0, proc.log()[-2000:]
+    exited = time.monotonic() - t0
+    assert short.done and short.code == grpc.StatusCode.OK  # fits in the grace period: finishes
+    assert long.done or long.code != grpc.StatusCode.OK  # does not fit: a finish or a clear status, never silence
+    assert long.ended_at - t0 < GRACE_S + 5
+    print(f"drain {service}: short finished, long {'finished' if long.done else long.code.name} after "
+          f"{long.tokens} tokens, exit 0 after {exited:.1f} s")
+    return short, long, exited
+
+
+def test_reliability_drain_gateway(procs):
+    gateway = procs["gateway"]
+    channel = grpc.insecure_channel(gateway.addr)
+    stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+
+    def start(sampling):
+        req = gateway_pb2.GatewayServiceGenerateRequest(prompt="def fib(n):", sampling=sampling)
+        return Stream(stub.Generate(req, timeout=120), lambda m: m.HasField("final"))
+
+    def new_request():
+        list(stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(prompt="x"), timeout=10))
+
+    short, _, _ = drain(gateway, GATEWAY_HEALTH, start, new_request)
+    assert short.tokens == 40
+    channel.close()
+
+
+def test_reliability_drain_draft(procs):
+    draft = procs["draft"]
+    channel = grpc.insecure_channel(draft.addr)
+    stub = draft_pb2_grpc.DraftServiceStub(channel)
+    counter = iter(range(100))
+
+    def start(sampling):
+        req = draft_pb2.DraftServiceGenerateRequest(request_id=f"d{next(counter)}", prompt_ids=PROMPT_IDS,
+                                                    sampling=sampling)
+        return Stream(stub.Generate(req, timeout=120), lambda m: m.HasField("final"))
+
+    def new_request():
+        list(stub.Generate(draft_pb2.DraftServiceGenerateRequest(request_id="late", prompt_ids=PROMPT_IDS),
+                           timeout=10))
+
+    short, _, _ = drain(draft, DRAFT_HEALTH, start, new_request)
+    assert short.tokens == 40
+    channel.close()
+
+
+def test_reliability_drain_target(procs):
+    target = procs["target"]
+    channel = grpc.insecure_channel(target.addr)
+    stub = target_pb2_grpc.TargetServiceStub(channel)
+    counter = iter(range(100))
+
+    def start(sampling):
+        req = target_pb2.TargetServiceGenerateRequest(request_id=f"t{next(counter)}", prompt_ids=PROMPT_IDS,
+                                                      sampling=sampling)
+        return Stream(stub.Generate(req, timeout=120), lambda m: m.finish_reason != 0)
+
+    def new_request():
+        stub.Prefill(target_pb2.PrefillRequest(request_id="late", prompt_ids=PROMPT_IDS), timeout=10)
+
+    short, _, _ = drain(target, TARGET_HEALTH, start, new_request)
+    assert short.tokens == 40
+    channel.close()

@@ -1,0 +1,200 @@
+"""Faults: the target dies under running requests, the target sends malformed features, deadlines pass.
+
+Pair A is an in-process draft over a target *process* (port fixed, so it can be killed and restarted); pair B is
+an in-process target alone. The gateway routes over both. (The draft dying mid-stream is covered by
+tests/gateway/test_gateway_e2e.py::test_gateway_e2e_draft_killed_mid_stream_same_text.)
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+from reliability_support import (
+    PROMPT_IDS,
+    draft_kv,
+    start_draft,
+    start_gateway,
+    start_target,
+    target_kv,
+    target_process,
+    wait_pairs_up,
+    wait_whole,
+)
+
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, gateway_pb2, gateway_pb2_grpc, target_pb2_grpc
+
+PROMPT = 'def bfs(G, source):\n    """Breadth-first search from source."""\n'
+LONG = common_pb2.SamplingParams(max_new_tokens=300, ignore_eos=True)
+
+
+def gateway_generate(addr: str, no_speculation: bool = False, timeout: float = 120, sampling=LONG):
+    channel = grpc.insecure_channel(addr)
+    stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+    req = gateway_pb2.GatewayServiceGenerateRequest(prompt=PROMPT, sampling=sampling, no_speculation=no_speculation)
+    return stub.Generate(req, timeout=timeout), channel
+
+
+def pairs_up(addr: str) -> int:
+    with grpc.insecure_channel(addr) as ch:
+        return gateway_pb2_grpc.GatewayServiceStub(ch).ListModels(gateway_pb2.ListModelsRequest(), timeout=5) \
+            .models[0].pairs_up
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    target_a = target_process(log_dir=logs).start().wait_serving("specdec.v1.TargetService")
+    draft_a = start_draft(target_a.addr)
+    target_b = start_target()
+    gateway = start_gateway(f"{draft_a.addr}={target_a.addr}", f"={target_b.addr}")
+    wait_pairs_up(gateway.addr, 2)
+    yield {"target_a": target_a, "draft_a": draft_a, "target_b": target_b, "gateway": gateway, "logs": logs}
+    gateway.stop()
+    draft_a.stop()
+    target_b.stop()
+    target_a.kill()
+
+
+def restart_target_a(stack) -> None:
+    old = stack["target_a"]
+    stack["target_a"] = target_process(port=old.port, log_dir=stack["logs"]).start() \
+        .wait_serving("specdec.v1.TargetService")
+
+
+@pytest.fixture(scope="module")
+def reference(stack):
+    call, ch = gateway_generate(stack["gateway"].addr, no_speculation=True)
+    text = "".join(m.text for m in call)
+    ch.close()
+    return text
+
+
+def test_reliability_target_killed_draft_fails_fast_and_frees_kv(stack):
+    draft_a = stack["draft_a"]
+    with grpc.insecure_channel(draft_a.addr) as ch:
+        call = draft_pb2_grpc.DraftServiceStub(ch).Generate(draft_pb2.DraftServiceGenerateRequest(
+            request_id="dies", prompt_ids=PROMPT_IDS, sampling=LONG), timeout=60)
+        it = iter(call)
+        next(it)
+        stack["target_a"].kill()
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            list(it)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "target" in err.value.details()
+        assert time.monotonic() - t0 < 5  # fails fast, does not hang on the dead target
+    assert wait_whole(draft_kv, draft_a.addr)[2] == 0
+    free, total, _ = draft_kv(draft_a.addr)
+    assert free == total
+    restart_target_a(stack)
+    wait_pairs_up(stack["gateway"].addr, 2)
+
+
+def test_reliability_target_killed_gateway_continues_on_the_other_pair(stack, reference):
+    gateway = stack["gateway"]
+    call, ch = gateway_generate(gateway.addr)  # speculative: pair A (the only pair with a draft)
+    it = iter(call)
+    texts = [next(it).text]
+    stack["target_a"].kill()
+    msgs = list(it)
+    ch.close()
+    final = msgs[-1].final
+    texts += [m.text for m in msgs]
+    assert "".join(texts) == reference  # same greedy text, one stream, nothing lost
+    assert final.completion_tokens == 300 and not final.speculative
+    assert pairs_up(gateway.addr) == 1  # pair A is marked down
+    assert wait_whole(target_kv, stack["target_b"].addr)[2] == 0
+    assert wait_whole(draft_kv, stack["draft_a"].addr)[2] == 0
+    restart_target_a(stack)
+    assert wait_pairs_up(gateway.addr, 2) < 20  # and comes back once its target answers again
+    call, ch = gateway_generate(gateway.addr, sampling=common_pb2.SamplingParams(max_new_tokens=16))
+    msgs = list(call)
+    ch.close()
+    assert msgs[-1].final.speculative and msgs[-1].final.completion_tokens >= 1
+
+
+def test_reliability_client_deadline_cancels_downstream(stack):
+    gateway = stack["gateway"]
+    sampling = common_pb2.SamplingParams(max_new_tokens=2000, ignore_eos=True)
+    call, ch = gateway_generate(gateway.addr, timeout=1.0, sampling=sampling)
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        list(call)
+    ch.close()
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - t0 < 3
+    # the draft and its target stop the request and free its pages (the deadline travelled downstream)
+    free, total, running = wait_whole(draft_kv, stack["draft_a"].addr, timeout_s=5)
+    assert (free, running) == (total, 0)
+    free, total, running = wait_whole(target_kv, stack["target_a"].addr, timeout_s=5)
+    assert (free, running) == (total, 0)
+
+
+# ---- a target that answers with malformed features --------------------------------------------------------
+class CorruptingTarget(target_pb2_grpc.TargetServiceServicer):
+    """Forwards to a real target; `mode` corrupts the features of Prefill or Verify replies."""
+
+    def __init__(self, addr: str):
+        self.channel = grpc.insecure_channel(addr)
+        self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
+        self.mode = ""
+
+    def _corrupt(self, reply):
+        t = reply.features
+        if self.mode.endswith("dim") and t.shape:
+            t.shape[-1] -= 1
+            t.data = t.data[: len(t.data) // (t.shape[-1] + 1) * t.shape[-1]]  # consistent bytes, wrong width
+        elif self.mode.endswith("rows") and t.shape:
+            row = len(t.data) // t.shape[0]
+            t.shape[0] -= 1
+            t.data = t.data[:-row]
+        return reply
+
+    def Prefill(self, request, context):
+        reply = self.stub.Prefill(request)
+        return self._corrupt(reply) if self.mode.startswith("prefill") else reply
+
+    def Verify(self, request, context):
+        reply = self.stub.Verify(request)
+        return self._corrupt(reply) if self.mode.startswith("verify") else reply
+
+    def Release(self, request, context):
+        return self.stub.Release(request)
+
+    def GetModelInfo(self, request, context):
+        return self.stub.GetModelInfo(request)
+
+
+@pytest.fixture(scope="module")
+def corrupt_stack(stack):
+    proxy = CorruptingTarget(stack["target_b"].addr)
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    target_pb2_grpc.add_TargetServiceServicer_to_server(proxy, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    draft = start_draft(f"127.0.0.1:{port}")
+    yield proxy, draft
+    draft.stop()
+    server.stop(0)
+    proxy.channel.close()
+
+
+@pytest.mark.parametrize("mode", ["prefill-dim", "prefill-rows", "verify-dim", "verify-rows"])
+def test_reliability_malformed_features_from_the_target(stack, corrupt_stack, mode):
+    proxy, draft = corrupt_stack
+    proxy.mode = mode
+    req = draft_pb2.DraftServiceGenerateRequest(request_id=f"bad-{mode}", prompt_ids=PROMPT_IDS, sampling=LONG)
+    with grpc.insecure_channel(draft.addr) as ch:
+        stub = draft_pb2_grpc.DraftServiceStub(ch)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(req, timeout=60))
+        assert err.value.code() == grpc.StatusCode.INTERNAL and "malformed" in err.value.details()
+        proxy.mode = ""
+        ok = [t for m in stub.Generate(draft_pb2.DraftServiceGenerateRequest(
+            request_id=f"ok-{mode}", prompt_ids=PROMPT_IDS, sampling=common_pb2.SamplingParams(
+                max_new_tokens=20, ignore_eos=True)), timeout=60) for t in m.token_ids]
+    assert len(ok) == 20  # the draft service still works
+    assert wait_whole(draft_kv, draft.addr)[2] == 0
+    free, total, running = wait_whole(target_kv, stack["target_b"].addr)
+    assert (free, running) == (total, 0)  # the target's copy of the broken request was released
