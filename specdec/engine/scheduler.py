@@ -20,13 +20,18 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from specdec.engine.adaptive import SpeculationPolicy
 from specdec.engine.draft_engine import DraftEngine
 from specdec.engine.requests import ABORT, RUNNING, PrefillInput, StepTimings, VerifyInput
 from specdec.errors import NotReady, OutOfPages, SpecdecError
 from specdec.sampling_params import SamplingParams
 from specdec.telemetry.tracing import StepSpanSampler, attached, batch_parent
+from specdec.tree import TokenTree
 
 log = logging.getLogger(__name__)
+_EMPTY = TokenTree((), ())  # a plain decode step: verify of the root alone
 QUEUE_POLL_S = 0.01  # how often a request waiting for KV pages retries its admission
 
 
@@ -53,13 +58,17 @@ class RunState:
     accepted_per_position: list[int] = field(default_factory=list)
     blocked_since: float | None = None  # when admission first found the KV pools too full for it
     trace_context: Any = None  # the request's OpenTelemetry context (None: not traced)
+    # committed tokens (and their features) the draft has not extended over yet: left by plain steps
+    backlog_tokens: list[int] = field(default_factory=list)
+    backlog_features: list = field(default_factory=list)
 
 
 class Scheduler:
     def __init__(self, target, draft: DraftEngine | None, max_context: int, max_batch_size: int = 64,
                  feature_layers: tuple[int, ...] = (), max_queue_wait_s: float = 0.0,
-                 step_spans: StepSpanSampler | None = None):
+                 step_spans: StepSpanSampler | None = None, policy: SpeculationPolicy | None = None):
         self.target, self.draft = target, draft
+        self.policy = policy  # None: always speculate when there is a draft
         self.step_spans = step_spans or StepSpanSampler(0.0)  # default: no step spans
         # a request refused for lack of KV pages waits (FIFO) up to this long, then fails OutOfPages; 0: at once
         self.max_queue_wait_s = max_queue_wait_s
@@ -182,9 +191,17 @@ class Scheduler:
 
     def _decode(self) -> list[Event]:
         rids = list(self.running)
+        t_step = time.perf_counter()
+        speculate = self.draft is not None and (
+            self.policy is None
+            # seeded sampling draws differently in the two modes: keep such batches speculative (reproducible)
+            or any(self.running[r].sampling.seed is not None and not self.running[r].sampling.greedy for r in rids)
+            or self.policy.choose(len(rids)))
         trace = sampled, parent, links = self._step_trace([self.running[rid] for rid in rids])
+        if speculate:
+            self._catch_up(rids, trace)
         with self.step_spans.span("draft.propose", sampled, links, parent, batch_size=len(rids)) as span:
-            trees = self._propose(rids)
+            trees = self._propose(rids) if speculate else [_EMPTY] * len(rids)
             num_draft_tokens = sum(len(t.tokens) for t in trees)
             if span is not None:
                 span.set_attribute("num_draft_tokens", num_draft_tokens)
@@ -211,17 +228,31 @@ class Scheduler:
                                 num_accepted_drafts=out.num_accepted_drafts, from_verify=True))
             if out.finish_reason != RUNNING:
                 self._finish(out.request_id, release_target=False)  # the target freed its pages itself
-            elif self.draft is not None:
+            elif self.draft is not None and speculate:
                 extend.append((out.request_id, out.tokens, out.features))
+            elif self.draft is not None:  # plain step: the draft catches up when speculation resumes
+                state.backlog_tokens += out.tokens
+                state.backlog_features.append(out.features)
         if extend:
             self._extend(extend, trace)
+        if self.policy is not None and self.draft is not None:
+            self.policy.record(len(rids), speculate, sum(len(e.tokens) for e in events), time.perf_counter() - t_step)
         return events
 
-    def _propose(self, rids: list[str]) -> list:
-        from specdec.tree import TokenTree
+    def _catch_up(self, rids: list[str], trace) -> None:
+        """Extend the draft over tokens that plain steps committed, so its state is current before proposing."""
+        items = []
+        for rid in rids:
+            state = self.running[rid]
+            if state.backlog_tokens:
+                items.append((rid, state.backlog_tokens, torch.cat(state.backlog_features)))
+                state.backlog_tokens, state.backlog_features = [], []
+        if items:
+            self._extend(items, trace, "draft.catch_up")
 
-        empty = TokenTree((), ())
-        if self.draft is None:
+    def _propose(self, rids: list[str]) -> list:
+        empty = _EMPTY
+        if self.draft is None or not rids:
             return [empty] * len(rids)
         steps = self.draft.spec.num_steps
         eligible = [r for r in rids if self.draft.length(r) + steps < self.max_context]

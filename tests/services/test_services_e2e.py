@@ -169,3 +169,28 @@ def test_target_rpc_errors(stack):
 
     asyncio.run(run())
     assert asyncio.run(_kv_free(stack))[0]
+
+
+def test_adaptive_speculation_service_is_lossless(stack, prompts):
+    """`--speculation auto` switches between speculative and plain steps by measured tokens/s; the stream
+    still equals target Generate token for token."""
+    target, _ = stack
+    auto = start_draft(target.addr, "--speculation", "auto", "--max-batch-size", "8")
+    try:
+        async def run():
+            async with make_channel(auto.addr) as dch, make_channel(target.addr) as tch:
+                d, t = draft_pb2_grpc.DraftServiceStub(dch), target_pb2_grpc.TargetServiceStub(tch)
+                jobs = []
+                for i, p in enumerate(prompts[:6]):
+                    s = _sampling(max_new_tokens=40)
+                    jobs.append(_collect(d.Generate(draft_pb2.DraftServiceGenerateRequest(
+                        request_id=f"auto-{i}", prompt_ids=p, sampling=s))))
+                    jobs.append(_collect(t.Generate(target_pb2.TargetServiceGenerateRequest(
+                        request_id=f"auto-plain-{i}", prompt_ids=p, sampling=s))))
+                return await asyncio.gather(*jobs)
+
+        out = asyncio.run(run())
+        for spec, plain in zip(out[::2], out[1::2], strict=True):
+            assert spec[0] == plain[0]
+    finally:
+        auto.stop()
