@@ -27,7 +27,6 @@ import logging
 import math
 import os
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -130,49 +129,7 @@ class Probe:
 
 
 # ---- services in this process ----------------------------------------------------------------------------------
-class ServiceThread:
-    """Runs `serve(args, shutdown, ready)` on a private event loop in a daemon thread."""
-
-    def __init__(self, serve, argv: list[str]):
-        from specdec.cli import build_parser
-
-        self.args = build_parser().parse_args(argv)
-        self.serve, self.port, self.error = serve, None, None
-        self._ready, self._loop = threading.Event(), asyncio.new_event_loop()
-        self._shutdown: asyncio.Event | None = None
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-
-        async def main():
-            self._shutdown = asyncio.Event()
-            await self.serve(self.args, self._shutdown, self._on_ready)
-
-        try:
-            self._loop.run_until_complete(main())
-        except BaseException as exc:  # noqa: BLE001 - reported by start()
-            self.error = exc
-            self._ready.set()
-
-    def _on_ready(self, port: int) -> None:
-        self.port = port
-        self._ready.set()
-
-    def start(self, timeout_s: float = 120.0) -> ServiceThread:
-        self._thread.start()
-        if not self._ready.wait(timeout_s) or self.error:
-            raise RuntimeError(f"service did not start: {self.error!r}")
-        return self
-
-    def stop(self) -> None:
-        if self._shutdown is not None:
-            self._loop.call_soon_threadsafe(self._shutdown.set)
-        self._thread.join(30)
-
-    @property
-    def addr(self) -> str:
-        return f"127.0.0.1:{self.port}"
+from specdec.serving.service_thread import ServiceThread  # noqa: E402
 
 
 def engine_flags(max_concurrency: int, prompt_tokens: int, new_tokens: int) -> list[str]:
