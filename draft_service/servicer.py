@@ -110,13 +110,12 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     async def GetModelInfo(self, request, context):
         cfg, spec = self.engine.model.cfg, self.engine.spec
-        kv = self.engine.kv
+        page_size, pages_total, pages_free = self.engine.kv_stats()
         return draft_pb2.DraftServiceGetModelInfoResponse(
             model=self.model_name, architecture=cfg.architecture, draft_vocab_size=cfg.draft_vocab_size,
             target=self.target_addr,
             spec=common_pb2.SpecParams(num_steps=spec.num_steps, topk=spec.topk,
                                        num_draft_tokens=spec.num_draft_tokens),
-            kv=common_pb2.KVStats(page_size=kv.page_size, pages_total=kv.num_total_pages,
-                                  pages_free=kv.num_free_pages),
+            kv=common_pb2.KVStats(page_size=page_size, pages_total=pages_total, pages_free=pages_free),
             num_running=len(self.engine.requests),
         )

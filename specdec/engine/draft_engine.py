@@ -104,6 +104,11 @@ class DraftEngine:
         self._reserved -= req.reserved_pages
         self.kv.release(rid)
 
+    def kv_stats(self) -> tuple[int, int, int]:
+        """(page_size, pages_total, pages_free); pages set aside for CUDA-graph padding are not counted"""
+        scratch = len(self.graphs.scratch_pages) if self.graphs is not None else 0
+        return self.kv.page_size, self.kv.num_total_pages - scratch, self.kv.num_free_pages
+
     def length(self, rid: str) -> int:
         return self.requests[rid].kv_len
 
