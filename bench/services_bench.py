@@ -149,7 +149,7 @@ def start_draft(target_addr: str, setting: Setting, flags: list[str]) -> Service
 
     argv = ["serve-draft", "--model", str(TINY / setting.draft_dir), "--target-model", str(TINY / "target"),
             "--target", target_addr, "--num-steps", str(setting.num_steps), "--topk", str(setting.topk),
-            "--num-draft-tokens", str(setting.num_draft_tokens), *flags]
+            "--num-draft-tokens", str(setting.num_draft_tokens), "--speculation", "always", *flags]
     return ServiceThread(serve, argv).start()
 
 

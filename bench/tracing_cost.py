@@ -152,7 +152,7 @@ async def one_round(addr: str, concurrency: int, new_tokens: int, tag: str) -> t
 
 
 def measure(mode: str, args, receiver: SpanCounter) -> list[dict]:
-    config = StackConfig.free_ports(device=args.device)
+    config = StackConfig.free_ports(device=args.device, speculation="always")
     spans_before = receiver.num_spans
     with tempfile.TemporaryDirectory(prefix="specdec-tracing-cost-") as log_dir:
         stack = Stack(config, mode_env(mode, receiver), log_dir)

@@ -23,10 +23,10 @@ def register(subparsers) -> None:
                    help="how long to wait at start-up for the target to be ready, default 600")
     add_engine_args(p, DEFAULT_PORT)
     add_spec_args(p)
-    p.add_argument("--speculation", choices=["always", "auto"], default="always",
-                   help="always (default): speculate every step; auto: per step, speculate or decode plainly, "
-                        "whichever has measured more tokens/s at the running batch size (both lossless; seeded "
-                        "sampling batches stay speculative)")
+    p.add_argument("--speculation", choices=["auto", "always"], default="auto",
+                   help="auto (default): per step, speculate or decode plainly, whichever has measured more "
+                        "tokens/s at the running batch size (both lossless; seeded sampling batches stay "
+                        "speculative); always: speculate every step")
     add_tls_args(p)
     add_tls_args(p, prefix="target-", who="client side, to the target")
     add_telemetry_args(p)

@@ -48,6 +48,7 @@ class StackConfig:
     gateway_port: int = DEFAULT_PORTS["gateway"]
     draft_port: int = DEFAULT_PORTS["draft"]
     target_port: int = DEFAULT_PORTS["target"]
+    speculation: str = "auto"  # the draft's --speculation (auto: per step, whichever is measured faster)
 
     @classmethod
     def free_ports(cls, **kwargs) -> StackConfig:
@@ -72,6 +73,7 @@ class StackConfig:
             commands["draft"] = [
                 *specdec, "serve-draft", "--model", self.draft_dir, "--target-model", self.target_dir,
                 "--target", target_addr, "--device", self.device, "--host", self.host, "--port", str(self.draft_port),
+                "--speculation", self.speculation,
             ]  # fmt: skip
         pair = f"{draft_addr if self.draft_dir is not None else ''}={target_addr}"
         commands["gateway"] = [

@@ -25,7 +25,7 @@ NEW_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def stack():
-    with temporary_stack(StackConfig.free_ports(), timeout_s=240) as running:
+    with temporary_stack(StackConfig.free_ports(speculation="always"), timeout_s=240) as running:
         yield running
 
 

@@ -148,7 +148,8 @@ def target_process(*extra: str, port: int | None = None, log_dir: Path | None = 
 
 def draft_process(target_addr: str, *extra: str, log_dir: Path | None = None) -> ServiceProcess:
     return ServiceProcess(["serve-draft", "--model", DRAFT_DIR, "--target-model", TARGET_DIR,
-                           "--target", target_addr, "--drain-seconds", "2", *extra], None, log_dir)
+                           "--target", target_addr, "--drain-seconds", "2", "--speculation", "always", *extra],
+                          None, log_dir)
 
 
 # ---- certificates -------------------------------------------------------------------------------------------

@@ -20,5 +20,5 @@ def start_draft(target_addr: str, *extra: str, draft: str = "draft") -> ServiceT
     from draft_service.app import serve
 
     argv = ["serve-draft", "--model", str(TINY / draft), "--target-model", str(TINY / "target"),
-            "--target", target_addr, "--port", "0", "--drain-seconds", "2", *extra]
+            "--target", target_addr, "--port", "0", "--drain-seconds", "2", "--speculation", "always", *extra]
     return ServiceThread(serve, argv).start()

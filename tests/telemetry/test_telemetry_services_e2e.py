@@ -59,7 +59,7 @@ def _scrape(port: int) -> str:
 def run(tmp_path_factory):
     """One request through the three services; returns spans, scraped metrics, log lines and the stats."""
     log_dir = tmp_path_factory.mktemp("telemetry-e2e")
-    config = StackConfig.free_ports()
+    config = StackConfig.free_ports(speculation="always")
     metrics_ports = dict(zip(SERVICES, _free_ports(3), strict=True))
     with TraceReceiver() as receiver:
         env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "50",
