@@ -8,6 +8,7 @@ UNAUTHENTICATED before it reaches the servicer. Health checks are not covered (p
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import hmac
 from pathlib import Path
 
@@ -39,6 +40,17 @@ def key_matches(presented: bytes, keys: tuple[bytes, ...]) -> bool:
     for key in keys:
         matched |= hmac.compare_digest(presented, key)
     return matched
+
+
+def client_identity(context: grpc.aio.ServicerContext, by_key: bool) -> str:
+    """Who a stream belongs to, for per-client limits: the API key (a digest of it) when keys are checked,
+    else the peer's host (a client choosing its own token must not be able to pick a fresh identity)."""
+    if by_key:
+        token = bearer_token(context)
+        if token:
+            return "key:" + hashlib.sha256(token).hexdigest()[:16]
+    peer = context.peer() or ""
+    return "peer:" + peer.rsplit(":", 1)[0]
 
 
 def bearer_token(context: grpc.aio.ServicerContext) -> bytes | None:

@@ -49,6 +49,9 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
         help=f"largest max_new_tokens a request may ask for (default {DEFAULT_MAX_NEW_TOKENS_LIMIT})",
     )
     p.add_argument("--max-concurrent-streams", type=int, metavar="N", help="Generate streams at once (default: any)")
+    p.add_argument("--max-streams-per-client", type=int, metavar="N",
+                   help="Generate streams at once per client: per API key with --api-key-file, else per peer host "
+                        "(default: any)")
     p.add_argument("--drain-seconds", type=float, default=30.0, help="on SIGTERM, let streams finish this long")
     add_tls_args(p, who="the gateway, also used towards its pairs")
     add_telemetry_args(p)

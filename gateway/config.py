@@ -47,9 +47,10 @@ class GatewayLimits:
     max_prompt_tokens: int | None = None
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS_LIMIT
     max_concurrent_streams: int | None = None
+    max_streams_per_client: int | None = None  # per API key when keys are on, else per peer host
 
     def __post_init__(self) -> None:
-        for name in ("max_prompt_tokens", "max_new_tokens", "max_concurrent_streams"):
+        for name in ("max_prompt_tokens", "max_new_tokens", "max_concurrent_streams", "max_streams_per_client"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")

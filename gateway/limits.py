@@ -63,18 +63,30 @@ def check_stop_strings(stop: Sequence[str]) -> tuple[str, ...]:
 
 
 class StreamSlots:
-    """At most `limit` Generate streams at once (None: no limit); the next one is refused, not queued."""
+    """At most `limit` Generate streams at once and `per_client` per client (None: no limit); the next one is
+    refused, not queued."""
 
-    def __init__(self, limit: int | None) -> None:
-        self.limit = limit
+    def __init__(self, limit: int | None, per_client: int | None = None) -> None:
+        self.limit, self.per_client = limit, per_client
         self.active = 0
+        self.by_client: dict[str, int] = {}
 
     @contextlib.contextmanager
-    def hold(self) -> Iterator[None]:
+    def hold(self, client: str = "") -> Iterator[None]:
         if self.limit is not None and self.active >= self.limit:
             raise TooManyStreams(f"too many concurrent streams (limit {self.limit}); retry later")
+        mine = self.by_client.get(client, 0)
+        if self.per_client is not None and mine >= self.per_client:
+            raise TooManyStreams(f"too many concurrent streams from this client (limit {self.per_client}); "
+                                 "retry later")
         self.active += 1
+        self.by_client[client] = mine + 1
         try:
             yield
         finally:
             self.active -= 1
+            left = self.by_client[client] - 1
+            if left:
+                self.by_client[client] = left
+            else:
+                del self.by_client[client]

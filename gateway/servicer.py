@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 import grpc.aio
 
+from gateway.auth import client_identity
 from gateway.config import GatewayLimits
 from gateway.downstream import Finish
 from gateway.fallback import FINISH_STOP, FallbackGeneration, GenerationPlan
@@ -36,11 +37,13 @@ GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full
 
 @map_servicer_errors
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
-    def __init__(self, tokenizer: Tokenizer, router: Router, limits: GatewayLimits, model_dir: str) -> None:
+    def __init__(self, tokenizer: Tokenizer, router: Router, limits: GatewayLimits, model_dir: str,
+                 clients_by_key: bool = False) -> None:
         self._tokenizer = tokenizer
         self._router = router
         self._limits = limits
-        self._slots = StreamSlots(limits.max_concurrent_streams)
+        self._slots = StreamSlots(limits.max_concurrent_streams, limits.max_streams_per_client)
+        self._clients_by_key = clients_by_key  # API keys are checked: a key identifies a client
         self._model_dir_name = Path(model_dir).name
 
     # -- Generate -------------------------------------------------------------------------------------------
@@ -51,7 +54,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             with get_tracer().start_as_current_span("gateway.tokenize") as span:
                 plan, stop = self._plan(request, request_id)
                 span.set_attribute("num_prompt_tokens", len(plan.prompt_ids))
-            with self._slots.hold():
+            with self._slots.hold(client_identity(context, self._clients_by_key)):
                 generation = FallbackGeneration(self._router, plan, lambda: downstream_timeout(context))
                 try:
                     async for response in self._stream(generation, plan, stop, started):

@@ -194,3 +194,46 @@ def test_gateway_pair_address_parses(spec):
 
     pair = PairAddress.parse(spec)
     assert str(pair) == spec and pair.target == "b:2"
+
+
+def test_gateway_per_client_stream_limit_counts_each_api_key_separately(fake_model, model_dir):
+    keys = (b"alice-key", b"bob-key")
+
+    def auth(key: str):
+        return (("authorization", f"Bearer {key}"),)
+
+    async def body():
+        limits = GatewayLimits(max_streams_per_client=1)
+        async with fake_stack(fake_model, model_dir, limits=limits, api_keys=keys) as (pairs, _, stub):
+            pairs[0].draft.hang_after_chunks = 1
+            alice = stub.Generate(request(max_new_tokens=50), metadata=auth("alice-key"))
+            await alice.read()
+            alice_again = await status_of(stub.Generate(request(max_new_tokens=2), metadata=auth("alice-key")))
+            pairs[0].draft.hang_after_chunks = None
+            bob = await status_of(stub.Generate(request(max_new_tokens=2), metadata=auth("bob-key")))
+            alice.cancel()
+            await asyncio.sleep(0.1)
+            alice_later = await status_of(stub.Generate(request(max_new_tokens=2), metadata=auth("alice-key")))
+            return alice_again, bob, alice_later
+
+    (code, details), bob, later = run(body())
+    assert code == "RESOURCE_EXHAUSTED" and "from this client (limit 1)" in details
+    assert bob[0] == "OK" and later[0] == "OK"
+
+
+def test_gateway_per_client_limit_without_keys_uses_the_peer_host(fake_model, model_dir):
+    async def body():
+        async with fake_stack(fake_model, model_dir, limits=GatewayLimits(max_streams_per_client=1)) as (
+            pairs, _, stub,
+        ):
+            pairs[0].draft.hang_after_chunks = 1
+            first = stub.Generate(request(max_new_tokens=50))
+            await first.read()
+            # a made-up bearer token does not make a new client when keys are not checked
+            fake_token = (("authorization", "Bearer z"),)
+            second = await status_of(stub.Generate(request(max_new_tokens=2), metadata=fake_token))
+            first.cancel()
+            return second
+
+    code, details = run(body())
+    assert code == "RESOURCE_EXHAUSTED" and "from this client" in details
