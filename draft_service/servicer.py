@@ -110,7 +110,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     async def GetModelInfo(self, request, context):
         cfg, spec = self.engine.model.cfg, self.engine.spec
-        page_size, pages_total, pages_free = self.engine.kv_stats()
+        page_size, pages_total, pages_free = self.engine.kv.stats()
         return draft_pb2.DraftServiceGetModelInfoResponse(
             model=self.model_name, architecture=cfg.architecture, draft_vocab_size=cfg.draft_vocab_size,
             target=self.target_addr,

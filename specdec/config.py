@@ -50,10 +50,6 @@ class ModelConfig:
     aux_layer_inputs: tuple[int, ...]
     eagle1_fc_bias: bool = True
 
-    @property
-    def is_draft(self) -> bool:
-        return self.kind != "target"
-
     @classmethod
     def from_hf(cls, path: str | Path) -> ModelConfig:
         """Read `path/config.json`; a name from `specdec.models.presets` (e.g. "llama3-8b") gives that shape."""

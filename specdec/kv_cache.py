@@ -38,6 +38,7 @@ class PagePool:
 class PageTable:
     pages: list[int] = field(default_factory=list)
     length: int = 0  # tokens whose K/V slots are reserved (committed + temporary)
+    reserved_pages: int = 0  # admission budget: the most pages this request may ever hold
 
 
 class PagedKVCache:
@@ -60,18 +61,40 @@ class PagedKVCache:
         self.k = torch.zeros(num_layers, num_slots, num_kv_heads, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.tables: dict[str, PageTable] = {}
+        # Admission is by reservation: a request is admitted only if its worst case fits beside everyone
+        # else's, so pages are allocated lazily yet a running request never meets a full pool.
+        self.reserved = 0
+        self.aside: list[int] = []  # pages taken out of service for good (CUDA-graph padding rows)
 
     # ---- request lifetime -------------------------------------------------------------------------------
-    def add(self, rid: str) -> None:
+    def add(self, rid: str, max_tokens: int = 0, pool_name: str = "KV pool") -> None:
+        """Start a request that may grow to `max_tokens` tokens; OutOfPages if that cannot be promised now."""
         if rid in self.tables:
             raise DuplicateRequest(f"request {rid!r} already holds KV pages")
-        self.tables[rid] = PageTable()
+        pages = -(-max_tokens // self.page_size)
+        if self.reserved + pages > self.num_total_pages:
+            raise OutOfPages(f"{pool_name} full: request needs {pages} pages, "
+                             f"{self.num_total_pages - self.reserved} unreserved")
+        self.reserved += pages
+        self.tables[rid] = PageTable(reserved_pages=pages)
 
     def release(self, rid: str) -> None:
         table = self.tables.pop(rid, None)
         if table is None:
             raise UnknownRequest(f"unknown request id {rid!r}")
+        self.reserved -= table.reserved_pages
         self.pool.free(table.pages)
+
+    def set_aside(self, num_pages: int) -> list[int]:
+        """Allocate pages that never serve a request (padding rows of captured graphs write there)."""
+        pages = self.pool.alloc(num_pages)
+        self.aside += pages
+        self.reserved += num_pages
+        return pages
+
+    @property
+    def reserved_by_requests(self) -> int:
+        return self.reserved - len(self.aside)
 
     def table(self, rid: str) -> PageTable:
         try:
@@ -81,10 +104,6 @@ class PagedKVCache:
 
     def length(self, rid: str) -> int:
         return self.table(rid).length
-
-    def pages_needed(self, current_len: int, new_len: int) -> int:
-        have = -(-current_len // self.page_size)
-        return max(0, -(-new_len // self.page_size) - have)
 
     def resize(self, rid: str, new_len: int) -> None:
         """Grow (allocating pages) or shrink (freeing whole pages past the end) a request to `new_len` tokens."""
@@ -101,10 +120,7 @@ class PagedKVCache:
     def slots(self, rid: str, start: int, end: int) -> torch.Tensor:
         """Slot ids of positions [start, end) of a request. # [end - start] int64 on the CPU (attention
         backends move what they need to the device once per forward)"""
-        table = self.table(rid)
-        pos = torch.arange(start, end)
-        pages = torch.tensor(table.pages, dtype=torch.int64)[pos // self.page_size]
-        return pages * self.page_size + pos % self.page_size
+        return self._positions_to_slots(rid, torch.arange(start, end))
 
     def move(self, rid: str, src_positions: list[int], dst_start: int) -> None:
         """Copy K/V of `src_positions` (ascending, each >= its destination) to positions dst_start, dst_start+1..
@@ -114,16 +130,14 @@ class PagedKVCache:
         keep = [(s, dst_start + i) for i, s in enumerate(src_positions) if s != dst_start + i]
         if not keep:
             return
-        src = self._positions_to_slots(rid, [s for s, _ in keep])
-        dst = self._positions_to_slots(rid, [d for _, d in keep])
+        src = self._positions_to_slots(rid, torch.tensor([s for s, _ in keep])).to(self.k.device)
+        dst = self._positions_to_slots(rid, torch.tensor([d for _, d in keep])).to(self.k.device)
         self.k[:, dst] = self.k[:, src]
         self.v[:, dst] = self.v[:, src]
 
-    def _positions_to_slots(self, rid: str, positions: list[int]) -> torch.Tensor:
-        table = self.table(rid)
-        pos = torch.tensor(positions, dtype=torch.int64)
-        pages = torch.tensor(table.pages, dtype=torch.int64)[pos // self.page_size]
-        return (pages * self.page_size + pos % self.page_size).to(self.k.device)
+    def _positions_to_slots(self, rid: str, positions: torch.Tensor) -> torch.Tensor:
+        pages = torch.tensor(self.table(rid).pages, dtype=torch.int64)[positions // self.page_size]
+        return pages * self.page_size + positions % self.page_size
 
     # ---- accounting ---------------------------------------------------------------------------------------
     @property
@@ -133,3 +147,7 @@ class PagedKVCache:
     @property
     def num_total_pages(self) -> int:
         return self.pool.num_total
+
+    def stats(self) -> tuple[int, int, int]:
+        """(page_size, pages_total, pages_free) as reported to operators: set-aside pages are not counted."""
+        return self.page_size, self.num_total_pages - len(self.aside), self.num_free_pages

@@ -39,24 +39,21 @@ def load_tensors(
     names: Iterable[str] | None = None,
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
-    optional: Iterable[str] = (),
     on_file=None,
 ) -> dict[str, torch.Tensor]:
     """Load `names` (all tensors when None). Float tensors are cast to `dtype`; integer/bool tensors keep theirs.
 
-    Missing tensors raise ConfigError naming the tensor and the directory, unless listed in `optional`.
+    Missing tensors raise ConfigError naming the tensor and the directory.
     `on_file(path, num_tensors)` is called once per file read (start-up progress).
     """
     mapping = tensor_files(model_dir)
     wanted = list(mapping) if names is None else list(names)
-    optional = set(optional)
-    missing = [n for n in wanted if n not in mapping and n not in optional]
+    missing = [n for n in wanted if n not in mapping]
     if missing:
         raise ConfigError(f"{model_dir}: tensor {missing[0]!r} not found in the checkpoint ({len(missing)} missing)")
     by_file: dict[Path, list[str]] = {}
     for n in wanted:
-        if n in mapping:
-            by_file.setdefault(mapping[n], []).append(n)
+        by_file.setdefault(mapping[n], []).append(n)
     out: dict[str, torch.Tensor] = {}
     for f, file_names in by_file.items():
         if not f.is_file():
@@ -71,7 +68,3 @@ def load_tensors(
             on_file(f, len(file_names))
     return out
 
-
-def check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...], where: str) -> None:
-    if tuple(tensor.shape) != tuple(expected):
-        raise ConfigError(f"{where}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected)}")

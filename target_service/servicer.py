@@ -109,7 +109,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     async def GetModelInfo(self, request, context):
         cfg = self.engine.cfg
-        page_size, total, free = self.engine.kv_stats()
+        page_size, total, free = self.engine.kv.stats()
         return target_pb2.TargetServiceGetModelInfoResponse(
             model=self.model_name, architecture=cfg.architecture, vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size, num_layers=cfg.num_layers, max_context_len=self.engine.max_context,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from specdec.attention import register_backend
-from specdec.attention.batch import AttentionBatch
+from specdec.attention.batch import AttentionBatch, SeqAttention
 from specdec.attention.torch_backend import visibility_mask
 
 WORKSPACE_BYTES = 256 << 20
@@ -30,44 +30,51 @@ class FlashInferAttention:
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
         # fa2: flashinfer 0.5.3's SM90 (fa3) kernels reject custom masks ("operation not supported")
         self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, kv_layout="NHD", backend="fa2")
-        self._planned: AttentionBatch | None = None
         self._write_slots: torch.Tensor | None = None
 
     def plan(self, batch: AttentionBatch) -> AttentionBatch:
-        kv, ps = self.kv, self.kv.page_size
-        qo, kv_ptr, pages, last = [0], [0], [], []
-        masks = []
         custom = any(s.tail_mask is not None for s in batch.seqs)
-        for s in batch.seqs:
-            n_ctx = s.ctx_slots.shape[0]
-            seq_pages = s.ctx_slots[::ps] // ps
-            pages.append(seq_pages)
-            qo.append(qo[-1] + s.num_q)
-            kv_ptr.append(kv_ptr[-1] + seq_pages.shape[0])
-            last.append(n_ctx - (seq_pages.shape[0] - 1) * ps)
-            if custom:
-                masks.append(visibility_mask(s, "cpu").reshape(-1))
-        dev = kv.k.device
-        mask = torch.cat(masks).to(dev, non_blocking=True) if custom else None
-
-        def on_dev(values) -> torch.Tensor:  # flashinfer packs custom masks on the GPU from these
-            return torch.tensor(values, dtype=torch.int32).to(dev, non_blocking=True)
-
-        self.wrapper.plan(
-            on_dev(qo), on_dev(kv_ptr), torch.cat(pages).to(torch.int32).to(dev, non_blocking=True), on_dev(last),
-            self.num_qo_heads, kv.k.shape[2], kv.k.shape[3], ps, custom_mask=mask, causal=not custom,
-            sm_scale=kv.k.shape[3] ** -0.5, q_data_type=kv.k.dtype, kv_data_type=kv.k.dtype,
-        )
-        self._write_slots = batch.write_slots.to(dev, non_blocking=True)
+        plan_paged(self.wrapper, self.kv, self.num_qo_heads, batch.seqs, causal=not custom)
+        self._write_slots = batch.write_slots.to(self.kv.k.device, non_blocking=True)
         return batch
 
     def forward(self, layer: int, q, k, v, batch: AttentionBatch, scale: float) -> torch.Tensor:
-        k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]  # [num_slots, kv_heads, head_dim]
-        k_cache[self._write_slots] = k.to(k_cache.dtype)
-        v_cache[self._write_slots] = v.to(v_cache.dtype)
-        ps = self.kv.page_size
-        paged = (k_cache.view(-1, ps, *k_cache.shape[1:]), v_cache.view(-1, ps, *v_cache.shape[1:]))
-        return self.wrapper.run(q.to(k_cache.dtype), paged).to(q.dtype)
+        return paged_attention(self.wrapper, self.kv, layer, q, k, v, self._write_slots)
+
+
+def plan_paged(wrapper, kv, num_qo_heads: int, seqs: list[SeqAttention], causal: bool) -> None:
+    """Page tables (CSR: indptr, page ids, last-page lengths) and, unless causal, the visibility masks of
+    `seqs`, handed to a flashinfer prefill wrapper (host side, once per forward or graph replay)."""
+    ps, dev = kv.page_size, kv.k.device
+    qo, kv_ptr, pages, last, masks = [0], [0], [], [], []
+    for s in seqs:
+        seq_pages = s.ctx_slots[::ps] // ps
+        pages.append(seq_pages)
+        qo.append(qo[-1] + s.num_q)
+        kv_ptr.append(kv_ptr[-1] + seq_pages.shape[0])
+        last.append(s.ctx_slots.shape[0] - (seq_pages.shape[0] - 1) * ps)
+        if not causal:
+            masks.append(visibility_mask(s, "cpu").reshape(-1))
+
+    def on_dev(values) -> torch.Tensor:  # flashinfer packs custom masks on the GPU from these
+        return torch.tensor(values, dtype=torch.int32).to(dev, non_blocking=True)
+
+    wrapper.plan(
+        on_dev(qo), on_dev(kv_ptr), torch.cat(pages).to(torch.int32).to(dev, non_blocking=True), on_dev(last),
+        num_qo_heads, kv.k.shape[2], kv.k.shape[3], ps,
+        custom_mask=None if causal else torch.cat(masks).to(dev, non_blocking=True), causal=causal,
+        sm_scale=kv.k.shape[3] ** -0.5, q_data_type=kv.k.dtype, kv_data_type=kv.k.dtype,
+    )
+
+
+def paged_attention(wrapper, kv, layer: int, q, k, v, write_slots: torch.Tensor) -> torch.Tensor:
+    """Write this forward's K/V at `write_slots`, then attend through the planned wrapper. # like q"""
+    k_cache, v_cache = kv.k[layer], kv.v[layer]  # [num_slots, kv_heads, head_dim]
+    k_cache[write_slots] = k.to(k_cache.dtype)
+    v_cache[write_slots] = v.to(v_cache.dtype)
+    ps = kv.page_size
+    paged = (k_cache.view(-1, ps, *k_cache.shape[1:]), v_cache.view(-1, ps, *v_cache.shape[1:]))
+    return wrapper.run(q.to(k_cache.dtype), paged).to(q.dtype)
 
 
 register_backend("flashinfer", FlashInferAttention)

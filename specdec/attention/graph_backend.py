@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from specdec.attention.batch import SeqAttention
-from specdec.attention.torch_backend import visibility_mask
+from specdec.attention.flashinfer_backend import paged_attention, plan_paged
 
 
 class GraphAttention:
@@ -42,36 +42,11 @@ class GraphAttention:
 
     def plan(self, seqs: list[SeqAttention], write_slots: torch.Tensor) -> None:
         """Host side, before capture or replay: seqs has exactly `batch_size` entries of `n` queries each."""
-        kv, ps = self.kv, self.kv.page_size
-        dev = kv.k.device
-        qo, kv_ptr, pages, last, masks = [0], [0], [], [], []
-        for s in seqs:
-            seq_pages = s.ctx_slots[::ps] // ps
-            pages.append(seq_pages)
-            qo.append(qo[-1] + s.num_q)
-            kv_ptr.append(kv_ptr[-1] + seq_pages.shape[0])
-            last.append(s.ctx_slots.shape[0] - (seq_pages.shape[0] - 1) * ps)
-            if not self.causal:
-                masks.append(visibility_mask(s, "cpu").reshape(-1))
-
-        def on_dev(values) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int32).to(dev, non_blocking=True)
-
-        self.wrapper.plan(
-            on_dev(qo), on_dev(kv_ptr), torch.cat(pages).to(torch.int32).to(dev, non_blocking=True), on_dev(last),
-            self.num_qo_heads, kv.k.shape[2], kv.k.shape[3], ps,
-            custom_mask=None if self.causal else torch.cat(masks).to(dev, non_blocking=True), causal=self.causal,
-            sm_scale=kv.k.shape[3] ** -0.5, q_data_type=kv.k.dtype, kv_data_type=kv.k.dtype,
-        )
+        plan_paged(self.wrapper, self.kv, self.num_qo_heads, seqs, self.causal)
         self.write_slots.copy_(write_slots, non_blocking=True)
 
     def forward(self, layer: int, q, k, v, batch, scale: float) -> torch.Tensor:
-        k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]
-        k_cache[self.write_slots] = k.to(k_cache.dtype)
-        v_cache[self.write_slots] = v.to(v_cache.dtype)
-        ps = self.kv.page_size
-        paged = (k_cache.view(-1, ps, *k_cache.shape[1:]), v_cache.view(-1, ps, *v_cache.shape[1:]))
-        return self.wrapper.run(q.to(k_cache.dtype), paged).to(q.dtype)
+        return paged_attention(self.wrapper, self.kv, layer, q, k, v, self.write_slots)
 
 
 def scratch_slots(pages: list[int], page_size: int, n: int) -> torch.Tensor:

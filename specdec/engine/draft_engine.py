@@ -16,13 +16,12 @@ the proposal; the committed tokens are re-run by the next extend.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from specdec.attention import AttentionBatch, SeqAttention, make_backend
-from specdec.errors import ConfigError, DuplicateRequest, OutOfPages, UnknownRequest
+from specdec.errors import ConfigError, DuplicateRequest, UnknownRequest
 from specdec.kv_cache import PagedKVCache
 from specdec.models.eagle import EagleDraft
 from specdec.tree import TokenTree
@@ -49,7 +48,6 @@ class SpecConfig:
 @dataclass
 class DraftRequest:
     kv_len: int
-    reserved_pages: int
     topk_p: torch.Tensor | None = None  # [topk]
     topk_index: torch.Tensor | None = None  # [topk] target ids
     hidden: torch.Tensor | None = None  # [hidden]
@@ -75,12 +73,16 @@ class DraftEngine:
         self.backend = make_backend(attention_backend, self.kv, cfg.num_heads)
         self.max_context = max_context
         self.requests: dict[str, DraftRequest] = {}
-        self._reserved = 0
         self.graphs = None
         if cuda_graphs and spec.topk == 1 and spec.num_steps > 1:  # chains only, for now
             from specdec.engine.draft_graphs import DraftChainGraphs
 
             self.graphs = DraftChainGraphs(self, max_batch_size)
+
+    @property
+    def _reserved(self) -> int:
+        """KV pages promised to running requests."""
+        return self.kv.reserved_by_requests
 
     @property
     def temp_slots(self) -> int:
@@ -89,25 +91,13 @@ class DraftEngine:
     def add(self, rid: str, max_total_len: int) -> None:
         if rid in self.requests:
             raise DuplicateRequest(f"request {rid!r} is already running on the draft")
-        pages = math.ceil((min(max_total_len, self.max_context) + self.temp_slots + 1) / self.kv.page_size)
-        if self._reserved + pages > self.kv.num_total_pages:
-            raise OutOfPages(f"draft KV pool full: request needs {pages} pages, "
-                             f"{self.kv.num_total_pages - self._reserved} unreserved")
-        self._reserved += pages
-        self.kv.add(rid)
-        self.requests[rid] = DraftRequest(0, pages)
+        self.kv.add(rid, min(max_total_len, self.max_context) + self.temp_slots + 1, "draft KV pool")
+        self.requests[rid] = DraftRequest(0)
 
     def release(self, rid: str) -> None:
-        req = self.requests.pop(rid, None)
-        if req is None:
+        if self.requests.pop(rid, None) is None:
             raise UnknownRequest(f"unknown request id {rid!r}")
-        self._reserved -= req.reserved_pages
         self.kv.release(rid)
-
-    def kv_stats(self) -> tuple[int, int, int]:
-        """(page_size, pages_total, pages_free); pages set aside for CUDA-graph padding are not counted"""
-        scratch = len(self.graphs.scratch_pages) if self.graphs is not None else 0
-        return self.kv.page_size, self.kv.num_total_pages - scratch, self.kv.num_free_pages
 
     def length(self, rid: str) -> int:
         return self.requests[rid].kv_len

@@ -37,8 +37,7 @@ class DraftChainGraphs:
     def __init__(self, engine, max_batch_size: int):
         self.engine = engine
         kv, steps = engine.kv, engine.spec.num_steps
-        self.scratch_pages = kv.pool.alloc(-(-steps // kv.page_size))
-        engine._reserved += len(self.scratch_pages)
+        self.scratch_pages = kv.set_aside(-(-steps // kv.page_size))
         self.max_pages_per_seq = -(-engine.max_context // kv.page_size) + 1
         self.ladder = tuple(b for b in BATCH_LADDER if b <= max_batch_size) or (1,)
         self.graphs: dict[int, _ChainGraph] = {}

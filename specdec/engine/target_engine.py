@@ -5,7 +5,6 @@ Engines are synchronous and single-threaded; the service runs them on a worker t
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +18,7 @@ from specdec.engine.requests import (
     VerifyInput,
     VerifyOutput,
 )
-from specdec.errors import DuplicateRequest, InvalidInput, OutOfPages, UnknownRequest
+from specdec.errors import DuplicateRequest, InvalidInput, UnknownRequest
 from specdec.kv_cache import PagedKVCache
 from specdec.models.llama import LlamaForCausalLM
 from specdec.sampling import make_generator, sample, target_probs
@@ -37,7 +36,6 @@ class TargetRequest:
     kv_len: int  # committed tokens with K/V in the cache
     root: int  # last committed token, not yet in the cache
     num_generated: int
-    reserved_pages: int
 
 
 class TargetEngine:
@@ -63,22 +61,22 @@ class TargetEngine:
         self.max_context = min(max_context or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.max_draft_tokens = max_draft_tokens
         self.requests: dict[str, TargetRequest] = {}
-        self._reserved = 0
         self.graphs = None
         if cuda_graphs:
             from specdec.engine.cuda_graphs import TargetGraphs
 
-            scratch = self.kv.pool.alloc(-(-(max_draft_tokens + 1) // page_size))  # padding rows live here
-            self._reserved += len(scratch)
+            scratch = self.kv.set_aside(-(-(max_draft_tokens + 1) // page_size))  # padding rows live here
             self.graphs = TargetGraphs(model, self.kv, scratch, self.max_context, max_batch_size)
+
+    @property
+    def _reserved(self) -> int:
+        """KV pages promised to running requests."""
+        return self.kv.reserved_by_requests
 
     # ---- admission --------------------------------------------------------------------------------------
     @property
     def eos_ids(self) -> tuple[int, ...]:
         return self.cfg.eos_token_ids
-
-    def feature_size(self, feature_layers: tuple[int, ...]) -> int:
-        return self.cfg.hidden_size * max(1, len(feature_layers))
 
     def validate_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -92,10 +90,9 @@ class TargetEngine:
         if bad is not None:
             raise InvalidInput(f"prompt token id {bad} outside the vocabulary [0, {self.cfg.vocab_size})")
 
-    def _pages_for(self, prompt_len: int, params: SamplingParams) -> int:
-        # worst case: every generated token plus one full tree of temporary slots
-        total = min(prompt_len + params.max_new_tokens, self.max_context) + self.max_draft_tokens + 1
-        return math.ceil(total / self.kv.page_size)
+    def _max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
+        """Worst case: every generated token plus one full tree of temporary slots."""
+        return min(prompt_len + params.max_new_tokens, self.max_context) + self.max_draft_tokens + 1
 
     def _admit(self, inp: PrefillInput) -> TargetRequest:
         if inp.request_id in self.requests:
@@ -105,22 +102,15 @@ class TargetEngine:
         bad = [i for i in inp.feature_layers if not 0 <= i <= self.cfg.num_layers]
         if bad:
             raise InvalidInput(f"feature layer {bad[0]} outside [0, {self.cfg.num_layers}]")
-        pages = self._pages_for(len(inp.prompt_ids), inp.sampling)
-        if self._reserved + pages > self.kv.num_total_pages:
-            free = self.kv.num_total_pages - self._reserved
-            raise OutOfPages(f"KV pool full: request needs {pages} pages, {free} unreserved")
-        self._reserved += pages
-        self.kv.add(inp.request_id)
+        self.kv.add(inp.request_id, self._max_tokens(len(inp.prompt_ids), inp.sampling))
         req = TargetRequest(inp.sampling, make_generator(inp.sampling), tuple(inp.feature_layers),
-                            len(inp.prompt_ids), 0, -1, 0, pages)
+                            len(inp.prompt_ids), 0, -1, 0)
         self.requests[inp.request_id] = req
         return req
 
     def release(self, request_id: str) -> None:
-        req = self.requests.pop(request_id, None)
-        if req is None:
+        if self.requests.pop(request_id, None) is None:
             raise UnknownRequest(f"unknown request id {request_id!r}")
-        self._reserved -= req.reserved_pages
         self.kv.release(request_id)
 
     # ---- steps --------------------------------------------------------------------------------------------
@@ -271,8 +261,3 @@ class TargetEngine:
             return logits.argmax(-1).tolist()
         probs = target_probs(logits, req.sampling)
         return [sample(p, req.generator) for p in probs]
-
-    def kv_stats(self) -> tuple[int, int, int]:
-        """(page_size, pages_total, pages_free); pages set aside for CUDA-graph padding are not counted"""
-        scratch = len(self.graphs.scratch_pages) if self.graphs is not None else 0
-        return self.kv.page_size, self.kv.num_total_pages - scratch, self.kv.num_free_pages

@@ -6,6 +6,7 @@ Missing tensors, unexpected tensors and shape mismatches fail with a message tha
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 import zlib
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from torch import nn
 from specdec.config import ModelConfig, default_aux_layer_inputs
 from specdec.errors import ConfigError
 from specdec.models.eagle import EagleDraft
+from specdec.models.layers import RotaryEmbedding
 from specdec.models.llama import LlamaForCausalLM
 from specdec.weights import load_tensors, tensor_files
 
@@ -57,23 +59,16 @@ def _fill(module: nn.Module, tensors: dict[str, torch.Tensor], where: str, skip:
             dst.copy_(src)
 
 
-def _materialize(module: nn.Module, device, dtype) -> nn.Module:
-    module = module.to_empty(device=device)
-    for name, buf in module.named_buffers():
-        if name.startswith("rope.") or name.endswith(("cos", "sin")):
-            continue
-        buf.zero_()
-    return module.to(dtype) if dtype is not None else module
-
-
 def _build(cls, cfg: ModelConfig, device, dtype, max_positions: int | None):
+    """The module's storage allocated once, on `device` and in `dtype` (shaped on `meta`, nothing initialised)."""
     with torch.device("meta"):
         module = cls(cfg, max_positions)
-    # rope tables are computed, not loaded: rebuild them for real on the target device
-    rope = type(module.rope)(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta,
-                             cfg.rope_scaling)
-    module = _materialize(module, device, dtype)
-    module.rope = rope.to(device)
+    module = module.to(dtype).to_empty(device=device)
+    for buf in module.buffers():  # d2t is loaded later; the rope tables are replaced just below
+        buf.zero_()
+    # rope tables are computed (float32), not loaded
+    module.rope = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta,
+                                  cfg.rope_scaling).to(device)
     return module
 
 
@@ -117,10 +112,10 @@ def load_draft(
             f"(hidden {target_cfg.hidden_size}, vocab {target_cfg.vocab_size})"
         )
     if cfg.kind == "eagle3" and not cfg.aux_layer_inputs:
-        cfg = _with_aux(cfg, default_aux_layer_inputs(target_cfg.num_layers))
+        cfg = replace(cfg, aux_layer_inputs=default_aux_layer_inputs(target_cfg.num_layers))
     draft_names = set(tensor_files(path)) if not dummy else set()
     if cfg.kind == "eagle1" and not dummy and "fc.bias" not in draft_names:
-        cfg = _with_fc_bias(cfg, False)
+        cfg = replace(cfg, eagle1_fc_bias=False)
     model = _build(EagleDraft, cfg, device, dtype, max_positions)
     if dummy:
         _random_init(model, seed=1)  # d2t stays zero: draft id == target id
@@ -163,14 +158,3 @@ def _random_init(model: nn.Module, seed: int) -> None:
                 gen = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
                 p.normal_(0.0, 0.02, generator=gen)
 
-
-def _with_aux(cfg: ModelConfig, aux: tuple[int, ...]) -> ModelConfig:
-    from dataclasses import replace
-
-    return replace(cfg, aux_layer_inputs=aux)
-
-
-def _with_fc_bias(cfg: ModelConfig, bias: bool) -> ModelConfig:
-    from dataclasses import replace
-
-    return replace(cfg, eagle1_fc_bias=bias)

@@ -17,7 +17,7 @@ from typing import Any
 
 from specdec.engine.requests import RUNNING
 from specdec.engine.scheduler import Event, Scheduler
-from specdec.errors import NotReady, SpecdecError
+from specdec.errors import DuplicateRequest, NotReady, SpecdecError
 from specdec.sampling_params import SamplingParams
 from specdec.telemetry.tracing import current_trace_context
 
@@ -100,8 +100,6 @@ class EngineLoop:
                 await asyncio.shield(self.call(self._abort_stream, request_id))
 
     def _add_stream(self, request_id, prompt_ids, sampling, stream: _Stream, trace_context=None) -> None:
-        from specdec.errors import DuplicateRequest
-
         if request_id in self._streams:
             raise DuplicateRequest(f"request {request_id!r} is already running")
         self._streams[request_id] = stream
@@ -115,10 +113,6 @@ class EngineLoop:
 
     async def abort(self, request_id: str) -> bool:
         return await self.call(self._abort_stream, request_id)
-
-    @property
-    def num_streams(self) -> int:
-        return len(self._streams)
 
     # ---- engine thread ------------------------------------------------------------------------------------
     def _main(self) -> None:
