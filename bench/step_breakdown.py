@@ -1,0 +1,159 @@
+"""Where one engine step of the 8B-shaped target (and its EAGLE-1 head) spends its time, on a GPU.
+
+    python bench/step_breakdown.py --out breakdown.json
+
+For plain decode (1 token) and a chain verify (1 + 8 tokens) at batch 1 it reports:
+- `replay_ms`: the captured forward alone, replayed back to back (pure GPU time of the graph);
+- `step_ms`: a whole `TargetEngine.verify` call (host work + graph + logits + acceptance), synced;
+- `host_ms`: step_ms - replay_ms - logits_ms, the host time the GPU waits for;
+- the GPU kernels of one replay by category (GEMM, attention, elementwise), from the profiler;
+- the top host functions of 50 steps (cProfile, cumulative), written next to `--out`.
+The same for the draft head's propose and extend. Numbers are means over `--repeats` calls after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from specdec.engine.draft_engine import SpecConfig  # noqa: E402
+from specdec.engine.factory import EngineOptions, build_draft, build_target  # noqa: E402
+from specdec.engine.requests import PrefillInput, VerifyInput  # noqa: E402
+from specdec.sampling_params import SamplingParams  # noqa: E402
+
+
+def timed(fn, repeats: int) -> float:
+    """Mean seconds per call, synced before and after."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / repeats
+
+
+def kernel_table(fn, repeats: int = 5) -> dict:
+    """GPU time per call by kernel category (CUPTI sees kernels inside graph replays)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    cats: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type.name != "CUDA":
+            continue
+        name = ev.name.lower()
+        cat = ("gemm" if any(k in name for k in ("gemm", "gemv", "cutlass", "sm90_xmma", "matmul", "splitk"))
+               else "attention" if any(k in name for k in ("flashinfer", "prefill", "decode", "batchprefill"))
+               else "memcpy" if "memcpy" in name or "memset" in name else "other")
+        c = cats.setdefault(cat, [0.0, 0])
+        c[0] += ev.device_time_total / 1e3 / repeats if hasattr(ev, "device_time_total") else 0.0
+        c[1] += 1 / repeats
+    top = sorted(((e.key, e.device_time_total / 1e3 / repeats, e.count / repeats)
+                  for e in prof.key_averages()), key=lambda x: -x[1])[:15]
+    return {"by_category_ms_and_count": {k: [round(v[0], 3), round(v[1], 1)] for k, v in cats.items()},
+            "top_kernels": [[k[:90], round(ms, 3), round(n, 1)] for k, ms, n in top]}
+
+
+def host_profile(fn, repeats: int, path: Path) -> None:
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize()
+    pr.disable()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(40)
+    path.write_text(s.getvalue())
+
+
+def target_rows(args, out_dir: Path) -> dict:
+    opts = EngineOptions(device="cuda", dtype="bfloat16", attention_backend="flashinfer", dummy_weights=True,
+                         max_batch_size=8, max_context=4096, num_pages=4096)
+    target = build_target("llama3-8b", opts)
+    res = {}
+    prompt = list(range(1000, 1512))
+    for label, n_draft in (("decode", 0), ("verify8", 8)):
+        rid = f"r-{label}"
+        target.prefill([PrefillInput(rid, prompt, SamplingParams(max_new_tokens=100000, ignore_eos=True))])
+        inp = [VerifyInput(rid, [7] * n_draft, list(range(-1, n_draft - 1)))]
+        for _ in range(3):
+            target.verify(inp)  # captures the graphs on first use
+        g = target.graphs.graphs[(1, n_draft + 1, ())] if target.graphs else None
+        row = {}
+        if g is not None:
+            row["replay_ms"] = round(timed(g.graph.replay, args.repeats) * 1e3, 3)
+            row["replay_kernels"] = kernel_table(g.graph.replay)
+            hid = g.hidden[: n_draft + 1]
+            row["logits_argmax_ms"] = round(timed(lambda h=hid: target.model.compute_logits(h).argmax(-1),
+                                                  args.repeats) * 1e3, 3)
+        row["step_ms"] = round(timed(lambda inp=inp: target.verify(inp), args.repeats) * 1e3, 3)
+        if g is not None:
+            row["host_ms"] = round(row["step_ms"] - row["replay_ms"] - row["logits_argmax_ms"], 3)
+        row["step_kernels"] = kernel_table(lambda inp=inp: target.verify(inp))
+        host_profile(lambda inp=inp: target.verify(inp), 50, out_dir / f"host_{label}.txt")
+        target.release(rid)
+        res[label] = row
+        print(label, json.dumps(row)[:3000], flush=True)
+    res["weight_GB"] = round(sum(p.numel() * p.element_size() for p in target.model.parameters()) / 1e9, 3)
+    return res, target
+
+
+def draft_rows(args, out_dir: Path, target) -> dict:
+    opts = EngineOptions(device="cuda", dtype="bfloat16", attention_backend="flashinfer", dummy_weights=True,
+                         max_batch_size=8, max_context=4096, num_pages=2048)
+    draft = build_draft("llama3-8b-eagle1", "llama3-8b", SpecConfig(6, 1, 6), opts, target.max_context)
+    rid = "d0"
+    draft.add(rid, 3000)
+    feats = torch.randn(512, 4096, device="cuda", dtype=torch.bfloat16)
+    draft.extend([(rid, list(range(512)), feats)])
+    res = {}
+    for _ in range(3):
+        draft.propose([rid])
+    res["propose_ms"] = round(timed(lambda: draft.propose([rid]), args.repeats) * 1e3, 3)
+    res["propose_kernels"] = kernel_table(lambda: draft.propose([rid]))
+    host_profile(lambda: draft.propose([rid]), 50, out_dir / "host_propose.txt")
+
+    def extend4():
+        n = draft.requests[rid].kv_len
+        draft.extend([(rid, [5, 6, 7, 8], feats[:4])])
+        draft.kv.resize(rid, n)
+        draft.requests[rid].kv_len = n
+
+    res["extend4_ms"] = round(timed(extend4, args.repeats) * 1e3, 3)
+    res["extend4_kernels"] = kernel_table(extend4)
+    host_profile(extend4, 50, out_dir / "host_extend.txt")
+    print("draft", json.dumps(res)[:3000], flush=True)
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="breakdown.json")
+    ap.add_argument("--repeats", type=int, default=30)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    res["target"], target = target_rows(args, out.parent)
+    out.write_text(json.dumps(res, indent=1))
+    res["draft"] = draft_rows(args, out.parent, target)
+    out.write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
