@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from specdec.engine.adaptive import SpeculationPolicy  # noqa: E402
 from specdec.engine.draft_engine import SpecConfig  # noqa: E402
 from specdec.engine.factory import EngineOptions, build_draft, build_target  # noqa: E402
 from specdec.engine.generate import generate  # noqa: E402
@@ -66,10 +67,13 @@ def _opts(backend, **kw):
                          attention_backend=backend, **kw)
 
 
-def _decode_rate(target, draft, prompts, new_tokens, **sp):
+def _decode_rate(target, draft, prompts, new_tokens, policy=None, **sp):
+    """(tokens/s, tokens per target step) of the second of two identical runs (the first warms up; with a
+    `policy` it also trains it, so the timed run shows the policy's settled choice)."""
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, **sp)
-    generate(target, draft, prompts, params, max_batch_size=len(prompts))  # warm-up (JIT, allocator)
-    t, out = _sync_time(lambda: generate(target, draft, prompts, params, max_batch_size=len(prompts)))
+    run = partial(generate, target, draft, prompts, params, max_batch_size=len(prompts), policy=policy)
+    run()
+    t, out = _sync_time(run)
     toks = sum(len(r.tokens) for r in out)
     steps = sum(r.num_verify_steps for r in out)
     tau = sum(len(r.tokens) - 1 for r in out) / steps if steps and draft is not None else 1.0
@@ -77,7 +81,8 @@ def _decode_rate(target, draft, prompts, new_tokens, **sp):
 
 
 def plain8b(res, args, bw):
-    opts = _opts(args.backend, dummy_weights=True, max_batch_size=32, max_context=4096, num_pages=8192)
+    opts = _opts(args.backend, dummy_weights=True, max_batch_size=max(args.batch_sizes), max_context=4096,
+                 num_pages=8192)
     target = build_target("llama3-8b", opts)
     weight_bytes = sum(p.numel() * p.element_size() for p in target.model.parameters())
     floor_s = weight_bytes / bw
@@ -157,7 +162,10 @@ def _extend_and_rewind(draft, rid, feats):
 
 
 def simulated(res, args, target):
-    opts = _opts(args.backend, dummy_weights=True, max_batch_size=32, max_context=4096, num_pages=4096)
+    """Plain vs speculative decoding at simulated acceptance, per batch size: speculation always on
+    (`--speculation always`) and adaptive (`auto`: per step, whichever mode measured faster)."""
+    opts = _opts(args.backend, dummy_weights=True, max_batch_size=max(args.batch_sizes), max_context=4096,
+                 num_pages=8192)
     draft = build_draft("llama3-8b-eagle1", "llama3-8b", SpecConfig(6, 1, 6), opts, target.max_context)
     rows = []
     for bs in args.batch_sizes:
@@ -167,16 +175,20 @@ def simulated(res, args, target):
         for tau in (3.0, 5.0):
             target.simulate_accept_len = tau
             spec, measured_tau = _decode_rate(target, draft, prompts, args.new_tokens)
+            policy = SpeculationPolicy()
+            auto, auto_tps = _decode_rate(target, draft, prompts, args.new_tokens, policy=policy)
             rows.append({"bs": bs, "simulated_tau": tau, "measured_tau": round(measured_tau, 2),
                          "plain_tok_s": round(plain, 1), "spec_tok_s": round(spec, 1),
-                         "speedup": round(spec / plain, 2)})
+                         "speedup": round(spec / plain, 2), "auto_tok_s": round(auto, 1),
+                         "auto_speedup": round(auto / plain, 2), "auto_tokens_per_step": round(auto_tps, 2),
+                         "auto_rates": policy.summary()})
             print("SIMULATED", rows[-1], flush=True)
     target.simulate_accept_len = 0.0
     res["SIMULATED_acceptance_rows"] = rows
 
 
 def tiny(res, args):
-    opts = _opts(args.backend, max_batch_size=32, num_pages=4096)
+    opts = _opts(args.backend, max_batch_size=max(args.batch_sizes), num_pages=8192)
     target = build_target(str(TINY / "target"), opts)
     from specdec.tokenizer import load_tokenizer
 
@@ -192,9 +204,11 @@ def tiny(res, args):
             prompts = [tok.encode(p)[-256:] for p in lines[:bs]]
             plain, _ = _decode_rate(target, None, prompts, 64)
             rate, tau = _decode_rate(target, draft, prompts, 64)
+            auto, _ = _decode_rate(target, draft, prompts, 64, policy=SpeculationPolicy())
             rows.append({"draft": kind, "spec": f"s{spec.num_steps}k{spec.topk}d{spec.num_draft_tokens}", "bs": bs,
                          "tau": round(tau, 2), "plain_tok_s": round(plain, 1), "spec_tok_s": round(rate, 1),
-                         "speedup": round(rate / plain, 2)})
+                         "speedup": round(rate / plain, 2), "auto_tok_s": round(auto, 1),
+                         "auto_speedup": round(auto / plain, 2)})
             print(rows[-1], flush=True)
     res["tiny_rows"] = rows
 

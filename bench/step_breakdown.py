@@ -140,6 +140,7 @@ def draft_rows(args, out_dir: Path, target) -> dict:
     return res
 
 
+@torch.inference_mode()
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="breakdown.json")

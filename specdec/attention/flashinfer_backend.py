@@ -38,8 +38,13 @@ class FlashInferAttention:
         self._write_slots = batch.write_slots.to(self.kv.k.device, non_blocking=True)
         return batch
 
+    fuses_rope = True
+
     def forward(self, layer: int, q, k, v, batch: AttentionBatch, scale: float) -> torch.Tensor:
         return paged_attention(self.wrapper, self.kv, layer, q, k, v, self._write_slots)
+
+    def forward_rope(self, layer: int, q, k, v, rot, batch: AttentionBatch) -> torch.Tensor:
+        return paged_attention(self.wrapper, self.kv, layer, q, k, v, self._write_slots, rot)
 
 
 def plan_paged(wrapper, kv, num_qo_heads: int, seqs: list[SeqAttention], causal: bool) -> None:
@@ -56,22 +61,32 @@ def plan_paged(wrapper, kv, num_qo_heads: int, seqs: list[SeqAttention], causal:
         if not causal:
             masks.append(visibility_mask(s, "cpu").reshape(-1))
 
-    def on_dev(values) -> torch.Tensor:  # flashinfer packs custom masks on the GPU from these
-        return torch.tensor(values, dtype=torch.int32).to(dev, non_blocking=True)
+    # Causal plans take host tensors: flashinfer reads the lengths on the host anyway (device ones cost a sync
+    # each) and copies them into its buffers. With a custom mask it packs the mask on the GPU from device ones.
+    where = "cpu" if causal else dev
+
+    def index(values) -> torch.Tensor:
+        return torch.as_tensor(values, dtype=torch.int32).to(where, non_blocking=True)
 
     wrapper.plan(
-        on_dev(qo), on_dev(kv_ptr), torch.cat(pages).to(torch.int32).to(dev, non_blocking=True), on_dev(last),
+        index(qo), index(kv_ptr), index(torch.cat(pages)), index(last),
         num_qo_heads, kv.k.shape[2], kv.k.shape[3], ps,
         custom_mask=None if causal else torch.cat(masks).to(dev, non_blocking=True), causal=causal,
         sm_scale=kv.k.shape[3] ** -0.5, q_data_type=kv.k.dtype, kv_data_type=kv.k.dtype,
     )
 
 
-def paged_attention(wrapper, kv, layer: int, q, k, v, write_slots: torch.Tensor) -> torch.Tensor:
-    """Write this forward's K/V at `write_slots`, then attend through the planned wrapper. # like q"""
+def paged_attention(wrapper, kv, layer: int, q, k, v, write_slots: torch.Tensor, rot=None) -> torch.Tensor:
+    """Write this forward's K/V at `write_slots`, then attend through the planned wrapper. With `rot` (a
+    `Rotation`), q and k are not rotated yet: one fused kernel rotates them and writes K/V. # like q"""
     k_cache, v_cache = kv.k[layer], kv.v[layer]  # [num_slots, kv_heads, head_dim]
-    k_cache[write_slots] = k.to(k_cache.dtype)
-    v_cache[write_slots] = v.to(v_cache.dtype)
+    if rot is not None:
+        from specdec.kernels.rope import rope_store
+
+        q = rope_store(q, k, v, rot.positions, rot.cos_table, rot.sin_table, k_cache, v_cache, write_slots)
+    else:
+        k_cache[write_slots] = k.to(k_cache.dtype)
+        v_cache[write_slots] = v.to(v_cache.dtype)
     ps = kv.page_size
     paged = (k_cache.view(-1, ps, *k_cache.shape[1:]), v_cache.view(-1, ps, *v_cache.shape[1:]))
     return wrapper.run(q.to(k_cache.dtype), paged).to(q.dtype)

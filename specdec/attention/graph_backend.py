@@ -45,8 +45,13 @@ class GraphAttention:
         plan_paged(self.wrapper, self.kv, self.num_qo_heads, seqs, self.causal)
         self.write_slots.copy_(write_slots, non_blocking=True)
 
+    fuses_rope = True
+
     def forward(self, layer: int, q, k, v, batch, scale: float) -> torch.Tensor:
         return paged_attention(self.wrapper, self.kv, layer, q, k, v, self.write_slots)
+
+    def forward_rope(self, layer: int, q, k, v, rot, batch) -> torch.Tensor:
+        return paged_attention(self.wrapper, self.kv, layer, q, k, v, self.write_slots, rot)
 
 
 def scratch_slots(pages: list[int], page_size: int, n: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ from specdec.attention.graph_backend import GraphAttention, capture_graph, scrat
 
 log = logging.getLogger(__name__)
 
-BATCH_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+BATCH_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128)
 WORKSPACE_BYTES = 512 << 20  # flashinfer's float scratch for split-KV partial results, shared by every graph
 
 

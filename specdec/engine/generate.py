@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from specdec.engine.adaptive import SpeculationPolicy
 from specdec.engine.draft_engine import DraftEngine
 from specdec.engine.requests import RUNNING, GenerationResult
 from specdec.engine.scheduler import Scheduler
@@ -22,10 +23,12 @@ def generate(
     prompts: list[list[int]],
     sampling: SamplingParams | list[SamplingParams],
     max_batch_size: int = 64,
+    policy: SpeculationPolicy | None = None,
 ) -> list[GenerationResult]:
-    """Generate for every prompt; speculative when `draft` is given, plain decoding otherwise."""
+    """Generate for every prompt; speculative when `draft` is given, plain decoding otherwise. With a `policy`
+    (`--speculation auto`), each step speculates or decodes plainly, whichever measured faster."""
     params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
-    sched = Scheduler(target, draft, target.max_context, max_batch_size, feature_layers_for(draft))
+    sched = Scheduler(target, draft, target.max_context, max_batch_size, feature_layers_for(draft), policy=policy)
     results: dict[str, GenerationResult] = {}
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         rid = f"gen-{i}"

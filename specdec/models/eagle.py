@@ -27,8 +27,8 @@ class Eagle1Layer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x, rot, backend, batch):
-        x = x + self.self_attn(x, rot, backend, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        normed, x = self.post_attention_layernorm.add(self.self_attn(x, rot, backend, batch), x)
+        return x + self.mlp(normed)
 
 
 class Eagle3MidLayer(nn.Module):
@@ -42,8 +42,8 @@ class Eagle3MidLayer(nn.Module):
 
     def forward(self, embeds, g, rot, backend, batch):
         attn_in = torch.cat([self.input_layernorm(embeds), self.hidden_norm(g)], dim=-1)
-        x = g + self.self_attn(attn_in, rot, backend, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        normed, x = self.post_attention_layernorm.add(self.self_attn(attn_in, rot, backend, batch), g)
+        return x + self.mlp(normed)
 
 
 class EagleDraft(nn.Module):

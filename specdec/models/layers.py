@@ -9,6 +9,7 @@ from torch import nn
 
 from specdec.attention.batch import AttentionBatch
 from specdec.config import ModelConfig, RopeScaling
+from specdec.kernels import fused
 
 
 class RMSNorm(nn.Module):
@@ -18,9 +19,26 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _fused_ok(x, self.weight):
+            from specdec.kernels.norm import rmsnorm
+
+            return rmsnorm(x, self.weight, self.eps)
         # HF semantics: normalise in float32, cast back, then scale
         normed = nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual add and the norm after it, fused on GPU."""
+        if _fused_ok(x, self.weight) and residual.dtype == x.dtype:
+            from specdec.kernels.norm import rmsnorm
+
+            return rmsnorm(x, self.weight, self.eps, residual)
+        summed = residual + x
+        return self.forward(summed), summed
+
+
+def _fused_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return x.dim() == 2 and x.dtype == weight.dtype and x.stride(-1) == 1 and fused(x)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -53,16 +71,26 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin(), persistent=False)
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotation:
-        """The rotation for this forward's positions, gathered once and shared by every layer."""
-        return Rotation(self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype))
+        """The rotation for this forward's positions, shared by every layer."""
+        return Rotation(self.cos, self.sin, positions, dtype)
 
 
 class Rotation:
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
-        self.cos, self.sin = cos, sin  # [num_tokens, 1, head_dim]
+    """Rotary embedding at given positions. The torch path gathers cos/sin rows once (on first use); the fused
+    GPU kernel (`rope_store`) reads the float32 tables by position itself."""
+
+    def __init__(self, cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor,
+                 dtype: torch.dtype):
+        self.cos_table, self.sin_table = cos_table, sin_table  # [max_positions, head_dim] float32
+        self.positions, self.dtype = positions, dtype  # [num_tokens] int64
+        self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor):
-        return q * self.cos + _rotate_half(q) * self.sin, k * self.cos + _rotate_half(k) * self.sin
+        if self._gathered is None:  # [num_tokens, 1, head_dim] each
+            self._gathered = (self.cos_table[self.positions].unsqueeze(1).to(self.dtype),
+                              self.sin_table[self.positions].unsqueeze(1).to(self.dtype))
+        cos, sin = self._gathered
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -89,7 +117,12 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = nn.functional.linear(x, self.gate_up).chunk(2, dim=-1)
+        gate_up = nn.functional.linear(x, self.gate_up)
+        if fused(gate_up):
+            from specdec.kernels.activation import silu_mul
+
+            return self.down_proj(silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
 
@@ -128,8 +161,11 @@ class Attention(nn.Module):
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        q, k = rot(q, k)
-        out = backend.forward(self.layer_id, q, k, v, batch, self.scale)  # [n, heads, head_dim]
+        if getattr(backend, "fuses_rope", False) and fused(q):  # rotary + K/V write in one kernel
+            out = backend.forward_rope(self.layer_id, q, k, v, rot, batch)
+        else:
+            q, k = rot(q, k)
+            out = backend.forward(self.layer_id, q, k, v, batch, self.scale)  # [n, heads, head_dim]
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
 
@@ -144,5 +180,6 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x, rot: Rotation, backend, batch):
-        x = x + self.self_attn(self.input_layernorm(x), rot, backend, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), rot, backend, batch)
+        normed, x = self.post_attention_layernorm.add(h, x)
+        return x + self.mlp(normed)

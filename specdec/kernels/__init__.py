@@ -1,0 +1,34 @@
+"""Fused GPU kernels (Triton) for the small per-layer operations of a decoder forward.
+
+At batch 1 an 8B forward is ~130 weight-bound matmuls plus, unfused, ~900 tiny element-wise kernels (norm casts,
+rotary halves, residual adds, SiLU) that cost more GPU time than the attention itself. Each kernel here replaces
+one such group with one launch and keeps the eager torch rounding where it can (see each module). Used on CUDA
+tensors when Triton is importable; `SPECDEC_FUSED_KERNELS=0` turns them off (the torch code paths are the
+reference and what CPUs run). `tests/specdec/test_kernels.py` checks them against the torch code on CPU through
+Triton's interpreter, `tests/gpu` on the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+@functools.cache
+def _triton_ok() -> bool:
+    if os.environ.get("SPECDEC_FUSED_KERNELS", "1") == "0":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def fused(t: torch.Tensor) -> bool:
+    """Whether the fused kernels run for this tensor (CUDA, or any device under TRITON_INTERPRET=1)."""
+    if t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        return _triton_ok()
+    return False

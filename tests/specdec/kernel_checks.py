@@ -1,0 +1,74 @@
+"""Fused kernels vs the torch code paths they replace; run by test_kernels.py under TRITON_INTERPRET=1 on CPU and
+by tests/gpu on CUDA. Prints one line per check and exits non-zero on the first mismatch."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from specdec.kernels.activation import silu_mul
+from specdec.kernels.norm import rmsnorm
+from specdec.kernels.rope import rope_store
+from specdec.models.layers import RotaryEmbedding
+
+
+def torch_rmsnorm(x, w, eps):
+    return w * torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def check(name, got, want, atol, rtol=0.0):
+    """Fails unless |got - want| <= atol + rtol * |want| everywhere."""
+    diff = (got.float() - want.float()).abs()
+    over = (diff - atol - rtol * want.float().abs()).max().item() if got.numel() else -1.0
+    print(f"{name}: max abs err {diff.max().item() if got.numel() else 0.0:.3g} (atol {atol}, rtol {rtol})")
+    if not over <= 0:
+        sys.exit(1)
+
+
+def main(device: str, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    # float32: rounding-order differences only; bfloat16: one rounding step (2^-8 relative) either way
+    tol, rtol = (1e-5, 0.0) if dtype == torch.float32 else (1e-2, 2**-7)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    for rows, n in ((1, 64), (5, 96), (3, 4096), (0, 64)):
+        x, r, w = rnd(rows, n), rnd(rows, n), rnd(n)
+        check(f"rmsnorm {rows}x{n}", rmsnorm(x, w, 1e-5), torch_rmsnorm(x, w, 1e-5), tol, rtol)
+        normed, summed = rmsnorm(x, w, 1e-6, r)
+        check(f"add_rmsnorm sum {rows}x{n}", summed, x + r, 0.0)
+        check(f"add_rmsnorm norm {rows}x{n}", normed, torch_rmsnorm(x + r, w, 1e-6), tol, rtol)
+    wide = rnd(4, 200)  # a strided row view (EAGLE-3 norms read slices)
+    check("rmsnorm strided rows", rmsnorm(wide[:, :64], w[:64], 1e-5), torch_rmsnorm(wide[:, :64], w[:64], 1e-5),
+          tol, rtol)
+
+    for rows, inter in ((1, 48), (7, 1100), (0, 16)):
+        gu = rnd(rows, 2 * inter)
+        gate, up = gu.chunk(2, dim=-1)
+        check(f"silu_mul {rows}x{inter}", silu_mul(gu), torch.nn.functional.silu(gate) * up, tol, rtol)
+
+    heads, kv_heads, d, t = 4, 2, 16, 6
+    rope = RotaryEmbedding(d, 64, 10000.0, None).to(device)
+    qkv = rnd(t, (heads + 2 * kv_heads) * d)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q, k, v = q.reshape(t, heads, d), k.reshape(t, kv_heads, d), v.reshape(t, kv_heads, d)
+    positions = torch.tensor([0, 1, 2, 9, 33, 63], device=device)
+    slots = torch.tensor([5, 0, 7, 3, 12, 9], device=device)
+    k_cache = torch.zeros(16, kv_heads, d, device=device, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    got_q = rope_store(q, k, v, positions, rope.cos, rope.sin, k_cache, v_cache, slots)
+    want_q, want_k = rope.at(positions, dtype)(q, k)
+    # float32: bit-identical; bfloat16 on a GPU: within one rounding step (measured: 1 ulp on a few elements)
+    check("rope q", got_q, want_q, *((0.0,) if dtype == torch.float32 else (tol, rtol)))
+    check("rope k in cache", k_cache[slots], want_k, *((0.0,) if dtype == torch.float32 else (tol, rtol)))
+    check("v in cache", v_cache[slots], v, 0.0)
+    untouched = torch.ones(16, dtype=torch.bool, device=device)
+    untouched[slots] = False
+    check("other slots untouched", k_cache[untouched], torch.zeros_like(k_cache[untouched]), 0.0)
+    print("all kernel checks passed")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], getattr(torch, sys.argv[2]))
