@@ -172,31 +172,46 @@ class TargetEngine:
             rows.append(n)
         hidden, aux = self._forward(ids, torch.cat(pos), seqs, torch.cat(slots), inputs, graphable=True)
         logits = self.model.compute_logits(hidden)  # [num_tokens, vocab]
-        outputs, start = [], 0
+        # greedy (and simulated) acceptance reads the whole batch's argmax in one host sync
+        greedy = self.simulate_accept_len or any(self.requests[i.request_id].sampling.greedy for i in inputs)
+        top1 = logits.argmax(-1).tolist() if greedy else None
+        verdicts, committed, start = [], [], 0
         for inp, n in zip(inputs, rows, strict=True):
-            outputs.append(self._accept(inp, logits[start : start + n], hidden, aux, start))
+            verdict = self._verdict(inp, logits[start : start + n], top1[start : start + n] if top1 else None)
+            verdicts.append(verdict)
+            committed.append([0] + verdict.accepted)  # tree rows whose K/V stay: root, then the accepted path
             start += n
-        return outputs
+        feats = self._batch_features(inputs, rows, committed, hidden, aux)
+        return [self._accept(inp, v, c, f) for inp, v, c, f in zip(inputs, verdicts, committed, feats, strict=True)]
 
-    def _accept(self, inp: VerifyInput, logits, hidden, aux, start: int) -> VerifyOutput:
-        rid, req = inp.request_id, self.requests[inp.request_id]
+    def _verdict(self, inp: VerifyInput, logits, top1: list[int] | None):
+        req = self.requests[inp.request_id]
         tokens, parents = list(inp.draft_tokens), list(inp.parents)
         if self.simulate_accept_len:
-            verdict = verify_simulated(tokens, parents, logits.argmax(-1).tolist(), self.simulate_accept_len,
-                                       req.generator)
-        elif req.sampling.greedy:
-            verdict = verify_greedy(tokens, parents, logits.argmax(-1).tolist())
-        else:
-            verdict = verify_stochastic(tokens, parents, target_probs(logits, req.sampling), req.generator)
-        new_tokens = [tokens[a - 1] for a in verdict.accepted] + [verdict.bonus]
-        committed_rows = [0] + verdict.accepted  # tree indices whose K/V stay: root, then the accepted path
-        feats = self._features(req, hidden, aux, start + torch.tensor(committed_rows))
+            return verify_simulated(tokens, parents, top1, self.simulate_accept_len, req.generator)
+        if req.sampling.greedy:
+            return verify_greedy(tokens, parents, top1)
+        return verify_stochastic(tokens, parents, target_probs(logits, req.sampling), req.generator)
+
+    def _batch_features(self, inputs, rows: list[int], committed: list[list[int]], hidden, aux) -> list:
+        """Each request's features at its committed rows: one gather when the batch shares its feature layers."""
+        reqs = [self.requests[inp.request_id] for inp in inputs]
+        starts = [sum(rows[:i]) for i in range(len(rows))]
+        if len({r.feature_layers for r in reqs}) > 1:
+            return [self._features(r, hidden, aux, s + torch.tensor(c)) for r, s, c in zip(reqs, starts, committed,
+                                                                                          strict=True)]
+        flat = torch.tensor([s + r for s, c in zip(starts, committed, strict=True) for r in c])
+        return list(self._features(reqs[0], hidden, aux, flat).split([len(c) for c in committed]))
+
+    def _accept(self, inp: VerifyInput, verdict, committed_rows: list[int], feats) -> VerifyOutput:
+        rid, req = inp.request_id, self.requests[inp.request_id]
+        new_tokens = [inp.draft_tokens[a - 1] for a in verdict.accepted] + [verdict.bonus]
         self.kv.move(rid, [req.kv_len + r for r in committed_rows], req.kv_len)
         req.kv_len += len(committed_rows)
         self.kv.resize(rid, req.kv_len)  # frees the slots of rejected nodes
         kept, reason = self._commit_tokens(rid, req, new_tokens)
         num_acc = min(len(verdict.accepted), len(kept))
-        return VerifyOutput(rid, kept, num_acc, feats[: len(kept)] if feats is not None else None, reason)
+        return VerifyOutput(rid, kept, num_acc, feats[: len(kept)], reason)
 
     def _commit_tokens(self, rid: str, req: TargetRequest, new_tokens: list[int]) -> tuple[list[int], str]:
         total = req.prompt_len + req.num_generated

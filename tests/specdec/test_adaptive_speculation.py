@@ -74,3 +74,24 @@ def test_seeded_sampling_stays_speculative_under_the_policy():
         assert all(e.finish_reason in (RUNNING, "stop", "length") for e in events)
     assert draft.kv.num_free_pages == draft.kv.num_total_pages
     assert steps < 12  # speculative steps committed several tokens each
+
+
+def test_policy_backs_off_re_measuring_while_the_choice_holds_and_resets_when_it_flips():
+    p = SpeculationPolicy(explore_every=4, max_explore_every=16, min_samples=2)
+    for _i in range(4):  # warm-up: speculation 30 tok/s, plain 10 tok/s
+        mode = p.choose(1)
+        p.record(1, mode, tokens=30 if mode else 10, seconds=1.0)
+    explores = []
+    for step in range(60):
+        mode = p.choose(1)
+        if not mode:
+            explores.append(step)
+        p.record(1, mode, tokens=30 if mode else 10, seconds=1.0)
+    gaps = [b - a for a, b in zip(explores, explores[1:], strict=False)]
+    assert gaps[:3] == [8, 16, 16], explores  # 4 -> 8 -> 16 (capped)
+    # the next re-measurement finds plain much faster: the choice flips and the interval starts over
+    while p.choose(1):
+        p.record(1, True, tokens=30, seconds=1.0)
+    p.record(1, False, tokens=100, seconds=1.0)
+    assert p.intervals[1] == 4
+    assert [p.choose(1) for _ in range(3)] == [False, False, False]
