@@ -264,8 +264,8 @@ def run(args) -> list[Row]:
     probe.install()
     conc = sorted(set(args.concurrency))
     prompts = load_prompts(args.prompts, max(conc), args.prompt_tokens)
-    flags = engine_flags(max(conc), args.prompt_tokens, args.new_tokens)
-    target = start_target(flags)
+    flags = engine_flags(max(conc), args.prompt_tokens, args.new_tokens) + args.engine_flags.split()
+    target = start_target(flags + ["--device", args.target_device])
     target_sched = probe.schedulers[-1]
     rows = []
     try:
@@ -274,7 +274,7 @@ def run(args) -> list[Row]:
                  for n in conc}
         for name in args.settings:
             setting = SETTINGS[name]
-            draft = start_draft(target.addr, setting, flags)
+            draft = start_draft(target.addr, setting, flags + ["--device", args.draft_device])
             sched = probe.schedulers[-1]
             try:
                 warm_up(draft.addr, True, prompts, args.new_tokens)
@@ -318,6 +318,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompts", type=Path, default=DEV_PROMPTS,
                    help="JSONL prompt file, default ../shared/prompts/dev.jsonl (bundled prompts if absent)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the Markdown table")
+    p.add_argument("--target-device", default="cpu", help="the target service's --device, default cpu")
+    p.add_argument("--draft-device", default="cpu", help="the draft service's --device (cuda:1: its own GPU)")
+    p.add_argument("--engine-flags", default="",
+                   help="more engine flags for both services, e.g. '--attention-backend flashinfer --dtype bfloat16'")
     args = p.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.settings = args.settings.split(",")
