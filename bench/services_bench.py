@@ -265,7 +265,7 @@ def run(args) -> list[Row]:
     conc = sorted(set(args.concurrency))
     prompts = load_prompts(args.prompts, max(conc), args.prompt_tokens)
     flags = engine_flags(max(conc), args.prompt_tokens, args.new_tokens) + args.engine_flags.split()
-    target = start_target(flags + ["--device", args.target_device])
+    target = start_target(flags + ["--device", args.target_device] + args.target_flags.split())
     target_sched = probe.schedulers[-1]
     rows = []
     try:
@@ -274,7 +274,8 @@ def run(args) -> list[Row]:
                  for n in conc}
         for name in args.settings:
             setting = SETTINGS[name]
-            draft = start_draft(target.addr, setting, flags + ["--device", args.draft_device])
+            draft_flags = flags + ["--device", args.draft_device] + args.draft_flags.split()
+            draft = start_draft(target.addr, setting, draft_flags)
             sched = probe.schedulers[-1]
             try:
                 warm_up(draft.addr, True, prompts, args.new_tokens)
@@ -322,6 +323,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--draft-device", default="cpu", help="the draft service's --device (cuda:1: its own GPU)")
     p.add_argument("--engine-flags", default="",
                    help="more engine flags for both services, e.g. '--attention-backend flashinfer --dtype bfloat16'")
+    p.add_argument("--target-flags", default="", help="flags for the target only (last wins), e.g. "
+                   "'--load-format dummy --config llama3-8b --simulate-accept-len 5'")
+    p.add_argument("--draft-flags", default="", help="flags for the draft only (last wins), e.g. "
+                   "'--load-format dummy --config llama3-8b-eagle1 --target-model llama3-8b'")
     args = p.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.settings = args.settings.split(",")

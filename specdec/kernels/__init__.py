@@ -10,6 +10,7 @@ Triton's interpreter, `tests/gpu` on the GPU.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -25,6 +26,11 @@ def _triton_ok() -> bool:
     except ImportError:
         return False
     return True
+
+
+def on_device(t: torch.Tensor):
+    """Triton launches on the current CUDA device: make it the tensor's (a service on cuda:1)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def fused(t: torch.Tensor) -> bool:

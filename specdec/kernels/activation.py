@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specdec.kernels import on_device
+
 BLOCK = 512
 
 
@@ -27,5 +29,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     inter = two_inter // 2
     out = torch.empty((rows, inter), dtype=gate_up.dtype, device=gate_up.device)
     if rows:
-        _silu_mul_kernel[(rows, triton.cdiv(inter, BLOCK))](gate_up, out, inter, gate_up.stride(0), BLOCK=BLOCK)
+        with on_device(gate_up):
+            _silu_mul_kernel[(rows, triton.cdiv(inter, BLOCK))](gate_up, out, inter, gate_up.stride(0), BLOCK=BLOCK)
     return out

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specdec.kernels import on_device
+
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, x_stride, res_stride, n, eps,
@@ -38,9 +40,10 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
     summed = torch.empty_like(out) if residual is not None else out
     if rows:
         block = triton.next_power_of_2(n)
-        _rmsnorm_kernel[(rows,)](
-            x, residual if residual is not None else x, weight, out, summed, x.stride(0),
-            residual.stride(0) if residual is not None else 0, n, eps,
-            HAS_RES=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
-        )
+        with on_device(x):
+            _rmsnorm_kernel[(rows,)](
+                x, residual if residual is not None else x, weight, out, summed, x.stride(0),
+                residual.stride(0) if residual is not None else 0, n, eps,
+                HAS_RES=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+            )
     return out if residual is None else (out, summed)

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specdec.kernels import on_device
+
 
 @triton.jit
 def _rotate(base, c1, s1, c2, s2, half, HALF: tl.constexpr, dt: tl.constexpr):
@@ -63,8 +65,9 @@ def rope_store(q, k, v, positions, cos_table, sin_table, k_cache, v_cache, slots
     assert q.stride(2) == k.stride(2) == v.stride(2) == 1 and q.stride(1) == k.stride(1) == v.stride(1) == d
     q_out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
     if t:
-        _rope_store_kernel[(t, h + 2 * kv)](
-            q, k, v, q.stride(0), k.stride(0), v.stride(0), positions, cos_table, sin_table, slots,
-            k_cache, v_cache, q_out, H=h, KV=kv, D=d, num_warps=1,
-        )
+        with on_device(q):
+            _rope_store_kernel[(t, h + 2 * kv)](
+                q, k, v, q.stride(0), k.stride(0), v.stride(0), positions, cos_table, sin_table, slots,
+                k_cache, v_cache, q_out, H=h, KV=kv, D=d, num_warps=1,
+            )
     return q_out

@@ -30,6 +30,9 @@ def main(device: str, dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(0)
     # float32: rounding-order differences only; bfloat16: one rounding step (2^-8 relative) either way
     tol, rtol = (1e-5, 0.0) if dtype == torch.float32 else (1e-2, 2**-7)
+    if device == "cuda" and dtype == torch.float32:
+        tol, rtol = 1e-5, 1e-5  # the GPU compiler may contract a product and a sum into one FMA
+    exact = device == "cpu" and dtype == torch.float32
 
     def rnd(*shape):
         return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
@@ -60,9 +63,9 @@ def main(device: str, dtype: torch.dtype) -> None:
     v_cache = torch.zeros_like(k_cache)
     got_q = rope_store(q, k, v, positions, rope.cos, rope.sin, k_cache, v_cache, slots)
     want_q, want_k = rope.at(positions, dtype)(q, k)
-    # float32: bit-identical; bfloat16 on a GPU: within one rounding step (measured: 1 ulp on a few elements)
-    check("rope q", got_q, want_q, *((0.0,) if dtype == torch.float32 else (tol, rtol)))
-    check("rope k in cache", k_cache[slots], want_k, *((0.0,) if dtype == torch.float32 else (tol, rtol)))
+    # float32 (interpreter): bit-identical; on a GPU: within one rounding step (measured: 1 ulp on a few elements)
+    check("rope q", got_q, want_q, *((0.0,) if exact else (tol, rtol)))
+    check("rope k in cache", k_cache[slots], want_k, *((0.0,) if exact else (tol, rtol)))
     check("v in cache", v_cache[slots], v, 0.0)
     untouched = torch.ones(16, dtype=torch.bool, device=device)
     untouched[slots] = False
