@@ -65,7 +65,7 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
                           max_queue_wait_s=args.max_queue_wait_seconds,
                           step_spans=StepSpanSampler.from_config(TelemetryConfig.from_env()),
                           policy=SpeculationPolicy() if args.speculation == "auto" else None)
-        loop = EngineLoop(sched, "draft-engine")
+        loop = EngineLoop(sched, "draft-engine", engine.device)
         loop.on_step = lambda events: _observe(metrics, engine, events)
         kv = engine.kv
         metrics.track(kv_pages=lambda: (kv.num_total_pages - kv.num_free_pages, kv.num_free_pages),

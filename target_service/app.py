@@ -26,7 +26,8 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
     async def load(metrics) -> str:
         engine = await asyncio.to_thread(build_target, args.model, opts)
         loop = EngineLoop(Scheduler(engine, None, engine.max_context, opts.max_batch_size,
-                                    max_queue_wait_s=args.max_queue_wait_seconds), "target-engine")
+                                    max_queue_wait_s=args.max_queue_wait_seconds), "target-engine",
+                          engine.device)
         kv = engine.kv  # gauges read at scrape time: Verify and Prefill run between steps, not in them
         metrics.track(kv_pages=lambda: (kv.num_total_pages - kv.num_free_pages, kv.num_free_pages),
                       running=lambda: len(engine.requests), waiting=lambda: len(loop.scheduler.waiting))

@@ -49,6 +49,10 @@ class TargetGraphs:
     def run(self, ids: list[int], positions: torch.Tensor, seqs: list[SeqAttention], write_slots: torch.Tensor,
             n: int, aux_layers: tuple[int, ...]):
         """Same inputs and outputs as the eager forward (hidden [T, H], aux [T, A*H] or None), T = len(seqs) * n."""
+        with torch.cuda.device(self.kv.k.device):  # capture and replay on the engine's GPU, whatever the thread's
+            return self._run(ids, positions, seqs, write_slots, n, aux_layers)
+
+    def _run(self, ids, positions, seqs, write_slots, n, aux_layers):
         b = len(seqs)
         bucket = next(x for x in self.ladder if x >= b)
         key = (bucket, n, aux_layers)

@@ -48,6 +48,10 @@ class DraftChainGraphs:
         return 0 < num_requests <= self.ladder[-1]
 
     def propose(self, rids: list[str]) -> list[TokenTree]:
+        with torch.cuda.device(self.engine.kv.k.device):  # capture and replay on the engine's GPU
+            return self._propose(rids)
+
+    def _propose(self, rids: list[str]) -> list[TokenTree]:
         eng = self.engine
         steps, num_draft = eng.spec.num_steps, eng.spec.num_draft_tokens
         reqs = [eng.requests[r] for r in rids]

@@ -15,6 +15,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from specdec.engine.requests import RUNNING
 from specdec.engine.scheduler import Event, Scheduler
 from specdec.errors import DuplicateRequest, NotReady, SpecdecError
@@ -40,9 +42,10 @@ class _Stream:
 
 
 class EngineLoop:
-    def __init__(self, scheduler: Scheduler | None, name: str = "engine"):
+    def __init__(self, scheduler: Scheduler | None, name: str = "engine", device=None):
         self.scheduler = scheduler
         self.name = name
+        self.device = torch.device(device) if device is not None else None  # the engine's GPU, if any
         self._calls: list[_Call] = []
         self._streams: dict[str, _Stream] = {}
         self._cond = threading.Condition()
@@ -116,6 +119,9 @@ class EngineLoop:
 
     # ---- engine thread ------------------------------------------------------------------------------------
     def _main(self) -> None:
+        if self.device is not None and self.device.type == "cuda":
+            # CUDA's current device is per thread: graph capture, Triton and flashinfer launch on it
+            torch.cuda.set_device(self.device)
         while True:
             with self._cond:
                 while not self._calls and not self._stopping and not (self.scheduler and self.scheduler.has_work):
