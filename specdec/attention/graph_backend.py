@@ -69,6 +69,7 @@ def capture_graph(body, pool) -> tuple[torch.cuda.CUDAGraph, object]:
             body()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    # our own stream: torch's default capture stream is one per process, made on whichever GPU captured first
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
         out = body()
     return graph, out
