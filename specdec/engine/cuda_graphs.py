@@ -20,7 +20,15 @@ from specdec.attention.graph_backend import GraphAttention, capture_graph, scrat
 log = logging.getLogger(__name__)
 
 BATCH_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128)
+# Largest captured forward (batch x tokens per request): flashinfer's split-KV scratch for a captured plan is sized
+# for the whole shape (128 x 65 tokens needs ~810 MB); bigger batches are compute-bound and run eagerly.
+MAX_GRAPH_TOKENS = 4096
 WORKSPACE_BYTES = 512 << 20  # flashinfer's float scratch for split-KV partial results, shared by every graph
+
+
+def ladder_for(ladder: tuple[int, ...], n: int) -> tuple[int, ...]:
+    """The captured batch sizes for n tokens per request: those within MAX_GRAPH_TOKENS (at least batch 1)."""
+    return tuple(b for b in ladder if b * n <= MAX_GRAPH_TOKENS) or ladder[:1]
 
 
 @dataclass
@@ -44,7 +52,7 @@ class TargetGraphs:
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=kv.k.device)
 
     def usable(self, num_seqs: int, n: int) -> bool:
-        return num_seqs <= self.ladder[-1] and n <= len(self.scratch_pages) * self.kv.page_size
+        return num_seqs <= ladder_for(self.ladder, n)[-1] and n <= len(self.scratch_pages) * self.kv.page_size
 
     def run(self, ids: list[int], positions: torch.Tensor, seqs: list[SeqAttention], write_slots: torch.Tensor,
             n: int, aux_layers: tuple[int, ...]):
@@ -54,7 +62,7 @@ class TargetGraphs:
 
     def _run(self, ids, positions, seqs, write_slots, n, aux_layers):
         b = len(seqs)
-        bucket = next(x for x in self.ladder if x >= b)
+        bucket = next(x for x in ladder_for(self.ladder, n) if x >= b)
         key = (bucket, n, aux_layers)
         if key not in self.graphs:
             self._capture_ladder(n, aux_layers)
@@ -84,10 +92,11 @@ class TargetGraphs:
     def _capture_ladder(self, n: int, aux_layers: tuple[int, ...]) -> None:
         t0 = time.perf_counter()
         mem0 = torch.cuda.memory_allocated()
-        for bucket in sorted(self.ladder, reverse=True):
+        ladder = ladder_for(self.ladder, n)
+        for bucket in sorted(ladder, reverse=True):
             self.graphs[(bucket, n, aux_layers)] = self._capture(bucket, n, aux_layers)
         log.info("captured target CUDA graphs for n=%d tokens/request, batch sizes %s, aux %s in %.1f s (+%.0f MiB)",
-                 n, list(self.ladder), list(aux_layers), time.perf_counter() - t0,
+                 n, list(ladder), list(aux_layers), time.perf_counter() - t0,
                  (torch.cuda.memory_allocated() - mem0) / 2**20)
 
     @torch.inference_mode()
