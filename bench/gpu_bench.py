@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specdec.engine.adaptive import SpeculationPolicy  # noqa: E402
+from specdec.engine.adaptive import SpeculationPolicy, budget_menu  # noqa: E402
 from specdec.engine.draft_engine import SpecConfig  # noqa: E402
 from specdec.engine.factory import EngineOptions, build_draft, build_target  # noqa: E402
 from specdec.engine.generate import generate  # noqa: E402
@@ -176,7 +176,7 @@ def simulated(res, args, target):
         for tau in (3.0, 5.0):
             target.simulate_accept_len = tau
             spec, measured_tau = _decode_rate(target, draft, prompts, args.new_tokens)
-            policy = SpeculationPolicy()
+            policy = SpeculationPolicy(budget_menu(draft.spec.num_draft_tokens))
             auto, auto_tps = _decode_rate(target, draft, prompts, args.new_tokens, policy=policy)
             rows.append({"bs": bs, "simulated_tau": tau, "measured_tau": round(measured_tau, 2),
                          "plain_tok_s": round(plain, 1), "spec_tok_s": round(spec, 1),
@@ -205,7 +205,8 @@ def tiny(res, args):
             prompts = [tok.encode(p)[-256:] for p in lines[:bs]]
             plain, _ = _decode_rate(target, None, prompts, 64)
             rate, tau = _decode_rate(target, draft, prompts, 64)
-            auto, _ = _decode_rate(target, draft, prompts, 64, policy=SpeculationPolicy())
+            auto, _ = _decode_rate(target, draft, prompts, 64,
+                                   policy=SpeculationPolicy(budget_menu(spec.num_draft_tokens)))
             rows.append({"draft": kind, "spec": f"s{spec.num_steps}k{spec.topk}d{spec.num_draft_tokens}", "bs": bs,
                          "tau": round(tau, 2), "plain_tok_s": round(plain, 1), "spec_tok_s": round(rate, 1),
                          "speedup": round(rate / plain, 2), "auto_tok_s": round(auto, 1),

@@ -9,7 +9,7 @@ import time
 from draft_service.servicer import DraftServicer
 from draft_service.target_client import TargetClient
 from specdec.config import ModelConfig
-from specdec.engine.adaptive import SpeculationPolicy
+from specdec.engine.adaptive import SpeculationPolicy, budget_menu
 from specdec.engine.draft_engine import SpecConfig
 from specdec.engine.factory import build_draft
 from specdec.engine.generate import feature_layers_for
@@ -64,7 +64,8 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
         sched = Scheduler(client, engine, max_context, opts.max_batch_size, feature_layers_for(engine),
                           max_queue_wait_s=args.max_queue_wait_seconds,
                           step_spans=StepSpanSampler.from_config(TelemetryConfig.from_env()),
-                          policy=SpeculationPolicy() if args.speculation == "auto" else None)
+                          policy=SpeculationPolicy(budget_menu(spec.num_draft_tokens)) if args.speculation == "auto"
+                          else None)
         loop = EngineLoop(sched, "draft-engine", engine.device)
         loop.on_step = lambda events: _observe(metrics, engine, events)
         kv = engine.kv

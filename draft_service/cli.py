@@ -24,9 +24,9 @@ def register(subparsers) -> None:
     add_engine_args(p, DEFAULT_PORT)
     add_spec_args(p)
     p.add_argument("--speculation", choices=["auto", "always"], default="auto",
-                   help="auto (default): per step, speculate or decode plainly, whichever has measured more "
-                        "tokens/s at the running batch size (both lossless; seeded sampling batches stay "
-                        "speculative); always: speculate every step")
+                   help="auto (default): per step, verify the whole tree, about half of it, or nothing (plain "
+                        "decoding), whichever has measured the most tokens/s at the running batch size (all "
+                        "lossless; seeded sampling batches keep the whole tree); always: the whole tree every step")
     add_tls_args(p)
     add_tls_args(p, prefix="target-", who="client side, to the target")
     add_telemetry_args(p)

@@ -1,69 +1,86 @@
-"""Adaptive speculation: per step, speculate or decode plainly, whichever has recently delivered more tokens per
-second at this batch size (both are lossless: a plain step is a verify of empty trees).
+"""Adaptive speculation: per step, how many draft tokens to verify (0 = decode plainly), whichever budget has
+recently delivered the most tokens per second at this batch size. Every budget is lossless: a plain step is a
+verify of empty trees, a smaller budget verifies the draft's best `budget` nodes.
 
-Throughput is measured, not modelled: each step records (batch size, mode, tokens committed, seconds) and the
-policy keeps an exponential moving average of tokens/s per (batch-size bucket, mode). A bucket tries each mode
-before trusting either, and keeps re-measuring the losing mode, so a change in acceptance (a new prompt mix) or
-load moves the choice. Re-measuring costs (a speculative step after plain ones first extends the draft over the
-backlog), so the interval backs off: it starts at `explore_every` steps, doubles (up to `max_explore_every`) each
-time a re-measurement confirms the choice, and resets when one overturns it. Buckets are powers of two.
+Throughput is measured, not modelled: each step records (batch size, budget, tokens committed, seconds) and the
+policy keeps an exponential moving average of tokens/s per (batch-size bucket, budget). A bucket tries every
+budget before trusting any, and keeps re-measuring the others (in turn), so a change in acceptance (a new prompt
+mix) or load moves the choice. Re-measuring costs (a speculative step after plain ones first extends the draft
+over the backlog), so the interval backs off: it starts at `explore_every` steps, doubles (up to
+`max_explore_every`) each time a re-measurement confirms the choice, and resets when one overturns it. Buckets
+are powers of two. The menu (`budget_menu`) is plain, about half the tree, and the whole tree: at large batch a
+verify is compute-bound and its cost grows with the tokens verified, so a shorter chain can beat both extremes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+FULL = -1  # budget: the draft's whole tree (its --num-draft-tokens)
+
+
+def budget_menu(num_draft_tokens: int) -> tuple[int, ...]:
+    """Budgets tried by `--speculation auto`: plain, about half the tree (trees of 4+ tokens), the whole tree."""
+    half = num_draft_tokens // 2
+    return (0, half, FULL) if half >= 2 else (0, FULL)
+
+
+def budget_name(budget: int) -> str:
+    return "plain" if budget == 0 else "full" if budget == FULL else f"d{budget}"
+
 
 @dataclass
 class SpeculationPolicy:
-    explore_every: int = 16  # first interval (in steps) between re-measurements of the mode not chosen
+    budgets: tuple[int, ...] = (0, FULL)
+    explore_every: int = 16  # first interval (in steps) between re-measurements of the budgets not chosen
     max_explore_every: int = 256
     ema: float = 0.3  # weight of the newest measurement
-    min_samples: int = 3  # steps of each mode before the averages decide (the first one only warms up)
-    rates: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, speculative) -> tokens/s
-    samples: dict[tuple[int, bool], int] = field(default_factory=dict)
-    steps: dict[int, int] = field(default_factory=dict)
+    min_samples: int = 3  # steps of each budget before the averages decide (the first one only warms up)
+    rates: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, budget) -> tokens/s
+    samples: dict[tuple[int, int], int] = field(default_factory=dict)
     intervals: dict[int, int] = field(default_factory=dict)  # bucket -> current re-measurement interval
     since: dict[int, int] = field(default_factory=dict)  # bucket -> steps since the last re-measurement
-    challenged: dict[int, bool] = field(default_factory=dict)  # bucket -> the choice a pending re-measurement tests
+    challenged: dict[int, int] = field(default_factory=dict)  # bucket -> the choice a pending re-measurement tests
+    turn: dict[int, int] = field(default_factory=dict)  # bucket -> which other budget is re-measured next
 
     @staticmethod
     def bucket(batch_size: int) -> int:
         return 1 << max(0, batch_size - 1).bit_length()
 
-    def choose(self, batch_size: int) -> bool:
-        """True: speculate this step; False: decode plainly."""
+    def choose(self, batch_size: int) -> int:
+        """The draft-token budget for this step: 0 = decode plainly, FULL = the whole tree, else a node count."""
         b = self.bucket(batch_size)
-        n = self.steps.get(b, 0)
-        self.steps[b] = n + 1
-        for mode in (True, False):
-            if self.samples.get((b, mode), 0) < self.min_samples:
-                return mode
+        for budget in self.budgets:
+            if self.samples.get((b, budget), 0) < self.min_samples:
+                return budget
         best = self._best(b)
         since = self.since.get(b, 0) + 1
         if since >= self.intervals.get(b, self.explore_every):
-            self.since[b], self.challenged[b] = 0, best
-            return not best
+            others = [x for x in self.budgets if x != best]
+            turn = self.turn.get(b, 0)
+            self.since[b], self.challenged[b], self.turn[b] = 0, best, turn + 1
+            return others[turn % len(others)]
         self.since[b] = since
         return best
 
-    def _best(self, b: int) -> bool:
-        return self.rates[(b, True)] >= self.rates[(b, False)]
+    def _best(self, b: int) -> int:
+        # ties go to the budget listed last (more speculation)
+        return max(reversed(self.budgets), key=lambda x: self.rates[(b, x)])
 
-    def record(self, batch_size: int, speculative: bool, tokens: int, seconds: float) -> None:
+    def record(self, batch_size: int, budget: int, tokens: int, seconds: float) -> None:
         if seconds <= 0:
             return
-        key = (self.bucket(batch_size), speculative)
+        key = (self.bucket(batch_size), budget)
         rate = tokens / seconds
         old = self.rates.get(key)
         first_real = self.samples.get(key, 0) == 1  # sample 0 (lazy inits, graph capture) is overwritten
         self.rates[key] = rate if old is None or first_real else (1 - self.ema) * old + self.ema * rate
         self.samples[key] = self.samples.get(key, 0) + 1
         b = key[0]
-        if b in self.challenged and speculative != self.challenged[b]:  # the re-measurement came back
+        if b in self.challenged and budget != self.challenged[b]:  # the re-measurement came back
             held = self._best(b) == self.challenged.pop(b)
             interval = self.intervals.get(b, self.explore_every)
             self.intervals[b] = min(2 * interval, self.max_explore_every) if held else self.explore_every
 
     def summary(self) -> dict[str, float]:
-        return {f"bs{b}-{'spec' if s else 'plain'}": round(r, 1) for (b, s), r in sorted(self.rates.items())}
+        return {f"bs{b}-{budget_name(x)}": round(r, 1) for (b, x), r in sorted(self.rates.items())}

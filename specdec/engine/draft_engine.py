@@ -136,9 +136,11 @@ class DraftEngine:
 
     # ---- propose ------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def propose(self, rids: list[str]) -> list[TokenTree]:
+    def propose(self, rids: list[str], num_draft_tokens: int | None = None) -> list[TokenTree]:
+        """A tree per request: its best `num_draft_tokens` nodes (default and maximum: the spec's)."""
+        size = min(num_draft_tokens or self.spec.num_draft_tokens, self.spec.num_draft_tokens)
         if self.graphs is not None and self.graphs.usable(len(rids)):
-            return self.graphs.propose(rids)
+            return self.graphs.propose(rids, size)
         k, steps = self.spec.topk, self.spec.num_steps
         reqs = [self.requests[r] for r in rids]
         b = len(reqs)
@@ -168,8 +170,7 @@ class DraftEngine:
                          for i in range(b)]
         for rid, req in zip(rids, reqs, strict=True):
             self.kv.resize(rid, req.kv_len)  # drop the temporary tree slots
-        return _select(torch.cat(cand_tokens, 1), torch.cat(cand_scores, 1), torch.cat(cand_parents, 1),
-                       self.spec.num_draft_tokens)
+        return _select(torch.cat(cand_tokens, 1), torch.cat(cand_scores, 1), torch.cat(cand_parents, 1), size)
 
     def _step(self, rids, reqs, tokens, hidden, depth: int, ancestors) -> torch.Tensor:
         """Draft forward over the frontier (nodes at `depth`); returns their outputs. # [b, k, hidden]"""

@@ -47,13 +47,14 @@ class DraftChainGraphs:
     def usable(self, num_requests: int) -> bool:
         return 0 < num_requests <= self.ladder[-1]
 
-    def propose(self, rids: list[str]) -> list[TokenTree]:
+    def propose(self, rids: list[str], num_draft: int) -> list[TokenTree]:
+        """Chains of the first `num_draft` tokens (a chain's scores fall along it: its best nodes)."""
         with torch.cuda.device(self.engine.kv.k.device):  # capture and replay on the engine's GPU
-            return self._propose(rids)
+            return self._propose(rids, num_draft)
 
-    def _propose(self, rids: list[str]) -> list[TokenTree]:
+    def _propose(self, rids: list[str], num_draft: int) -> list[TokenTree]:
         eng = self.engine
-        steps, num_draft = eng.spec.num_steps, eng.spec.num_draft_tokens
+        steps = eng.spec.num_steps
         reqs = [eng.requests[r] for r in rids]
         b = len(reqs)
         bucket = next(x for x in self.ladder if x >= b)

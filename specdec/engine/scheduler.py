@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from specdec.engine.adaptive import SpeculationPolicy
+from specdec.engine.adaptive import FULL, SpeculationPolicy
 from specdec.engine.draft_engine import DraftEngine
 from specdec.engine.requests import ABORT, RUNNING, PrefillInput, StepTimings, VerifyInput
 from specdec.errors import NotReady, OutOfPages, SpecdecError
@@ -192,16 +192,13 @@ class Scheduler:
     def _decode(self) -> list[Event]:
         rids = list(self.running)
         t_step = time.perf_counter()
-        speculate = self.draft is not None and (
-            self.policy is None
-            # seeded sampling draws differently in the two modes: keep such batches speculative (reproducible)
-            or any(self.running[r].sampling.seed is not None and not self.running[r].sampling.greedy for r in rids)
-            or self.policy.choose(len(rids)))
+        budget = self._budget(rids)
+        speculate = self.draft is not None and budget != 0
         trace = sampled, parent, links = self._step_trace([self.running[rid] for rid in rids])
         if speculate:
             self._catch_up(rids, trace)
         with self.step_spans.span("draft.propose", sampled, links, parent, batch_size=len(rids)) as span:
-            trees = self._propose(rids) if speculate else [_EMPTY] * len(rids)
+            trees = self._propose(rids, budget) if speculate else [_EMPTY] * len(rids)
             num_draft_tokens = sum(len(t.tokens) for t in trees)
             if span is not None:
                 span.set_attribute("num_draft_tokens", num_draft_tokens)
@@ -236,8 +233,19 @@ class Scheduler:
         if extend:
             self._extend(extend, trace)
         if self.policy is not None and self.draft is not None:
-            self.policy.record(len(rids), speculate, sum(len(e.tokens) for e in events), time.perf_counter() - t_step)
+            self.policy.record(len(rids), budget, sum(len(e.tokens) for e in events), time.perf_counter() - t_step)
         return events
+
+    def _budget(self, rids: list[str]) -> int:
+        """Draft tokens to verify this step (0: plain decoding, FULL: the whole tree)."""
+        if self.draft is None:
+            return 0
+        if self.policy is None:
+            return FULL
+        # seeded sampling draws differently with other trees: keep such batches on the whole tree (reproducible)
+        if any(self.running[r].sampling.seed is not None and not self.running[r].sampling.greedy for r in rids):
+            return FULL
+        return self.policy.choose(len(rids))
 
     def _catch_up(self, rids: list[str], trace) -> None:
         """Extend the draft over tokens that plain steps committed, so its state is current before proposing."""
@@ -250,14 +258,15 @@ class Scheduler:
         if items:
             self._extend(items, trace, "draft.catch_up")
 
-    def _propose(self, rids: list[str]) -> list:
+    def _propose(self, rids: list[str], budget: int = FULL) -> list:
         empty = _EMPTY
         if self.draft is None or not rids:
             return [empty] * len(rids)
         steps = self.draft.spec.num_steps
         eligible = [r for r in rids if self.draft.length(r) + steps < self.max_context]
         t0 = time.perf_counter()
-        proposed = dict(zip(eligible, self.draft.propose(eligible), strict=True)) if eligible else {}
+        size = None if budget == FULL else budget
+        proposed = dict(zip(eligible, self.draft.propose(eligible, size), strict=True)) if eligible else {}
         self.timings.propose_s += time.perf_counter() - t0
         return [proposed.get(r, empty) for r in rids]
 

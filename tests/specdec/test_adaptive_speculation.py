@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from core_engines import tiny_draft, tiny_target
 
-from specdec.engine.adaptive import SpeculationPolicy
+from specdec.engine.adaptive import FULL, SpeculationPolicy, budget_menu
 from specdec.engine.generate import feature_layers_for
 from specdec.engine.requests import RUNNING
 from specdec.engine.scheduler import Scheduler
@@ -12,27 +12,42 @@ from specdec.sampling_params import SamplingParams
 
 
 def test_policy_measures_both_modes_then_follows_the_faster_and_keeps_exploring():
-    p = SpeculationPolicy(explore_every=8, min_samples=2)
+    p = SpeculationPolicy(explore_every=8, max_explore_every=8, min_samples=2)
     seen = []
-    for i in range(4):  # each mode is tried min_samples times first; its first (warm-up) sample is discarded
+    for i in range(4):  # each budget is tried min_samples times first; its first (warm-up) sample is discarded
         mode = p.choose(4)
         seen.append(mode)
         p.record(4, mode, tokens=(40 if mode else 10) if i % 2 else 1, seconds=1.0)
-    assert sorted(seen) == [False, False, True, True]
+    assert sorted(seen) == sorted([0, 0, FULL, FULL])
     later = [p.choose(4) for _ in range(16)]
-    assert later.count(True) == 14 and later.count(False) == 2  # speculation wins; plain re-measured 1 in 8
+    assert later.count(FULL) == 14 and later.count(0) == 2  # speculation wins; plain re-measured 1 in 8
     for _ in range(10):  # acceptance collapses: plain becomes faster at this batch size
-        p.record(4, True, tokens=5, seconds=1.0)
-    assert [p.choose(4) for _ in range(7)].count(False) >= 6
+        p.record(4, FULL, tokens=5, seconds=1.0)
+    assert [p.choose(4) for _ in range(7)].count(0) >= 6
     assert p.bucket(3) == 4 and p.bucket(4) == 4 and p.bucket(5) == 8 and p.bucket(1) == 1
 
 
-class AlternatingPolicy(SpeculationPolicy):
-    """Switches mode every step, so plain steps leave backlogs the draft must catch up on."""
+def test_budget_menu_and_a_middle_budget_that_wins():
+    assert budget_menu(5) == (0, 2, FULL) and budget_menu(16) == (0, 8, FULL) and budget_menu(3) == (0, FULL)
+    p = SpeculationPolicy(budgets=budget_menu(8), explore_every=6, min_samples=2)
+    speed = {0: 10, 4: 25, FULL: 18}  # at this batch size half the chain beats both extremes
+    chosen = []
+    for _ in range(40):
+        b = p.choose(16)
+        chosen.append(b)
+        p.record(16, b, tokens=speed[b], seconds=1.0)
+    tail = chosen[10:]
+    assert tail.count(4) >= len(tail) - 4  # the winner, with the other two re-measured in turn
+    assert {0, FULL} <= set(tail)
+    assert p.summary()["bs16-d4"] == 25.0
 
-    def choose(self, batch_size: int) -> bool:
-        self.steps[0] = self.steps.get(0, 0) + 1
-        return self.steps[0] % 3 != 0  # spec, spec, plain, ...
+
+class AlternatingPolicy(SpeculationPolicy):
+    """Switches budget every step: plain steps leave backlogs the draft must catch up on, small budgets cut trees."""
+
+    def choose(self, batch_size: int) -> int:
+        self.since[0] = self.since.get(0, 0) + 1
+        return (FULL, 2, 0)[self.since[0] % 3]  # whole tree, 2 nodes, plain, ...
 
 
 def _run(scheduler: Scheduler, prompts, params) -> dict[str, list[int]]:
@@ -63,8 +78,8 @@ def test_seeded_sampling_stays_speculative_under_the_policy():
     target, draft = tiny_target(), tiny_draft()
     policy = SpeculationPolicy()
     for _ in range(5):
-        policy.record(1, True, 1, 1.0)
-        policy.record(1, False, 100, 1.0)  # plain looks far better
+        policy.record(1, FULL, 1, 1.0)
+        policy.record(1, 0, 100, 1.0)  # plain looks far better
     sched = Scheduler(target, draft, target.max_context, 1, policy=policy)
     sched.add("s", [331, 288, 798], SamplingParams(temperature=0.8, seed=3, max_new_tokens=12))
     steps = 0
@@ -84,14 +99,45 @@ def test_policy_backs_off_re_measuring_while_the_choice_holds_and_resets_when_it
     explores = []
     for step in range(60):
         mode = p.choose(1)
-        if not mode:
+        if mode == 0:
             explores.append(step)
         p.record(1, mode, tokens=30 if mode else 10, seconds=1.0)
     gaps = [b - a for a, b in zip(explores, explores[1:], strict=False)]
     assert gaps[:3] == [8, 16, 16], explores  # 4 -> 8 -> 16 (capped)
     # the next re-measurement finds plain much faster: the choice flips and the interval starts over
     while p.choose(1):
-        p.record(1, True, tokens=30, seconds=1.0)
-    p.record(1, False, tokens=100, seconds=1.0)
+        p.record(1, FULL, tokens=30, seconds=1.0)
+    p.record(1, 0, tokens=100, seconds=1.0)
     assert p.intervals[1] == 4
-    assert [p.choose(1) for _ in range(3)] == [False, False, False]
+    assert [p.choose(1) for _ in range(3)] == [0, 0, 0]
+
+
+def _paths(tree) -> set[tuple[int, ...]]:
+    """Each node as the token path from the root to it."""
+    paths = []
+    for tok, parent in zip(tree.tokens, tree.parents, strict=True):
+        paths.append((paths[parent] if parent >= 0 else ()) + (tok,))
+    return set(paths)
+
+
+def test_a_smaller_budget_proposes_the_best_nodes_of_the_same_tree(dev_prompts, tiny_tokenizer):
+    from specdec.engine.draft_engine import SpecConfig
+
+    target = tiny_target()
+    for spec in (SpecConfig(5, 2, 8), SpecConfig(5, 1, 5)):
+        draft = tiny_draft(spec=spec)
+        prompt = tiny_tokenizer.encode(dev_prompts[3])[-80:]
+        sched = Scheduler(target, draft, target.max_context, 1, feature_layers_for(draft))
+        rid = f"budget-{spec.topk}"
+        sched.add(rid, prompt, SamplingParams(max_new_tokens=40, ignore_eos=True))
+        events = sched.step()  # admission: prefill + draft extend over the prompt, then one step
+        assert rid in draft.requests, events
+        full = draft.propose([rid])[0]
+        for size in (1, 2, spec.num_draft_tokens // 2):
+            small = draft.propose([rid], size)[0]
+            assert len(small) == size and all(p < i for i, p in enumerate(small.parents))
+            assert _paths(small) <= _paths(full)
+        assert draft.propose([rid], 99)[0] == full  # capped at the spec's size
+        sched.abort(rid)
+        sched.step()
+        assert rid not in target.requests
