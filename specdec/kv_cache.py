@@ -39,6 +39,8 @@ class PageTable:
     pages: list[int] = field(default_factory=list)
     length: int = 0  # tokens whose K/V slots are reserved (committed + temporary)
     reserved_pages: int = 0  # admission budget: the most pages this request may ever hold
+    # slot of every position the pages hold, kept in step with `pages`: slices of it are free every step
+    slot_ids: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))  # [pages * size]
 
 
 class PagedKVCache:
@@ -108,19 +110,27 @@ class PagedKVCache:
     def resize(self, rid: str, new_len: int) -> None:
         """Grow (allocating pages) or shrink (freeing whole pages past the end) a request to `new_len` tokens."""
         table = self.table(rid)
-        need_pages = -(-new_len // self.page_size)
+        ps = self.page_size
+        need_pages = -(-new_len // ps)
         if need_pages > len(table.pages):
-            table.pages.extend(self.pool.alloc(need_pages - len(table.pages)))
+            new_pages = self.pool.alloc(need_pages - len(table.pages))
+            table.pages.extend(new_pages)
+            new_slots = (torch.tensor(new_pages, dtype=torch.int64)[:, None] * ps + torch.arange(ps)).reshape(-1)
+            table.slot_ids = torch.cat([table.slot_ids, new_slots])
         elif need_pages < len(table.pages):
             self.pool.free(table.pages[need_pages:])
             del table.pages[need_pages:]
+            table.slot_ids = table.slot_ids[: need_pages * ps]
         table.length = new_len
 
     # ---- addressing ---------------------------------------------------------------------------------------
     def slots(self, rid: str, start: int, end: int) -> torch.Tensor:
         """Slot ids of positions [start, end) of a request. # [end - start] int64 on the CPU (attention
         backends move what they need to the device once per forward)"""
-        return self._positions_to_slots(rid, torch.arange(start, end))
+        slot_ids = self.table(rid).slot_ids
+        if not 0 <= start <= end <= slot_ids.shape[0]:
+            raise IndexError(f"positions [{start}, {end}) of {rid!r} outside its {slot_ids.shape[0]} slots")
+        return slot_ids[start:end]
 
     def move(self, rid: str, src_positions: list[int], dst_start: int) -> None:
         """Copy K/V of `src_positions` (ascending, each >= its destination) to positions dst_start, dst_start+1..
@@ -136,8 +146,7 @@ class PagedKVCache:
         self.v[:, dst] = self.v[:, src]
 
     def _positions_to_slots(self, rid: str, positions: torch.Tensor) -> torch.Tensor:
-        pages = torch.tensor(self.table(rid).pages, dtype=torch.int64)[positions // self.page_size]
-        return pages * self.page_size + positions % self.page_size
+        return self.table(rid).slot_ids[positions]
 
     # ---- accounting ---------------------------------------------------------------------------------------
     @property

@@ -9,6 +9,7 @@ depths [1, 1, 2]; verify input [root, a, b, c] at positions base + [0, 1, 1, 2].
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +55,13 @@ def children_lists(parents) -> list[list[int]]:
 
 
 def ancestor_mask(parents) -> torch.Tensor:
-    """[n+1, n+1] bool over tree indices: row t is True at t's ancestors (root included) and at t itself."""
+    """[n+1, n+1] bool over tree indices: row t is True at t's ancestors (root included) and at t itself.
+    Shared between calls with the same shape (a batch of chains asks for one mask): read it, never write it."""
+    return _ancestor_mask(tuple(parents))
+
+
+@functools.lru_cache(maxsize=4096)
+def _ancestor_mask(parents: tuple[int, ...]) -> torch.Tensor:
     n = len(parents)
     mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
     mask[0, 0] = True
