@@ -60,6 +60,23 @@ def scratch_slots(pages: list[int], page_size: int, n: int) -> torch.Tensor:
     return torch.tensor(pages)[pos // page_size] * page_size + pos % page_size
 
 
+DISABLE_HINT = "start with --disable-cuda-graph to run without CUDA graphs"
+
+
+class GraphCaptureError(RuntimeError):
+    """A CUDA graph could not be captured; the engine runs that shape eagerly from then on."""
+
+
+def capture_at_startup(graphs, who: str) -> None:
+    """Capture `graphs`' start-up shapes now, so a failure stops start-up with a clear message."""
+    from specdec.errors import ConfigError
+
+    try:
+        graphs.capture_startup()
+    except Exception as exc:  # noqa: BLE001 - any capture failure is reported the same way
+        raise ConfigError(f"{who}: CUDA graph capture failed ({type(exc).__name__}: {exc}); {DISABLE_HINT}") from exc
+
+
 def capture_graph(body, pool) -> tuple[torch.cuda.CUDAGraph, object]:
     """Warm `body` up twice on a side stream (lazy inits, autotuning), then capture it into `pool`."""
     stream = torch.cuda.Stream()

@@ -15,7 +15,13 @@ from dataclasses import dataclass
 import torch
 
 from specdec.attention.batch import SeqAttention
-from specdec.attention.graph_backend import GraphAttention, capture_graph, scratch_slots
+from specdec.attention.graph_backend import (
+    DISABLE_HINT,
+    GraphAttention,
+    GraphCaptureError,
+    capture_graph,
+    scratch_slots,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +54,18 @@ class TargetGraphs:
         self.max_pages_per_seq = -(-max_context // kv.page_size) + 1
         self.ladder = tuple(b for b in BATCH_LADDER if b <= max_batch_size) or (1,)
         self.graphs: dict[tuple[int, int, tuple[int, ...]], _Graph] = {}
+        self.failed: set[tuple[int, tuple[int, ...]]] = set()  # (n, aux layers) whose capture failed: eager
         self.pool = None
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=kv.k.device)
 
-    def usable(self, num_seqs: int, n: int) -> bool:
-        return num_seqs <= ladder_for(self.ladder, n)[-1] and n <= len(self.scratch_pages) * self.kv.page_size
+    def usable(self, num_seqs: int, n: int, aux_layers: tuple[int, ...] = ()) -> bool:
+        return (num_seqs <= ladder_for(self.ladder, n)[-1] and n <= len(self.scratch_pages) * self.kv.page_size
+                and (n, aux_layers) not in self.failed)
+
+    def capture_startup(self) -> None:
+        """Plain decode (1 token per request) for the whole ladder, at start-up."""
+        with torch.cuda.device(self.kv.k.device):
+            self._capture_ladder(1, ())
 
     def run(self, ids: list[int], positions: torch.Tensor, seqs: list[SeqAttention], write_slots: torch.Tensor,
             n: int, aux_layers: tuple[int, ...]):
@@ -65,7 +78,15 @@ class TargetGraphs:
         bucket = next(x for x in ladder_for(self.ladder, n) if x >= b)
         key = (bucket, n, aux_layers)
         if key not in self.graphs:
-            self._capture_ladder(n, aux_layers)
+            try:
+                self._capture_ladder(n, aux_layers)
+            except Exception as exc:  # noqa: BLE001 - any failure: this shape runs eagerly from now on
+                self.failed.add((n, aux_layers))
+                for k in [k for k in self.graphs if k[1:] == (n, aux_layers)]:
+                    del self.graphs[k]
+                log.error("CUDA graph capture for %d tokens per request failed (%s: %s); that shape runs eagerly "
+                          "from now on (%s)", n, type(exc).__name__, exc, DISABLE_HINT)
+                raise GraphCaptureError(str(exc)) from exc
         g = self.graphs[key]
         pad = bucket - b
         pad_seqs = [self._scratch_seq(n) for _ in range(pad)]

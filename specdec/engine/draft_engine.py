@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.attention import AttentionBatch, SeqAttention, make_backend
+from specdec.attention.graph_backend import GraphCaptureError
 from specdec.errors import ConfigError, DuplicateRequest, UnknownRequest
 from specdec.kv_cache import PagedKVCache
 from specdec.models.eagle import EagleDraft
@@ -140,7 +141,11 @@ class DraftEngine:
         """A tree per request: its best `num_draft_tokens` nodes (default and maximum: the spec's)."""
         size = min(num_draft_tokens or self.spec.num_draft_tokens, self.spec.num_draft_tokens)
         if self.graphs is not None and self.graphs.usable(len(rids)):
-            return self.graphs.propose(rids, size)
+            try:
+                return self.graphs.propose(rids, size)
+            except GraphCaptureError:
+                for rid in rids:  # logged by the graphs; undo the replay's temporary slots, then go eager
+                    self.kv.resize(rid, self.requests[rid].kv_len)
         k, steps = self.spec.topk, self.spec.num_steps
         reqs = [self.requests[r] for r in rids]
         b = len(reqs)

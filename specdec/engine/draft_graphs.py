@@ -15,7 +15,13 @@ from dataclasses import dataclass
 import torch
 
 from specdec.attention.batch import SeqAttention
-from specdec.attention.graph_backend import GraphAttention, capture_graph, scratch_slots
+from specdec.attention.graph_backend import (
+    DISABLE_HINT,
+    GraphAttention,
+    GraphCaptureError,
+    capture_graph,
+    scratch_slots,
+)
 from specdec.engine.cuda_graphs import BATCH_LADDER
 from specdec.tree import TokenTree
 
@@ -41,11 +47,16 @@ class DraftChainGraphs:
         self.max_pages_per_seq = -(-engine.max_context // kv.page_size) + 1
         self.ladder = tuple(b for b in BATCH_LADDER if b <= max_batch_size) or (1,)
         self.graphs: dict[int, _ChainGraph] = {}
+        self.failed = False  # a capture failed: proposals run eagerly from now on
         self.pool = None
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=kv.k.device)
 
     def usable(self, num_requests: int) -> bool:
-        return 0 < num_requests <= self.ladder[-1]
+        return 0 < num_requests <= self.ladder[-1] and not self.failed
+
+    def capture_startup(self) -> None:
+        with torch.cuda.device(self.engine.kv.k.device):
+            self._capture_ladder()
 
     def propose(self, rids: list[str], num_draft: int) -> list[TokenTree]:
         """Chains of the first `num_draft` tokens (a chain's scores fall along it: its best nodes)."""
@@ -59,7 +70,13 @@ class DraftChainGraphs:
         b = len(reqs)
         bucket = next(x for x in self.ladder if x >= b)
         if not self.graphs:
-            self._capture_ladder()
+            try:
+                self._capture_ladder()
+            except Exception as exc:  # noqa: BLE001 - any failure: propose eagerly from now on
+                self.failed, self.graphs = True, {}
+                log.error("CUDA graph capture of the draft's chain proposal failed (%s: %s); proposing eagerly "
+                          "from now on (%s)", type(exc).__name__, exc, DISABLE_HINT)
+                raise GraphCaptureError(str(exc)) from exc
         g = self.graphs[bucket]
         for rid, req in zip(rids, reqs, strict=True):
             eng.kv.resize(rid, req.kv_len + steps - 1)

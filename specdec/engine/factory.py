@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.attention.graph_backend import capture_at_startup
 from specdec.config import ModelConfig
 from specdec.engine.draft_engine import DraftEngine, SpecConfig
 from specdec.engine.target_engine import TargetEngine
@@ -69,9 +70,12 @@ def build_target(path: str, opts: EngineOptions) -> TargetEngine:
         log.warning("SIMULATED ACCEPTANCE (--simulate-accept-len %.2f): outputs are NOT the target model's; "
                     "for benchmarking only", opts.simulate_accept_len)
     graphs = opts.cuda_graphs and opts.device.startswith("cuda") and opts.attention_backend == "flashinfer"
-    return TargetEngine(model, pages, opts.page_size, opts.attention_backend, max_context, device=opts.device,
-                        max_batch_size=opts.max_batch_size, simulate_accept_len=opts.simulate_accept_len,
-                        cuda_graphs=graphs)
+    engine = TargetEngine(model, pages, opts.page_size, opts.attention_backend, max_context, device=opts.device,
+                          max_batch_size=opts.max_batch_size, simulate_accept_len=opts.simulate_accept_len,
+                          cuda_graphs=graphs)
+    if engine.graphs is not None:  # verify shapes are captured on first use (tree sizes come from the draft)
+        capture_at_startup(engine.graphs, "target")
+    return engine
 
 
 def build_draft(path: str, target_path: str, spec: SpecConfig, opts: EngineOptions, max_context: int) -> DraftEngine:
@@ -85,5 +89,8 @@ def build_draft(path: str, target_path: str, spec: SpecConfig, opts: EngineOptio
     pages = _num_pages(opts, per_page, max_context)
     log.info("draft KV pool: %d pages of %d tokens", pages, opts.page_size)
     graphs = opts.cuda_graphs and opts.device.startswith("cuda") and opts.attention_backend == "flashinfer"
-    return DraftEngine(model, spec, pages, opts.page_size, opts.attention_backend, max_context, device=opts.device,
-                       cuda_graphs=graphs, max_batch_size=opts.max_batch_size)
+    engine = DraftEngine(model, spec, pages, opts.page_size, opts.attention_backend, max_context,
+                         device=opts.device, cuda_graphs=graphs, max_batch_size=opts.max_batch_size)
+    if engine.graphs is not None:
+        capture_at_startup(engine.graphs, "draft")
+    return engine

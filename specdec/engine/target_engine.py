@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.attention import AttentionBatch, SeqAttention, make_backend
+from specdec.attention.graph_backend import GraphCaptureError
 from specdec.engine.finish import cut_at_finish
 from specdec.engine.requests import (
     RUNNING,
@@ -251,10 +252,14 @@ class TargetEngine:
     def _forward(self, ids, positions, seqs, write_slots, inputs, graphable: bool = False):
         layers = tuple(sorted({i for inp in inputs for i in self.requests[inp.request_id].feature_layers}))
         n = seqs[0].num_q
+        hidden = None
         if graphable and self.graphs is not None and all(s.num_q == n for s in seqs) and \
-                self.graphs.usable(len(seqs), n):
-            hidden, aux_cat = self.graphs.run(ids, positions.to(self.device), seqs, write_slots, n, layers)
-        else:
+                self.graphs.usable(len(seqs), n, layers):
+            try:
+                hidden, aux_cat = self.graphs.run(ids, positions.to(self.device), seqs, write_slots, n, layers)
+            except GraphCaptureError:
+                hidden = None  # logged by the graphs; this shape runs eagerly from now on
+        if hidden is None:
             batch = self.backend.plan(AttentionBatch(seqs, write_slots))
             out = self.model(torch.tensor(ids, device=self.device), positions.to(self.device), self.backend, batch,
                              layers)

@@ -1,0 +1,74 @@
+"""A CUDA-graph capture that fails: at start-up it stops the engine with a message naming --disable-cuda-graph;
+later (a new tree size) the engine logs it and runs that shape eagerly, with the same results. The graphs are
+stand-ins here (CUDA graphs need a GPU); tests/gpu covers real capture and replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from core_engines import tiny_draft, tiny_target
+
+from specdec.attention.graph_backend import GraphCaptureError, capture_at_startup
+from specdec.engine.requests import PrefillInput, VerifyInput
+from specdec.errors import ConfigError
+from specdec.sampling_params import SamplingParams
+
+
+class FailingGraphs:
+    """Claims every shape, then fails to capture it (as TargetGraphs / DraftChainGraphs do on a bad GPU)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def usable(self, *args) -> bool:
+        return True
+
+    def run(self, *args):
+        self.calls += 1
+        raise GraphCaptureError("capture failed")
+
+    propose = run
+
+    def capture_startup(self):
+        raise RuntimeError("CUDA error: out of memory")
+
+
+def test_startup_capture_failure_names_the_flag():
+    with pytest.raises(ConfigError, match="--disable-cuda-graph") as info:
+        capture_at_startup(FailingGraphs(), "target")
+    assert "out of memory" in str(info.value)
+
+
+def test_target_verify_falls_back_to_eager_when_capture_fails():
+    target = tiny_target()
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    prompt = list(range(300, 340))
+    outs = {}
+    for label, graphs in (("eager", None), ("fallback", FailingGraphs())):
+        target.graphs = graphs
+        rid = f"fb-{label}"
+        try:
+            target.prefill([PrefillInput(rid, prompt, params)])
+            outs[label] = [target.verify([VerifyInput(rid, [5, 6, 7], [-1, 0, 1])])[0] for _ in range(3)]
+            target.release(rid)
+        finally:
+            target.graphs = None
+        if graphs is not None:
+            assert graphs.calls == 3
+    for a, b in zip(outs["eager"], outs["fallback"], strict=True):
+        assert a.tokens == b.tokens and a.features.equal(b.features)
+
+
+def test_draft_propose_falls_back_to_eager_when_capture_fails():
+    draft = tiny_draft()
+    draft.add("p", 200)
+    feats = torch.randn(30, draft.model.feature_size, generator=torch.Generator().manual_seed(0))
+    draft.extend([("p", list(range(100, 130)), feats)])
+    eager = draft.propose(["p"])
+    draft.graphs = FailingGraphs()
+    try:
+        assert draft.propose(["p"]) == eager
+        assert draft.kv.length("p") == draft.requests["p"].kv_len  # no temporary slots left behind
+    finally:
+        draft.graphs = None
+        draft.release("p")
