@@ -14,6 +14,7 @@ of the batch whose trace is sampled and linked to every other request's span (`b
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
@@ -33,6 +34,8 @@ from specdec.tree import TokenTree
 log = logging.getLogger(__name__)
 _EMPTY = TokenTree((), ())  # a plain decode step: verify of the root alone
 QUEUE_POLL_S = 0.01  # how often a request waiting for KV pages retries its admission
+MAX_PREFILL_TOKENS = 16384  # prompt tokens admitted in one target prefill call
+_BLOCKED = object()  # admission result: the KV pools are full, the request waits
 
 
 @dataclass
@@ -140,40 +143,100 @@ class Scheduler:
         self._retry_at = now + QUEUE_POLL_S
 
     def _admit(self) -> list[Event]:
+        """Admit waiting requests (FIFO) while the batch has room: prefill groups of them in one target call
+        (at most MAX_PREFILL_TOKENS prompt tokens each), then extend the draft over their prompts."""
         events, extend = [], []
         if self._retry_at and time.monotonic() < self._retry_at:
             return events
         self._retry_at = 0.0
         while self.waiting and len(self.running) < self.max_batch_size:
-            state = self.waiting.popleft()
-            rid = state.request_id
-            try:
-                if self.draft is not None:
-                    self.draft.add(rid, len(state.prompt_ids) + state.sampling.max_new_tokens)
-                with attached(state.trace_context):  # the Prefill RPC joins the request's trace
-                    out = self.target.prefill([PrefillInput(rid, state.prompt_ids, state.sampling,
-                                                            self.feature_layers, self.draft is not None)])[0]
-            except SpecdecError as exc:
-                if self.draft is not None and rid in self.draft.requests:
-                    self.draft.release(rid)
-                if isinstance(exc, OutOfPages) and self.max_queue_wait_s > 0:
-                    self.waiting.appendleft(state)  # wait (FIFO) until pages free up or the limit passes
-                    self._block_waiting()
-                    break
-                events.append(Event(rid, [], ABORT, error=exc))
-                continue
-            state.num_generated = 1
-            events.append(Event(rid, [out.first_token], out.finish_reason))
-            if out.finish_reason != RUNNING:
-                if self.draft is not None:
-                    self.draft.release(rid)
-                continue
-            self.running[rid] = state
-            if self.draft is not None:
-                extend.append((rid, state.prompt_ids[1:] + [out.first_token], out.features))
+            group = self._next_group()
+            outs = self._prefill_together(group)
+            blocked = False
+            if outs is None:  # a single request, or the group failed: one by one, so a failure stays its own
+                outs = []
+                for i, state in enumerate(group):
+                    out = self._prefill_one(state, events)
+                    if out is _BLOCKED:  # waits (FIFO) until pages free up or the limit passes
+                        self.waiting.extendleft(reversed(group[i:]))
+                        self._block_waiting()
+                        blocked = True
+                        break
+                    outs.append(out)
+            for state, out in zip(group, outs, strict=False):
+                if out is not None:
+                    self._start(state, out, events, extend)
+            if blocked:
+                break
         if extend:
             self._extend(extend, self._step_trace([self.running[rid] for rid, _, _ in extend]), "draft.extend_prompt")
         return events
+
+    def _next_group(self) -> list[RunState]:
+        group, tokens = [], 0
+        while self.waiting and len(self.running) + len(group) < self.max_batch_size:
+            n = len(self.waiting[0].prompt_ids)
+            if group and tokens + n > MAX_PREFILL_TOKENS:
+                break
+            group.append(self.waiting.popleft())
+            tokens += n
+        return group
+
+    def _prefill_input(self, state: RunState) -> PrefillInput:
+        if self.draft is not None:
+            self.draft.add(state.request_id, len(state.prompt_ids) + state.sampling.max_new_tokens)
+        return PrefillInput(state.request_id, state.prompt_ids, state.sampling, self.feature_layers,
+                            self.draft is not None)
+
+    def _prefill_together(self, group: list[RunState]):
+        """Outputs for the whole group from one target call, or None (one request, or any failure: nothing of
+        the group is left admitted). The call joins the first request's trace."""
+        if len(group) < 2:
+            return None
+        inputs = []
+        try:
+            for state in group:
+                inputs.append(self._prefill_input(state))
+            with attached(group[0].trace_context):
+                return self.target.prefill(inputs)
+        except SpecdecError:
+            for state in group:
+                rid = state.request_id
+                if rid in self.running:  # a duplicate id: the running request keeps its state
+                    continue
+                if self.draft is not None and rid in self.draft.requests:
+                    self.draft.release(rid)
+                with contextlib.suppress(SpecdecError):  # whatever the target admitted before failing
+                    self.target.release(rid)
+            return None
+
+    def _prefill_one(self, state: RunState, events: list[Event]):
+        """The request's prefill output; None if it failed (an error event is added); _BLOCKED if the pools are
+        full and it may wait."""
+        rid = state.request_id
+        try:
+            inp = self._prefill_input(state)
+            with attached(state.trace_context):  # the Prefill RPC joins the request's trace
+                return self.target.prefill([inp])[0]
+        except SpecdecError as exc:
+            if self.draft is not None and rid in self.draft.requests and rid not in self.running:
+                self.draft.release(rid)
+            if isinstance(exc, OutOfPages) and self.max_queue_wait_s > 0:
+                return _BLOCKED
+            events.append(Event(rid, [], ABORT, error=exc))
+            return None
+
+    def _start(self, state: RunState, out, events: list[Event], extend: list) -> None:
+        rid = state.request_id
+        state.num_generated = 1
+        events.append(Event(rid, [out.first_token], out.finish_reason))
+        if out.finish_reason != RUNNING:
+            if self.draft is not None:
+                self.draft.release(rid)
+            return
+        self.running[rid] = state
+        if self.draft is not None:
+            extend.append((rid, state.prompt_ids[1:] + [out.first_token], out.features))
 
     def _step_trace(self, states: list[RunState]) -> tuple[bool, Any, list]:
         """(sampled, parent context, links) for one step's spans over `states`."""

@@ -1,0 +1,75 @@
+"""Admission prefills waiting requests together (one target call per group), and a failing request in a group
+is isolated: it alone gets the error, the others run, nothing stays admitted or leaks."""
+
+from __future__ import annotations
+
+from core_engines import tiny_draft, tiny_target
+
+from specdec.engine import scheduler as scheduler_module
+from specdec.engine.generate import feature_layers_for
+from specdec.engine.scheduler import Scheduler
+from specdec.sampling_params import SamplingParams
+
+
+class CountingTarget:
+    """The engine, with the size of every prefill call recorded."""
+
+    def __init__(self, engine):
+        self.engine, self.prefill_sizes = engine, []
+
+    def prefill(self, inputs):
+        self.prefill_sizes.append(len(inputs))
+        return self.engine.prefill(inputs)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+def _run(sched: Scheduler, prompts, params) -> dict:
+    out = {}
+    for i, prompt in enumerate(prompts):
+        sched.add(f"a{i}", prompt, params)
+    while sched.has_work:
+        for ev in sched.step():
+            out.setdefault(ev.request_id, []).extend(ev.tokens)
+            if ev.error is not None:
+                out[ev.request_id] = ev.error
+    return out
+
+
+def _prompts(dev_prompts, tiny_tokenizer, n):
+    return [tiny_tokenizer.encode(p)[-(30 + 5 * i):] for i, p in enumerate(dev_prompts[50:50 + n])]
+
+
+def test_waiting_requests_are_prefilled_together_with_the_same_output(dev_prompts, tiny_tokenizer, monkeypatch):
+    engine = tiny_target()
+    draft = tiny_draft()
+    prompts = _prompts(dev_prompts, tiny_tokenizer, 6)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    one_by_one = _run(Scheduler(CountingTarget(engine), draft, engine.max_context, 1, feature_layers_for(draft)),
+                      prompts, params)
+    target = CountingTarget(engine)
+    together = _run(Scheduler(target, draft, engine.max_context, 8, feature_layers_for(draft)), prompts, params)
+    assert target.prefill_sizes == [6]
+    assert together == one_by_one
+    monkeypatch.setattr(scheduler_module, "MAX_PREFILL_TOKENS", 100)  # groups split by prompt tokens
+    target = CountingTarget(engine)
+    assert _run(Scheduler(target, draft, engine.max_context, 8, feature_layers_for(draft)), prompts, params) == \
+        one_by_one
+    assert sum(target.prefill_sizes) == 6 and max(target.prefill_sizes) < 6
+    assert engine.kv.num_free_pages == engine.kv.num_total_pages and not draft.requests
+
+
+def test_a_bad_request_in_a_group_fails_alone(dev_prompts, tiny_tokenizer):
+    engine = tiny_target()
+    draft = tiny_draft()
+    prompts = _prompts(dev_prompts, tiny_tokenizer, 4)
+    prompts[2] = prompts[2][:5] + [engine.cfg.vocab_size + 7]  # outside the vocabulary
+    target = CountingTarget(engine)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    out = _run(Scheduler(target, draft, engine.max_context, 8, feature_layers_for(draft)), prompts, params)
+    assert target.prefill_sizes[0] == 4  # tried together, then one by one
+    assert "outside the vocabulary" in str(out["a2"])
+    assert all(len(out[f"a{i}"]) == 8 for i in (0, 1, 3))
+    assert engine.kv.num_free_pages == engine.kv.num_total_pages and not engine.requests
+    assert draft.kv.num_free_pages == draft.kv.num_total_pages and not draft.requests
