@@ -191,8 +191,8 @@ class Scheduler:
     def _prefill_together(self, group: list[RunState]):
         """Outputs for the whole group from one target call, or None (one request, or any failure: nothing of
         the group is left admitted). The call joins the first request's trace."""
-        if len(group) < 2:
-            return None
+        if len(group) < 2 or not getattr(self.target, "batches_prefill", False):
+            return None  # a remote target takes one Prefill RPC per request anyway: keep each in its own trace
         inputs = []
         try:
             for state in group:

@@ -40,6 +40,8 @@ class TargetRequest:
 
 
 class TargetEngine:
+    batches_prefill = True  # prefill() runs many requests in one forward (the scheduler groups admissions)
+
     def __init__(
         self,
         model: LlamaForCausalLM,
