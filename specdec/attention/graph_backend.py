@@ -8,10 +8,14 @@ the engine's scratch pages.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from specdec.attention.batch import SeqAttention
 from specdec.attention.flashinfer_backend import paged_attention, plan_paged
+
+log = logging.getLogger(__name__)
 
 
 class GraphAttention:
@@ -65,6 +69,17 @@ DISABLE_HINT = "start with --disable-cuda-graph to run without CUDA graphs"
 
 class GraphCaptureError(RuntimeError):
     """A CUDA graph could not be captured; the engine runs that shape eagerly from then on."""
+
+
+def capture_or_go_eager(capture, what: str, forget) -> None:
+    """Run `capture()`; if it fails, `forget()` what it left, log it naming the flag, raise GraphCaptureError."""
+    try:
+        capture()
+    except Exception as exc:  # noqa: BLE001 - any failure: that shape runs eagerly from now on
+        forget()
+        log.error("CUDA graph capture of %s failed (%s: %s); it runs eagerly from now on (%s)", what,
+                  type(exc).__name__, exc, DISABLE_HINT)
+        raise GraphCaptureError(str(exc)) from exc
 
 
 def capture_at_startup(graphs, who: str) -> None:

@@ -15,13 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.attention.batch import SeqAttention
-from specdec.attention.graph_backend import (
-    DISABLE_HINT,
-    GraphAttention,
-    GraphCaptureError,
-    capture_graph,
-    scratch_slots,
-)
+from specdec.attention.graph_backend import GraphAttention, capture_graph, capture_or_go_eager, scratch_slots
 
 log = logging.getLogger(__name__)
 
@@ -78,15 +72,8 @@ class TargetGraphs:
         bucket = next(x for x in ladder_for(self.ladder, n) if x >= b)
         key = (bucket, n, aux_layers)
         if key not in self.graphs:
-            try:
-                self._capture_ladder(n, aux_layers)
-            except Exception as exc:  # noqa: BLE001 - any failure: this shape runs eagerly from now on
-                self.failed.add((n, aux_layers))
-                for k in [k for k in self.graphs if k[1:] == (n, aux_layers)]:
-                    del self.graphs[k]
-                log.error("CUDA graph capture for %d tokens per request failed (%s: %s); that shape runs eagerly "
-                          "from now on (%s)", n, type(exc).__name__, exc, DISABLE_HINT)
-                raise GraphCaptureError(str(exc)) from exc
+            capture_or_go_eager(lambda: self._capture_ladder(n, aux_layers), f"the target's {n}-token forwards",
+                                lambda: self._forget(n, aux_layers))
         g = self.graphs[key]
         pad = bucket - b
         pad_seqs = [self._scratch_seq(n) for _ in range(pad)]
@@ -103,6 +90,11 @@ class TargetGraphs:
         return g.hidden[:t], (g.aux[:t] if g.aux is not None else None)
 
     # ---- capture --------------------------------------------------------------------------------------------
+    def _forget(self, n: int, aux_layers: tuple[int, ...]) -> None:
+        self.failed.add((n, aux_layers))
+        for k in [k for k in self.graphs if k[1:] == (n, aux_layers)]:
+            del self.graphs[k]
+
     def _scratch_slots(self, n: int) -> torch.Tensor:
         return scratch_slots(self.scratch_pages, self.kv.page_size, n)
 

@@ -15,13 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.attention.batch import SeqAttention
-from specdec.attention.graph_backend import (
-    DISABLE_HINT,
-    GraphAttention,
-    GraphCaptureError,
-    capture_graph,
-    scratch_slots,
-)
+from specdec.attention.graph_backend import GraphAttention, capture_graph, capture_or_go_eager, scratch_slots
 from specdec.engine.cuda_graphs import BATCH_LADDER
 from specdec.tree import TokenTree
 
@@ -70,13 +64,7 @@ class DraftChainGraphs:
         b = len(reqs)
         bucket = next(x for x in self.ladder if x >= b)
         if not self.graphs:
-            try:
-                self._capture_ladder()
-            except Exception as exc:  # noqa: BLE001 - any failure: propose eagerly from now on
-                self.failed, self.graphs = True, {}
-                log.error("CUDA graph capture of the draft's chain proposal failed (%s: %s); proposing eagerly "
-                          "from now on (%s)", type(exc).__name__, exc, DISABLE_HINT)
-                raise GraphCaptureError(str(exc)) from exc
+            capture_or_go_eager(self._capture_ladder, "the draft's chain proposal", self._forget)
         g = self.graphs[bucket]
         for rid, req in zip(rids, reqs, strict=True):
             eng.kv.resize(rid, req.kv_len + steps - 1)
@@ -98,6 +86,9 @@ class DraftChainGraphs:
         return [TokenTree(tuple(row), parents) for row in g.out_tokens[:b, :num_draft].tolist()]
 
     # ---- capture --------------------------------------------------------------------------------------------
+    def _forget(self) -> None:
+        self.failed, self.graphs = True, {}
+
     def _scratch_slots(self, n: int) -> torch.Tensor:
         return scratch_slots(self.scratch_pages, self.engine.kv.page_size, n)
 

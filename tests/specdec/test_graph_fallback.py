@@ -8,7 +8,7 @@ import pytest
 import torch
 from core_engines import tiny_draft, tiny_target
 
-from specdec.attention.graph_backend import GraphCaptureError, capture_at_startup
+from specdec.attention.graph_backend import GraphCaptureError, capture_at_startup, capture_or_go_eager
 from specdec.engine.requests import PrefillInput, VerifyInput
 from specdec.errors import ConfigError
 from specdec.sampling_params import SamplingParams
@@ -37,6 +37,18 @@ def test_startup_capture_failure_names_the_flag():
     with pytest.raises(ConfigError, match="--disable-cuda-graph") as info:
         capture_at_startup(FailingGraphs(), "target")
     assert "out of memory" in str(info.value)
+
+
+def test_a_later_capture_failure_forgets_the_shape_and_names_the_flag(caplog):
+    forgotten = []
+
+    def capture():
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    with pytest.raises(GraphCaptureError):
+        capture_or_go_eager(capture, "the target's 9-token forwards", lambda: forgotten.append(True))
+    assert forgotten == [True]
+    assert "--disable-cuda-graph" in caplog.text and "9-token" in caplog.text
 
 
 def test_target_verify_falls_back_to_eager_when_capture_fails():
