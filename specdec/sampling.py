@@ -47,7 +47,8 @@ def sample(probs: torch.Tensor, gen: torch.Generator) -> int:
     """One token from a [vocab] distribution (inverse CDF with one uniform draw from `gen`)."""
     u = torch.rand((), generator=gen, dtype=torch.float64).item()
     cdf = torch.cumsum(probs.double(), dim=0)
-    idx = int(torch.searchsorted(cdf, torch.tensor([u * cdf[-1].item()], dtype=torch.float64)).item())
+    target = torch.tensor([u * cdf[-1].item()], dtype=torch.float64, device=cdf.device)
+    idx = int(torch.searchsorted(cdf, target).item())
     idx = min(idx, probs.shape[0] - 1)
     while probs[idx] <= 0 and idx > 0:  # never land on a zero-probability token through rounding
         idx -= 1

@@ -194,7 +194,7 @@ class TargetEngine:
             return verify_simulated(tokens, parents, top1, self.simulate_accept_len, req.generator)
         if req.sampling.greedy:
             return verify_greedy(tokens, parents, top1)
-        return verify_stochastic(tokens, parents, target_probs(logits, req.sampling), req.generator)
+        return verify_stochastic(tokens, parents, _host_probs(logits, req.sampling), req.generator)
 
     def _batch_features(self, inputs, rows: list[int], committed: list[list[int]], hidden, aux) -> list:
         """Each request's features at its committed rows: one gather when the batch shares its feature layers."""
@@ -281,5 +281,12 @@ class TargetEngine:
     def _pick(self, req: TargetRequest, logits: torch.Tensor) -> list[int]:
         if req.sampling.greedy:
             return logits.argmax(-1).tolist()
-        probs = target_probs(logits, req.sampling)
+        probs = _host_probs(logits, req.sampling)
         return [sample(p, req.generator) for p in probs]
+
+
+def _host_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """The request's filtered probabilities, computed where the logits are and read on the host: the acceptance
+    walk and the draws (CPU generators, per-node reads) then cost one copy instead of a sync per node, and give
+    the same draws on every device. # [n, vocab] float32 on the CPU"""
+    return target_probs(logits, sampling).cpu()
