@@ -26,7 +26,7 @@ from specdec.engine.adaptive import SpeculationPolicy, budget_menu  # noqa: E402
 from specdec.engine.draft_engine import SpecConfig  # noqa: E402
 from specdec.engine.factory import EngineOptions, build_draft, build_target  # noqa: E402
 from specdec.engine.generate import generate  # noqa: E402
-from specdec.engine.requests import VerifyInput  # noqa: E402
+from specdec.engine.requests import StepTimings, VerifyInput  # noqa: E402
 from specdec.sampling_params import SamplingParams  # noqa: E402
 
 TINY = Path(__file__).resolve().parents[1] / "models" / "tiny-code"
@@ -67,17 +67,25 @@ def _opts(backend, **kw):
                          attention_backend=backend, **kw)
 
 
-def _decode_rate(target, draft, prompts, new_tokens, policy=None, **sp):
+def _decode_rate(target, draft, prompts, new_tokens, policy=None, timings=None, **sp):
     """(tokens/s, tokens per target step) of the second of two identical runs (the first warms up; with a
-    `policy` it also trains it, so the timed run shows the policy's settled choice)."""
+    `policy` it also trains it, so the timed run shows the policy's settled choice). `timings` (a StepTimings)
+    collects where the timed run's time went."""
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, **sp)
     run = partial(generate, target, draft, prompts, params, max_batch_size=len(prompts), policy=policy)
     run()
-    t, out = _sync_time(run)
+    t, out = _sync_time(partial(run, timings=timings))
     toks = sum(len(r.tokens) for r in out)
     steps = sum(r.num_verify_steps for r in out)
     tau = sum(len(r.tokens) - 1 for r in out) / steps if steps and draft is not None else 1.0
     return toks / t, tau
+
+
+def _split(t: StepTimings) -> dict:
+    """Where a run's time went: admission, plain steps and speculative steps (count, ms per step)."""
+    return {"admit_s": round(t.admit_s, 3),
+            "plain_steps": t.plain_steps, "plain_ms": round(t.plain_s / max(t.plain_steps, 1) * 1e3, 2),
+            "spec_steps": t.spec_steps, "spec_ms": round(t.spec_s / max(t.spec_steps, 1) * 1e3, 2)}
 
 
 def plain8b(res, args, bw):
@@ -172,17 +180,19 @@ def simulated(res, args, target):
     for bs in args.batch_sizes:
         prompts = [list(range(1000 + i, 1256 + i)) for i in range(bs)]
         target.simulate_accept_len = 0.0
-        plain, _ = _decode_rate(target, None, prompts, args.new_tokens)
+        plain_t = StepTimings()
+        plain, _ = _decode_rate(target, None, prompts, args.new_tokens, timings=plain_t)
         for tau in (3.0, 5.0):
             target.simulate_accept_len = tau
             spec, measured_tau = _decode_rate(target, draft, prompts, args.new_tokens)
-            policy = SpeculationPolicy(budget_menu(draft.spec.num_draft_tokens))
-            auto, auto_tps = _decode_rate(target, draft, prompts, args.new_tokens, policy=policy)
+            policy, auto_t = SpeculationPolicy(budget_menu(draft.spec.num_draft_tokens)), StepTimings()
+            auto, auto_tps = _decode_rate(target, draft, prompts, args.new_tokens, policy=policy, timings=auto_t)
             rows.append({"bs": bs, "simulated_tau": tau, "measured_tau": round(measured_tau, 2),
                          "plain_tok_s": round(plain, 1), "spec_tok_s": round(spec, 1),
                          "speedup": round(spec / plain, 2), "auto_tok_s": round(auto, 1),
                          "auto_speedup": round(auto / plain, 2), "auto_tokens_per_step": round(auto_tps, 2),
-                         "auto_rates": policy.summary()})
+                         "auto_rates": policy.summary(), "plain_split": _split(plain_t),
+                         "auto_split": _split(auto_t)})
             print("SIMULATED", rows[-1], flush=True)
     target.simulate_accept_len = 0.0
     res["SIMULATED_acceptance_rows"] = rows

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from specdec.engine.adaptive import SpeculationPolicy
 from specdec.engine.draft_engine import DraftEngine
-from specdec.engine.requests import RUNNING, GenerationResult
+from specdec.engine.requests import RUNNING, GenerationResult, StepTimings
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.target_engine import TargetEngine
 from specdec.sampling_params import SamplingParams
@@ -24,11 +24,14 @@ def generate(
     sampling: SamplingParams | list[SamplingParams],
     max_batch_size: int = 64,
     policy: SpeculationPolicy | None = None,
+    timings: StepTimings | None = None,
 ) -> list[GenerationResult]:
     """Generate for every prompt; speculative when `draft` is given, plain decoding otherwise. With a `policy`
-    (`--speculation auto`), each step speculates or decodes plainly, whichever measured faster."""
+    (`--speculation auto`), each step speculates or decodes plainly, whichever measured faster. `timings`, if
+    given, accumulates where the time went (admission, plain and speculative steps)."""
     params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
-    sched = Scheduler(target, draft, target.max_context, max_batch_size, feature_layers_for(draft), policy=policy)
+    sched = Scheduler(target, draft, target.max_context, max_batch_size, feature_layers_for(draft), policy=policy,
+                      timings=timings)
     results: dict[str, GenerationResult] = {}
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         rid = f"gen-{i}"

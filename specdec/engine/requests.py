@@ -50,9 +50,16 @@ class VerifyOutput:
 
 @dataclass
 class StepTimings:
+    """Seconds a scheduler spent, by part (host clock; each step ends with a host sync)."""
+
     propose_s: float = 0.0
     verify_s: float = 0.0
     extend_s: float = 0.0
+    admit_s: float = 0.0  # admissions: target prefill + draft extend over the prompts
+    plain_steps: int = 0
+    plain_s: float = 0.0  # whole decode steps that verified nothing (plain decoding)
+    spec_steps: int = 0
+    spec_s: float = 0.0  # whole speculative steps (catch-up, propose, verify, extend)
 
 
 @dataclass

@@ -69,7 +69,8 @@ class RunState:
 class Scheduler:
     def __init__(self, target, draft: DraftEngine | None, max_context: int, max_batch_size: int = 64,
                  feature_layers: tuple[int, ...] = (), max_queue_wait_s: float = 0.0,
-                 step_spans: StepSpanSampler | None = None, policy: SpeculationPolicy | None = None):
+                 step_spans: StepSpanSampler | None = None, policy: SpeculationPolicy | None = None,
+                 timings: StepTimings | None = None):
         self.target, self.draft = target, draft
         self.policy = policy  # None: always speculate when there is a draft
         self.step_spans = step_spans or StepSpanSampler(0.0)  # default: no step spans
@@ -81,7 +82,7 @@ class Scheduler:
         self.waiting: deque[RunState] = deque()
         self.running: dict[str, RunState] = {}
         self._aborts: set[str] = set()
-        self.timings = StepTimings()
+        self.timings = timings if timings is not None else StepTimings()
 
     # ---- queue ----------------------------------------------------------------------------------------------
     def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, trace_context=None) -> RunState:
@@ -102,7 +103,9 @@ class Scheduler:
     def step(self) -> list[Event]:
         events = self._apply_aborts()
         events += self._expire_blocked()
+        t0 = time.perf_counter()
         events += self._admit()
+        self.timings.admit_s += time.perf_counter() - t0
         if self.running:
             events += self._decode()
         elif self.waiting and self._retry_at:  # waiting for pages held elsewhere: do not spin
@@ -295,8 +298,15 @@ class Scheduler:
                 state.backlog_features.append(out.features)
         if extend:
             self._extend(extend, trace)
+        elapsed = time.perf_counter() - t_step
+        if speculate:
+            self.timings.spec_steps += 1
+            self.timings.spec_s += elapsed
+        else:
+            self.timings.plain_steps += 1
+            self.timings.plain_s += elapsed
         if self.policy is not None and self.draft is not None:
-            self.policy.record(len(rids), budget, sum(len(e.tokens) for e in events), time.perf_counter() - t_step)
+            self.policy.record(len(rids), budget, sum(len(e.tokens) for e in events), elapsed)
         return events
 
     def _budget(self, rids: list[str]) -> int:

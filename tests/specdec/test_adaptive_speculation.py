@@ -141,3 +141,18 @@ def test_a_smaller_budget_proposes_the_best_nodes_of_the_same_tree(dev_prompts, 
         sched.abort(rid)
         sched.step()
         assert rid not in target.requests
+
+
+def test_timings_split_admission_plain_and_speculative_steps(dev_prompts, tiny_tokenizer):
+    from specdec.engine.generate import generate
+    from specdec.engine.requests import StepTimings
+
+    target, draft = tiny_target(), tiny_draft()
+    prompts = [tiny_tokenizer.encode(p)[-60:] for p in dev_prompts[60:63]]
+    timings = StepTimings()
+    out = generate(target, draft, prompts, SamplingParams(max_new_tokens=20, ignore_eos=True),
+                   policy=AlternatingPolicy(), timings=timings)
+    assert all(len(r.tokens) == 20 for r in out)
+    assert timings.plain_steps > 0 and timings.spec_steps > 0 and timings.admit_s > 0
+    assert timings.plain_s > 0 and timings.spec_s > timings.propose_s > 0
+    assert max(r.num_verify_steps for r in out) == timings.plain_steps + timings.spec_steps
