@@ -155,7 +155,8 @@ class DraftEngine:
         dev = f_tokens.device
         f_cand = torch.arange(k, device=dev).expand(b, k)  # [b, k] candidate index of each frontier node
         cand_tokens, cand_scores, cand_parents = [f_tokens], [f_scores], [torch.full((b, k), -1, device=dev)]
-        ancestors = [[[j] for j in range(k)] for _ in range(b)]  # temp-slot indices of fed ancestors
+        # temp-slot indices of each frontier node's fed ancestors and itself, on the host (masks are built there)
+        ancestors = torch.arange(k).view(1, k, 1).expand(b, k, 1)  # [b, k, depth]
         for depth in range(1, steps):
             out = self._step(rids, reqs, f_tokens, f_hidden, depth, ancestors)  # [b, k, hidden]
             p, idx = self._topk(out.reshape(b * k, -1))
@@ -171,24 +172,26 @@ class DraftEngine:
             f_scores = torch.gather(scores, 1, sel)
             f_hidden = torch.gather(out, 1, parent_slot.to(out.device).unsqueeze(-1).expand(-1, -1, out.shape[-1]))
             f_cand = offset + sel
-            ancestors = [[ancestors[i][ps] + [depth * k + j] for j, ps in enumerate(parent_slot[i].tolist())]
-                         for i in range(b)]
+            parent_cpu = parent_slot.cpu()  # one host sync per depth
+            inherited = torch.gather(ancestors, 1, parent_cpu.unsqueeze(-1).expand(-1, -1, ancestors.shape[2]))
+            own = (depth * k + torch.arange(k)).view(1, k, 1).expand(b, k, 1)
+            ancestors = torch.cat([inherited, own], dim=2)
         for rid, req in zip(rids, reqs, strict=True):
             self.kv.resize(rid, req.kv_len)  # drop the temporary tree slots
         return _select(torch.cat(cand_tokens, 1), torch.cat(cand_scores, 1), torch.cat(cand_parents, 1), size)
 
-    def _step(self, rids, reqs, tokens, hidden, depth: int, ancestors) -> torch.Tensor:
-        """Draft forward over the frontier (nodes at `depth`); returns their outputs. # [b, k, hidden]"""
+    def _step(self, rids, reqs, tokens, hidden, depth: int, ancestors: torch.Tensor) -> torch.Tensor:
+        """Draft forward over the frontier (nodes at `depth`); `ancestors` [b, k, depth] (CPU) are the temp slots
+        each frontier node sees. Returns their outputs. # [b, k, hidden]"""
         k = self.spec.topk
         b = len(reqs)
         seqs, slots = [], []
+        # [b, k, depth * k]: frontier node j of request i sees the temp slots of its ancestors and itself
+        masks = torch.zeros(b, k, depth * k, dtype=torch.bool).scatter_(2, ancestors, True)
         for i, (rid, req) in enumerate(zip(rids, reqs, strict=True)):
             self.kv.resize(rid, req.kv_len + depth * k)
             ctx = self.kv.slots(rid, 0, req.kv_len + depth * k)
-            mask = torch.zeros(k, depth * k, dtype=torch.bool)
-            for j, anc in enumerate(ancestors[i]):
-                mask[j, anc] = True
-            seqs.append(SeqAttention(ctx, k, mask))
+            seqs.append(SeqAttention(ctx, k, masks[i]))
             slots.append(ctx[req.kv_len + (depth - 1) * k :])
         positions = torch.tensor([r.kv_len + depth - 1 for r in reqs]).repeat_interleave(k)
         batch = self.backend.plan(AttentionBatch(seqs, torch.cat(slots)))
