@@ -140,13 +140,11 @@ class PagedKVCache:
         keep = [(s, dst_start + i) for i, s in enumerate(src_positions) if s != dst_start + i]
         if not keep:
             return
-        src = self._positions_to_slots(rid, torch.tensor([s for s, _ in keep])).to(self.k.device)
-        dst = self._positions_to_slots(rid, torch.tensor([d for _, d in keep])).to(self.k.device)
+        slot_ids = self.table(rid).slot_ids
+        src = slot_ids[torch.tensor([s for s, _ in keep])].to(self.k.device)
+        dst = slot_ids[torch.tensor([d for _, d in keep])].to(self.k.device)
         self.k[:, dst] = self.k[:, src]
         self.v[:, dst] = self.v[:, src]
-
-    def _positions_to_slots(self, rid: str, positions: torch.Tensor) -> torch.Tensor:
-        return self.table(rid).slot_ids[positions]
 
     # ---- accounting ---------------------------------------------------------------------------------------
     @property

@@ -14,6 +14,7 @@ import torch
 
 from specdec.attention.batch import SeqAttention
 from specdec.attention.flashinfer_backend import paged_attention, plan_paged
+from specdec.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +85,6 @@ def capture_or_go_eager(capture, what: str, forget) -> None:
 
 def capture_at_startup(graphs, who: str) -> None:
     """Capture `graphs`' start-up shapes now, so a failure stops start-up with a clear message."""
-    from specdec.errors import ConfigError
-
     try:
         graphs.capture_startup()
     except Exception as exc:  # noqa: BLE001 - any capture failure is reported the same way

@@ -207,8 +207,7 @@ class Scheduler:
                 rid = state.request_id
                 if rid in self.running:  # a duplicate id: the running request keeps its state
                     continue
-                if self.draft is not None and rid in self.draft.requests:
-                    self.draft.release(rid)
+                self._drop_draft(rid)
                 with contextlib.suppress(SpecdecError):  # whatever the target admitted before failing
                     self.target.release(rid)
             return None
@@ -222,12 +221,16 @@ class Scheduler:
             with attached(state.trace_context):  # the Prefill RPC joins the request's trace
                 return self.target.prefill([inp])[0]
         except SpecdecError as exc:
-            if self.draft is not None and rid in self.draft.requests and rid not in self.running:
-                self.draft.release(rid)
+            self._drop_draft(rid)
             if isinstance(exc, OutOfPages) and self.max_queue_wait_s > 0:
                 return _BLOCKED
             events.append(Event(rid, [], ABORT, error=exc))
             return None
+
+    def _drop_draft(self, rid: str) -> None:
+        """Undo a failed admission's draft state (never a running request's, should the id repeat)."""
+        if self.draft is not None and rid in self.draft.requests and rid not in self.running:
+            self.draft.release(rid)
 
     def _start(self, state: RunState, out, events: list[Event], extend: list) -> None:
         rid = state.request_id

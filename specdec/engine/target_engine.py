@@ -5,6 +5,7 @@ Engines are synchronous and single-threaded; the service runs them on a worker t
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -199,7 +200,7 @@ class TargetEngine:
     def _batch_features(self, inputs, rows: list[int], committed: list[list[int]], hidden, aux) -> list:
         """Each request's features at its committed rows: one gather when the batch shares its feature layers."""
         reqs = [self.requests[inp.request_id] for inp in inputs]
-        starts = [sum(rows[:i]) for i in range(len(rows))]
+        starts = [0, *itertools.accumulate(rows)][:-1]
         if len({r.feature_layers for r in reqs}) > 1:
             return [self._features(r, hidden, aux, s + torch.tensor(c)) for r, s, c in zip(reqs, starts, committed,
                                                                                           strict=True)]
