@@ -11,6 +11,7 @@ Simulated-acceptance rows are labelled SIMULATED: their outputs are not the targ
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -33,8 +34,8 @@ TINY = Path(__file__).resolve().parents[1] / "models" / "tiny-code"
 
 
 def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        torch.cuda.synchronize(i)
 
 
 def _sync_time(fn, repeat=1):
@@ -67,14 +68,16 @@ def _opts(backend, **kw):
                          attention_backend=backend, **kw)
 
 
-def _decode_rate(target, draft, prompts, new_tokens, policy=None, timings=None, **sp):
+def _decode_rate(target, draft, prompts, new_tokens, policy=None, timings=None, overlap=None, busy=None, **sp):
     """(tokens/s, tokens per target step) of the second of two identical runs (the first warms up; with a
     `policy` it also trains it, so the timed run shows the policy's settled choice). `timings` (a StepTimings)
-    collects where the timed run's time went."""
+    collects where the timed run's time went; `busy` (a GpuBusy) is entered around the timed run."""
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, **sp)
-    run = partial(generate, target, draft, prompts, params, max_batch_size=len(prompts), policy=policy)
+    run = partial(generate, target, draft, prompts, params, max_batch_size=len(prompts), policy=policy,
+                  overlap=overlap)
     run()
-    t, out = _sync_time(partial(run, timings=timings))
+    with busy if busy is not None else contextlib.nullcontext():
+        t, out = _sync_time(partial(run, timings=timings))
     toks = sum(len(r.tokens) for r in out)
     steps = sum(r.num_verify_steps for r in out)
     tau = sum(len(r.tokens) - 1 for r in out) / steps if steps and draft is not None else 1.0

@@ -122,6 +122,9 @@ class Probe:
         draft_service.app.Scheduler = CountingScheduler
 
     def snapshot(self, scheduler) -> dict:
+        if scheduler is None:  # the target in its own process: nothing to read here
+            return dict(propose_s=0.0, verify_s=0.0, extend_s=0.0, num_steps=0, sum_batch=0, target_s=0.0,
+                        target_calls=0)
         t = scheduler.timings
         return dict(propose_s=t.propose_s, verify_s=t.verify_s, extend_s=t.extend_s - scheduler.admit_extend_s,
                     num_steps=scheduler.num_steps, sum_batch=scheduler.sum_batch,
@@ -138,10 +141,50 @@ def engine_flags(max_concurrency: int, prompt_tokens: int, new_tokens: int) -> l
             "--max-batch-size", str(max(max_concurrency, 1))]
 
 
-def start_target(flags: list[str]) -> ServiceThread:
+def start_target(flags: list[str], own_process: bool = False):
     from target_service.app import serve
 
+    if own_process:
+        return TargetProcess(flags)
     return ServiceThread(serve, ["serve-target", "--model", str(TINY / "target"), *flags]).start()
+
+
+class TargetProcess:
+    """The target service as its own process (`python -m specdec serve-target`), as deployed: its host work does
+    not share the draft's interpreter. Its engine is not probed (no target/RPC split in the rows)."""
+
+    def __init__(self, flags: list[str], timeout_s: float = 900.0):
+        import socket
+        import subprocess
+
+        from specdec.rpc.channel import make_channel, wait_for_serving
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.addr = f"127.0.0.1:{port}"
+        argv = [sys.executable, "-m", "specdec", "serve-target", "--model", str(TINY / "target"), *flags,
+                "--port", str(port)]
+        path = os.pathsep.join(x for x in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if x)
+        self.proc = subprocess.Popen(argv, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": path})
+
+        async def ready():
+            async with make_channel(self.addr) as channel:
+                deadline = time.monotonic() + timeout_s
+                while True:
+                    if self.proc.poll() is not None:
+                        raise RuntimeError(f"the target process exited with {self.proc.returncode}")
+                    try:
+                        return await wait_for_serving(channel, "specdec.v1.TargetService", 5.0)
+                    except Exception:
+                        if time.monotonic() > deadline:
+                            raise
+
+        asyncio.run(ready())
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
 
 
 def start_draft(target_addr: str, setting: Setting, flags: list[str]) -> ServiceThread:
@@ -199,6 +242,7 @@ class Row:
     verify_rtt_ms: float
     plain_target_ms: float  # plain Generate: target compute per decode step
     match: bool
+    gpu_busy: dict | None = None  # GPU index -> busy fraction over the run (--gpu-busy)
 
 
 def per_step_split(before: dict, after: dict) -> dict:
@@ -208,6 +252,18 @@ def per_step_split(before: dict, after: dict) -> dict:
     return dict(steps=d["num_steps"], mean_batch=d["sum_batch"] / steps, propose_ms=ms(d["propose_s"]),
                 target_ms=ms(d["target_s"]), rpc_ms=ms(d["verify_s"] - d["target_s"]), extend_ms=ms(d["extend_s"]),
                 verify_rtt_ms=ms(d["verify_s"]))
+
+
+BUSY_GPUS: list[int] = []  # --gpu-busy: the GPUs whose busy fraction each speculative run records
+
+
+def busy_meter():
+    if not BUSY_GPUS:
+        return contextlib.nullcontext()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gpu_busy import GpuBusy
+
+    return GpuBusy(BUSY_GPUS)
 
 
 def measure_plain(probe: Probe, target: ServiceThread, sched, prompts, new_tokens: int, repeats: int) -> dict:
@@ -231,12 +287,14 @@ def measure_spec(probe: Probe, draft: ServiceThread, sched, prompts, new_tokens:
     for _ in range(repeats):
         before = probe.snapshot(sched)
         tag = f"{setting}{len(prompts)}"
-        wall, tokens, finals = asyncio.run(run_batch(draft.addr, True, prompts, new_tokens, tag))
+        with busy_meter() as busy:
+            wall, tokens, finals = asyncio.run(run_batch(draft.addr, True, prompts, new_tokens, tag))
         split = per_step_split(before, probe.snapshot(sched))
         tok_s = sum(map(len, tokens)) / wall
         tau = sum(f.final.tau for f in finals) / len(finals)
         row = Row(setting, len(prompts), tok_s, plain["tok_s"], tok_s / plain["tok_s"], tau, **split,
-                  plain_target_ms=plain["target_ms"], match=tokens == plain["tokens"])
+                  plain_target_ms=plain["target_ms"], match=tokens == plain["tokens"],
+                  gpu_busy=getattr(busy, "fractions", None))
         best = row if best is None or row.spec_tok_s > best.spec_tok_s else best
     return best
 
@@ -265,8 +323,8 @@ def run(args) -> list[Row]:
     conc = sorted(set(args.concurrency))
     prompts = load_prompts(args.prompts, max(conc), args.prompt_tokens)
     flags = engine_flags(max(conc), args.prompt_tokens, args.new_tokens) + args.engine_flags.split()
-    target = start_target(flags + ["--device", args.target_device] + args.target_flags.split())
-    target_sched = probe.schedulers[-1]
+    target = start_target(flags + ["--device", args.target_device] + args.target_flags.split(), args.target_process)
+    target_sched = None if args.target_process else probe.schedulers[-1]
     rows = []
     try:
         warm_up(target.addr, False, prompts, args.new_tokens)
@@ -299,7 +357,8 @@ HEADER = ("| setting | N | spec tok/s | plain tok/s | speed-up | tau | steps | p
 def format_row(r: Row) -> str:
     return (f"| {r.setting} | {r.concurrency} | {r.spec_tok_s:.0f} | {r.plain_tok_s:.0f} | {r.speedup:.2f}x | "
             f"{r.tau:.2f} | {r.steps} | {r.propose_ms:.1f} | {r.target_ms:.1f} | {r.rpc_ms:.1f} | "
-            f"{r.extend_ms:.1f} | {r.verify_rtt_ms:.1f} | {r.plain_target_ms:.1f} | {'yes' if r.match else 'NO'} |")
+            f"{r.extend_ms:.1f} | {r.verify_rtt_ms:.1f} | {r.plain_target_ms:.1f} | {'yes' if r.match else 'NO'} |"
+            + (f" busy {r.gpu_busy}" if r.gpu_busy else ""))
 
 
 def log_row(row: Row, quiet: bool) -> None:
@@ -320,6 +379,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="JSONL prompt file, default ../shared/prompts/dev.jsonl (bundled prompts if absent)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the Markdown table")
     p.add_argument("--target-device", default="cpu", help="the target service's --device, default cpu")
+    p.add_argument("--gpu-busy", default="", help="comma-separated GPU indices whose busy fraction (NVML) each "
+                   "speculative run records, e.g. 0,1")
+    p.add_argument("--target-process", action="store_true",
+                   help="run the target service as its own process (as deployed); default: a thread of this one")
     p.add_argument("--draft-device", default="cpu", help="the draft service's --device (cuda:1: its own GPU)")
     p.add_argument("--engine-flags", default="",
                    help="more engine flags for both services, e.g. '--attention-backend flashinfer --dtype bfloat16'")
@@ -356,6 +419,7 @@ def environment() -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    BUSY_GPUS[:] = [int(i) for i in args.gpu_busy.split(",") if i]
     logging.basicConfig(level=logging.WARNING)
     env = environment()
     if not args.json:

@@ -13,6 +13,7 @@ from specdec.engine.adaptive import SpeculationPolicy, budget_menu
 from specdec.engine.draft_engine import SpecConfig
 from specdec.engine.factory import build_draft
 from specdec.engine.generate import feature_layers_for
+from specdec.engine.overlap import TwoBatchOverlap
 from specdec.engine.scheduler import Scheduler
 from specdec.errors import ConfigError, NotReady
 from specdec.rpc.service_runner import ServiceSpec, run_service
@@ -55,6 +56,8 @@ def _load(args, opts, spec: SpecConfig):
 
 async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
     opts = engine_options(args)
+    if args.two_batch_overlap < 0:
+        raise ConfigError(f"--two-batch-overlap {args.two_batch_overlap}: a request count >= 0 (0 = off)")
     spec = SpecConfig(args.num_steps, args.topk, args.num_draft_tokens).validate()
     servicer = DraftServicer(args.model, args.target)
     state = {}
@@ -65,6 +68,8 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
                           max_queue_wait_s=args.max_queue_wait_seconds,
                           step_spans=StepSpanSampler.from_config(TelemetryConfig.from_env()),
                           policy=SpeculationPolicy(budget_menu(spec.num_draft_tokens)) if args.speculation == "auto"
+                          else None,
+                          overlap=TwoBatchOverlap(args.two_batch_overlap, engine.device) if args.two_batch_overlap
                           else None)
         loop = EngineLoop(sched, "draft-engine", engine.device)
         loop.on_step = lambda events: _observe(metrics, engine, events)

@@ -27,6 +27,10 @@ def register(subparsers) -> None:
                    help="auto (default): per step, verify the whole tree, about half of it, or nothing (plain "
                         "decoding), whichever has measured the most tokens/s at the running batch size (all "
                         "lossless; seeded sampling batches keep the whole tree); always: the whole tree every step")
+    p.add_argument("--two-batch-overlap", type=int, default=0, metavar="N",
+                   help="from N running requests, split the batch into two micro-batches that take turns, so the "
+                        "draft proposes for one while the target verifies the other (pays with draft and target "
+                        "on separate GPUs; docs/benchmarks.md has the measured threshold); 0 (default) = off")
     add_tls_args(p)
     add_tls_args(p, prefix="target-", who="client side, to the target")
     add_telemetry_args(p)

@@ -48,6 +48,8 @@ def _translate(exc: grpc.RpcError) -> SpecdecError:
 class TargetClient:
     """Implements the engine-side target interface (`prefill`, `verify`, `release`) over gRPC."""
 
+    concurrent_calls = True  # a gRPC channel takes calls from several threads (two-batch overlap)
+
     def __init__(self, addr: str, tls: TlsConfig | None = None, timeout_s: float = 60.0, device=None):
         opts = channel_options()
         self.channel = (grpc.secure_channel(addr, tls.channel_credentials(), options=opts) if tls

@@ -22,6 +22,7 @@ import torch
 
 from specdec.attention import AttentionBatch, SeqAttention, make_backend
 from specdec.attention.graph_backend import GraphCaptureError
+from specdec.engine.device import engine_call
 from specdec.errors import ConfigError, DuplicateRequest, UnknownRequest
 from specdec.kv_cache import PagedKVCache
 from specdec.models.eagle import EagleDraft
@@ -104,7 +105,7 @@ class DraftEngine:
         return self.requests[rid].kv_len
 
     # ---- extend -------------------------------------------------------------------------------------------
-    @torch.inference_mode()
+    @engine_call
     def extend(self, items: list[tuple[str, list[int], torch.Tensor]]) -> None:
         """items: (request id, tokens [n], target features [n, feature_size]) pairs; token i pairs with the
         feature of the position before it. Updates each request's draft state."""
@@ -136,7 +137,7 @@ class DraftEngine:
         return p, self.model.to_target_ids(idx)
 
     # ---- propose ------------------------------------------------------------------------------------------
-    @torch.inference_mode()
+    @engine_call
     def propose(self, rids: list[str], num_draft_tokens: int | None = None) -> list[TokenTree]:
         """A tree per request: its best `num_draft_tokens` nodes (default and maximum: the spec's)."""
         size = min(num_draft_tokens or self.spec.num_draft_tokens, self.spec.num_draft_tokens)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from specdec.engine.adaptive import SpeculationPolicy
 from specdec.engine.draft_engine import DraftEngine
+from specdec.engine.overlap import TwoBatchOverlap
 from specdec.engine.requests import RUNNING, GenerationResult, StepTimings
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.target_engine import TargetEngine
@@ -25,18 +26,30 @@ def generate(
     max_batch_size: int = 64,
     policy: SpeculationPolicy | None = None,
     timings: StepTimings | None = None,
+    overlap: TwoBatchOverlap | None = None,
 ) -> list[GenerationResult]:
     """Generate for every prompt; speculative when `draft` is given, plain decoding otherwise. With a `policy`
     (`--speculation auto`), each step speculates or decodes plainly, whichever measured faster. `timings`, if
-    given, accumulates where the time went (admission, plain and speculative steps)."""
+    given, accumulates where the time went (admission, plain and speculative steps). With `overlap`, large
+    batches run as two micro-batches in turn (worth it with draft and target on separate GPUs)."""
     params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
     sched = Scheduler(target, draft, target.max_context, max_batch_size, feature_layers_for(draft), policy=policy,
-                      timings=timings)
+                      timings=timings, overlap=overlap)
     results: dict[str, GenerationResult] = {}
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         rid = f"gen-{i}"
         sched.add(rid, prompt, p)
         results[rid] = GenerationResult(rid, len(prompt))
+    try:
+        _drive(sched, results)
+    finally:
+        sched.close()
+    for res in results.values():
+        assert res.finish_reason != RUNNING, res
+    return [results[f"gen-{i}"] for i in range(len(prompts))]
+
+
+def _drive(sched: Scheduler, results: dict[str, GenerationResult]) -> None:
     while sched.has_work:
         states = dict(sched.running)
         for ev in sched.step():
@@ -52,6 +65,3 @@ def generate(
                 res.num_verify_steps = state.num_verify_steps
                 res.accepted_per_position = list(state.accepted_per_position)
                 res.num_draft_tokens = state.num_draft_tokens
-    for res in results.values():
-        assert res.finish_reason != RUNNING, res
-    return [results[f"gen-{i}"] for i in range(len(prompts))]

@@ -25,6 +25,7 @@ import torch
 
 from specdec.engine.adaptive import FULL, SpeculationPolicy
 from specdec.engine.draft_engine import DraftEngine
+from specdec.engine.overlap import TwoBatchOverlap
 from specdec.engine.requests import ABORT, RUNNING, PrefillInput, StepTimings, VerifyInput
 from specdec.errors import NotReady, OutOfPages, SpecdecError
 from specdec.sampling_params import SamplingParams
@@ -66,12 +67,32 @@ class RunState:
     backlog_features: list = field(default_factory=list)
 
 
+@dataclass
+class Launch:
+    """One step of a set of running requests up to its verify: what was proposed, and how the step is traced."""
+
+    rids: list[str]
+    trees: list[TokenTree]
+    budget: int
+    speculate: bool
+    trace: tuple[bool, Any, list]
+    started: float  # perf_counter at the start of the step
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(len(t.tokens) for t in self.trees)
+
+
 class Scheduler:
     def __init__(self, target, draft: DraftEngine | None, max_context: int, max_batch_size: int = 64,
                  feature_layers: tuple[int, ...] = (), max_queue_wait_s: float = 0.0,
                  step_spans: StepSpanSampler | None = None, policy: SpeculationPolicy | None = None,
-                 timings: StepTimings | None = None):
+                 timings: StepTimings | None = None, overlap: TwoBatchOverlap | None = None):
         self.target, self.draft = target, draft
+        # two micro-batches in turn (draft and target on separate GPUs); None: one synchronous step at a time
+        self.overlap = overlap
+        if overlap is not None:
+            self.target = overlap.wrap_target(target)
         self.policy = policy  # None: always speculate when there is a draft
         self.step_spans = step_spans or StepSpanSampler(0.0)  # default: no step spans
         # a request refused for lack of KV pages waits (FIFO) up to this long, then fails OutOfPages; 0: at once
@@ -95,6 +116,11 @@ class Scheduler:
         """Takes effect at the start of the next step (call from the thread that runs `step`)."""
         self._aborts.add(request_id)
 
+    def close(self) -> None:
+        """Wait for verifies in flight and stop the overlap's worker (the engine thread is stopping)."""
+        if self.overlap is not None:
+            self.overlap.close()
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._aborts)
@@ -113,8 +139,12 @@ class Scheduler:
         return events
 
     def _apply_aborts(self) -> list[Event]:
-        events = []
+        events, later = [], set()
+        in_flight = self.overlap.busy() if self.overlap is not None else set()
         for rid in self._aborts:
+            if rid in in_flight:  # its verify is out: abort once it has landed
+                later.add(rid)
+                continue
             waiting = next((s for s in self.waiting if s.request_id == rid), None)
             if waiting is not None:
                 self.waiting.remove(waiting)
@@ -122,7 +152,7 @@ class Scheduler:
             elif rid in self.running:
                 self._finish(rid, release_target=True)
                 events.append(Event(rid, [], ABORT))
-        self._aborts.clear()
+        self._aborts = later
         return events
 
     def _expire_blocked(self) -> list[Event]:
@@ -259,8 +289,22 @@ class Scheduler:
         self.timings.extend_s += time.perf_counter() - t0
 
     def _decode(self) -> list[Event]:
-        rids = list(self.running)
-        t_step = time.perf_counter()
+        if self.overlap is not None:
+            return self.overlap.decode(self)
+        return self.decode_now(list(self.running))
+
+    def decode_now(self, rids: list[str]) -> list[Event]:
+        """One synchronous step of `rids`: propose, verify, extend."""
+        launch = self.launch(rids)
+        try:
+            outputs, error = self.verify(launch), None
+        except SpecdecError as exc:
+            outputs, error = None, exc
+        return self.land(launch, outputs, error, launch.started)
+
+    def launch(self, rids: list[str]) -> Launch:
+        """Everything of a step before its verify: the budget, the draft's catch-up and trees."""
+        started = time.perf_counter()
         budget = self._budget(rids)
         speculate = self.draft is not None and budget != 0
         trace = sampled, parent, links = self._step_trace([self.running[rid] for rid in rids])
@@ -268,49 +312,67 @@ class Scheduler:
             self._catch_up(rids, trace)
         with self.step_spans.span("draft.propose", sampled, links, parent, batch_size=len(rids)) as span:
             trees = self._propose(rids, budget) if speculate else [_EMPTY] * len(rids)
-            num_draft_tokens = sum(len(t.tokens) for t in trees)
             if span is not None:
-                span.set_attribute("num_draft_tokens", num_draft_tokens)
+                span.set_attribute("num_draft_tokens", sum(len(t.tokens) for t in trees))
+        return Launch(rids, trees, budget, speculate, trace, started)
+
+    def verify(self, launch: Launch) -> list:
+        """The target's verdict on a launch's trees (callable from another thread: see `TwoBatchOverlap`)."""
+        sampled, parent, links = launch.trace
         t0 = time.perf_counter()
-        try:
-            with self.step_spans.span("draft.verify", sampled, links, parent, batch_size=len(rids),
-                                      num_draft_tokens=num_draft_tokens) as span:
-                outputs = self.target.verify(
-                    [VerifyInput(rid, list(t.tokens), list(t.parents)) for rid, t in zip(rids, trees, strict=True)]
-                )
-                if span is not None:
-                    span.set_attribute("accepted", sum(out.num_accepted_drafts for out in outputs))
-        except SpecdecError as exc:  # the whole batch failed (e.g. the target went away)
-            log.error("verify failed for %d requests: %s", len(rids), exc)
-            for rid in rids:  # a target that answered (malformed reply) may still hold them; a dead one not
-                self._finish(rid, release_target=not isinstance(exc, NotReady))
-            return [Event(rid, [], ABORT, error=exc) for rid in rids]
+        with self.step_spans.span("draft.verify", sampled, links, parent, batch_size=len(launch.rids),
+                                  num_draft_tokens=launch.num_draft_tokens) as span:
+            outputs = self.target.verify([VerifyInput(rid, list(t.tokens), list(t.parents))
+                                          for rid, t in zip(launch.rids, launch.trees, strict=True)])
+            if span is not None:
+                span.set_attribute("accepted", sum(out.num_accepted_drafts for out in outputs))
         self.timings.verify_s += time.perf_counter() - t0
+        return outputs
+
+    def land(self, launch: Launch, outputs: list | None, error: SpecdecError | None, since: float) -> list[Event]:
+        """Commit a verify's outputs (or fail its requests on `error`), extend the draft over what was accepted.
+        The step's time, for the timings and the policy, runs from `since` to now."""
+        rids = launch.rids
+        if error is not None:  # the whole batch failed (e.g. the target went away)
+            log.error("verify failed for %d requests: %s", len(rids), error)
+            for rid in rids:  # a target that answered (malformed reply) may still hold them; a dead one not
+                self._finish(rid, release_target=not isinstance(error, NotReady))
+            return [Event(rid, [], ABORT, error=error) for rid in rids]
         events, extend = [], []
-        for tree, out in zip(trees, outputs, strict=True):
+        for tree, out in zip(launch.trees, outputs, strict=True):
             state = self.running[out.request_id]
             self._count(state, len(tree.tokens), out.num_accepted_drafts, out.tokens)
             events.append(Event(out.request_id, out.tokens, out.finish_reason,
                                 num_accepted_drafts=out.num_accepted_drafts, from_verify=True))
             if out.finish_reason != RUNNING:
                 self._finish(out.request_id, release_target=False)  # the target freed its pages itself
-            elif self.draft is not None and speculate:
+            elif self.draft is not None and launch.speculate:
                 extend.append((out.request_id, out.tokens, out.features))
             elif self.draft is not None:  # plain step: the draft catches up when speculation resumes
                 state.backlog_tokens += out.tokens
                 state.backlog_features.append(out.features)
         if extend:
-            self._extend(extend, trace)
-        elapsed = time.perf_counter() - t_step
-        if speculate:
+            self._extend(extend, launch.trace)
+        elapsed = time.perf_counter() - since
+        if launch.speculate:
             self.timings.spec_steps += 1
             self.timings.spec_s += elapsed
         else:
             self.timings.plain_steps += 1
             self.timings.plain_s += elapsed
         if self.policy is not None and self.draft is not None:
-            self.policy.record(len(rids), budget, sum(len(e.tokens) for e in events), elapsed)
+            self.policy.record(len(rids), launch.budget, sum(len(e.tokens) for e in events), elapsed)
         return events
+
+    def fail_running(self, error: SpecdecError) -> list[Event]:
+        """After a broken step: end every running request with `error` (verifies in flight are waited for
+        first, so the target frees their pages after it has used them)."""
+        if self.overlap is not None:
+            self.overlap.abandon()
+        rids = list(self.running)
+        for rid in rids:
+            self._finish(rid, release_target=True)
+        return [Event(rid, [], ABORT, error=error) for rid in rids]
 
     def _budget(self, rids: list[str]) -> int:
         """Draft tokens to verify this step (0: plain decoding, FULL: the whole tree)."""

@@ -12,6 +12,7 @@ import torch
 
 from specdec.attention import AttentionBatch, SeqAttention, make_backend
 from specdec.attention.graph_backend import GraphCaptureError
+from specdec.engine.device import engine_call
 from specdec.engine.finish import cut_at_finish
 from specdec.engine.requests import (
     RUNNING,
@@ -118,7 +119,7 @@ class TargetEngine:
         self.kv.release(request_id)
 
     # ---- steps --------------------------------------------------------------------------------------------
-    @torch.inference_mode()
+    @engine_call
     def prefill(self, inputs: list[PrefillInput]) -> list[PrefillOutput]:
         admitted: list[PrefillInput] = []
         try:
@@ -152,7 +153,7 @@ class TargetEngine:
             start += n
         return outputs
 
-    @torch.inference_mode()
+    @engine_call
     def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
         """One target forward over the trees of several requests; commits the accepted paths."""
         for inp in inputs:

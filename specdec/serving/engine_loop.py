@@ -128,6 +128,8 @@ class EngineLoop:
                     self._cond.wait()
                 if self._stopping:
                     self._fail_all()
+                    if self.scheduler is not None:
+                        self.scheduler.close()
                     return
                 calls, self._calls = self._calls, []
             self._run_calls(calls)
@@ -178,9 +180,7 @@ class EngineLoop:
             events = self.scheduler.step()
         except Exception as exc:  # noqa: BLE001 - a broken step fails its requests, not the service
             log.exception("%s step failed", self.name)
-            events = [Event(rid, [], "abort", error=_as_specdec(exc)) for rid in list(self.scheduler.running)]
-            for rid in list(self.scheduler.running):
-                self.scheduler._finish(rid, release_target=True)
+            events = self.scheduler.fail_running(_as_specdec(exc))
         if self.on_step is not None:
             try:
                 self.on_step(events)

@@ -39,14 +39,16 @@ async def _spec_and_plain(target_addr: str, draft_addr: str, prompts: list[list[
     return spec, plain, (info.kv.pages_free == info.kv.pages_total, tinfo.kv.pages_free == tinfo.kv.pages_total)
 
 
-@pytest.mark.parametrize("backend,dtype,exact", [("torch", "float32", True), ("flashinfer", "bfloat16", False)])
-def test_draft_and_target_on_separate_gpus(backend, dtype, exact, dev_prompts, tiny_tokenizer):
+@pytest.mark.parametrize("backend,dtype,exact,overlap", [
+    ("torch", "float32", True, "0"), ("flashinfer", "bfloat16", False, "0"), ("torch", "float32", True, "4"),
+    ("flashinfer", "bfloat16", False, "4")])
+def test_draft_and_target_on_separate_gpus(backend, dtype, exact, overlap, dev_prompts, tiny_tokenizer):
     from services_stack import start_draft, start_target
 
     common = ["--attention-backend", backend, "--dtype", dtype, "--num-pages", "2000", "--max-batch-size", "16"]
     target = start_target("--device", "cuda:0", *common)
     draft = start_draft(target.addr, "--device", "cuda:1", "--num-steps", "5", "--topk", "1",
-                        "--num-draft-tokens", "5", *common)
+                        "--num-draft-tokens", "5", "--two-batch-overlap", overlap, *common)
     try:
         prompts = [tiny_tokenizer.encode(p)[-200:] for p in dev_prompts[:12]]
         spec, plain, freed = asyncio.run(_spec_and_plain(target.addr, draft.addr, prompts, 48))
@@ -57,3 +59,36 @@ def test_draft_and_target_on_separate_gpus(backend, dtype, exact, dev_prompts, t
     same = sum(s == p for s, p in zip(spec, plain, strict=True))
     # float32: token for token; bf16: a tree verify and a one-token decode may round a near-tie differently
     assert same == len(prompts) if exact else same >= len(prompts) - 2, (same, len(prompts))
+
+
+@pytest.mark.parametrize("backend,dtype", [("torch", "float32"), ("flashinfer", "bfloat16")])
+def test_in_process_generate_on_two_gpus_with_two_batch_overlap(backend, dtype, dev_prompts, tiny_tokenizer):
+    """One thread drives the target on cuda:0 and the draft on cuda:1 (engine calls make their GPU current); with
+    overlap a worker thread verifies. Same tokens as plain decoding on cuda:0 (bf16: the same engine verifies in
+    tree verify and a one-token decode may round a near-tie differently, as above)."""
+    from repo_paths import TINY
+
+    from specdec.engine.draft_engine import SpecConfig
+    from specdec.engine.factory import EngineOptions, build_draft, build_target
+    from specdec.engine.generate import generate
+    from specdec.engine.overlap import TwoBatchOverlap
+    from specdec.sampling_params import SamplingParams
+
+    def opts(device):
+        return EngineOptions(device=device, dtype=dtype, attention_backend=backend, num_pages=2000, max_batch_size=16)
+
+    target = build_target(str(TINY / "target"), opts("cuda:0"))
+    draft = build_draft(str(TINY / "draft"), str(TINY / "target"), SpecConfig(5, 1, 5), opts("cuda:1"),
+                        target.max_context)
+    prompts = [tiny_tokenizer.encode(p)[-200:] for p in dev_prompts[:12]]
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    plain = [r.tokens for r in generate(target, None, prompts, params, max_batch_size=16)]
+    for overlap in (None, TwoBatchOverlap(4, "cuda:0")):
+        spec = [r.tokens for r in generate(target, draft, prompts, params, max_batch_size=16, overlap=overlap)]
+        same = sum(s == p for s, p in zip(spec, plain, strict=True))
+        assert same == len(prompts) if dtype == "float32" else same >= len(prompts) - 2, (same, overlap)
+        for kv in (draft.kv, target.kv):  # every page but the graphs' padding pages is free again
+            _, total, free = kv.stats()
+            assert free == total
+        if overlap is not None:
+            assert overlap.micro_steps > 0

@@ -194,3 +194,30 @@ def test_adaptive_speculation_service_is_lossless(stack, prompts):
             assert spec[0] == plain[0]
     finally:
         auto.stop()
+
+
+def test_two_batch_overlap_service_is_lossless_and_frees_kv(stack, prompts):
+    """`--two-batch-overlap 2`: micro-batches take turns at the target over gRPC (two Verify calls can be out at
+    once); every stream still equals target Generate and both services end with all KV pages free."""
+    target, _ = stack
+    overlapped = start_draft(target.addr, "--two-batch-overlap", "2", "--max-batch-size", "8", "--num-pages", "600")
+    try:
+        async def run():
+            async with make_channel(overlapped.addr) as dch, make_channel(target.addr) as tch:
+                d, t = draft_pb2_grpc.DraftServiceStub(dch), target_pb2_grpc.TargetServiceStub(tch)
+                jobs = []
+                for i, p in enumerate(prompts[:10]):
+                    s = _sampling(max_new_tokens=12 + 4 * i)
+                    jobs.append(_collect(d.Generate(draft_pb2.DraftServiceGenerateRequest(
+                        request_id=f"tbo-{i}", prompt_ids=p, sampling=s))))
+                    jobs.append(_collect(t.Generate(target_pb2.TargetServiceGenerateRequest(
+                        request_id=f"tbo-plain-{i}", prompt_ids=p, sampling=s))))
+                out = await asyncio.gather(*jobs)
+                di = await d.GetModelInfo(draft_pb2.DraftServiceGetModelInfoRequest())
+                return out, di.kv.pages_free == di.kv.pages_total
+        out, draft_free = asyncio.run(run())
+        for spec, plain in zip(out[::2], out[1::2], strict=True):
+            assert spec[0] == plain[0]
+        assert draft_free and asyncio.run(_kv_free(stack))[0]
+    finally:
+        overlapped.stop()

@@ -156,3 +156,23 @@ def test_timings_split_admission_plain_and_speculative_steps(dev_prompts, tiny_t
     assert timings.plain_steps > 0 and timings.spec_steps > 0 and timings.admit_s > 0
     assert timings.plain_s > 0 and timings.spec_s > timings.propose_s > 0
     assert max(r.num_verify_steps for r in out) == timings.plain_steps + timings.spec_steps
+
+
+def test_where_plain_wins_the_whole_tree_is_never_probed_until_half_the_tree_wins():
+    """Large batch, compute-bound: half the tree is slower than plain, so the (costlier) whole tree is not tried;
+    once acceptance rises and half the tree wins, the whole tree is measured next."""
+    p = SpeculationPolicy(budgets=budget_menu(8), explore_every=4, max_explore_every=4, min_samples=2)
+    speed = {0: 30, 4: 20, FULL: 15}
+    chosen = []
+    for _ in range(60):
+        b = p.choose(128)
+        chosen.append(b)
+        p.record(128, b, tokens=speed[b], seconds=1.0)
+    assert FULL not in chosen and chosen[10:].count(0) >= 35  # half the tree re-measured 1 in 4
+    speed = {0: 30, 4: 45, FULL: 60}  # acceptance rises
+    later = []
+    for _ in range(60):
+        b = p.choose(128)
+        later.append(b)
+        p.record(128, b, tokens=speed[b], seconds=1.0)
+    assert FULL in later and later[-20:].count(FULL) >= 14

@@ -1,0 +1,174 @@
+"""Two-batch overlap: the running batch split into two micro-batches that take turns (the draft proposes for one
+while the target verifies the other) gives the same tokens as one synchronous step at a time; aborts and failed
+verifies of a micro-batch in flight end only those requests, and no KV page is left behind."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from core_engines import tiny_draft, tiny_target
+
+from specdec.engine.generate import feature_layers_for
+from specdec.engine.overlap import TwoBatchOverlap, split_by_tokens
+from specdec.engine.scheduler import Scheduler
+from specdec.errors import SpecdecError
+from specdec.sampling_params import SamplingParams
+
+
+def _prompts(dev_prompts, tiny_tokenizer, n, start=60):
+    return [tiny_tokenizer.encode(p)[-(24 + 9 * i):] for i, p in enumerate(dev_prompts[start:start + n])]
+
+
+def _run(sched: Scheduler, prompts, params, on_step=None) -> dict:
+    out = {}
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        sched.add(f"r{i}", prompt, p)
+    n = 0
+    while sched.has_work:
+        for ev in sched.step():
+            if ev.error is not None:
+                out[ev.request_id] = ev.error
+            else:
+                out.setdefault(ev.request_id, []).extend(ev.tokens)
+        n += 1
+        if on_step is not None:
+            on_step(sched, n)
+    sched.close()
+    return out
+
+
+def _all_free(*engines) -> bool:
+    return all(e.kv.num_free_pages == e.kv.num_total_pages and not getattr(e, "requests", {}) for e in engines)
+
+
+class SlowTarget:
+    """The engine, with every verify taking at least `delay_s`; records when each verify ran and its size."""
+
+    def __init__(self, engine, delay_s=0.03, fail_on=None):
+        self.engine, self.delay_s, self.fail_on = engine, delay_s, fail_on
+        self.verifies: list[tuple[float, float, int]] = []
+
+    def verify(self, inputs):
+        t0 = time.perf_counter()
+        if self.fail_on is not None and any(i.request_id == self.fail_on for i in inputs):
+            raise SpecdecError("injected verify failure")
+        out = self.engine.verify(inputs)
+        time.sleep(self.delay_s)
+        self.verifies.append((t0, time.perf_counter(), len(inputs)))
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+def test_split_by_tokens_balances_tokens_not_requests():
+    assert split_by_tokens(["a", "b", "c", "d"], [10, 10, 10, 10], 0.5) == (["a", "b"], ["c", "d"])
+    assert split_by_tokens(["a", "b", "c", "d"], [90, 10, 10, 10], 0.5) == (["a"], ["b", "c", "d"])
+    assert split_by_tokens(["a", "b", "c"], [10, 10, 80], 0.5) == (["a", "b", "c"], [])
+    assert split_by_tokens(["a"], [5], 0.0) == (["a"], [])  # at least one
+    assert split_by_tokens(["a", "b"], [5, 5], 1.0) == (["a", "b"], [])
+
+
+def test_overlap_is_lossless_and_the_draft_proposes_while_the_target_verifies(dev_prompts, tiny_tokenizer):
+    engine = tiny_target()
+    prompts = _prompts(dev_prompts, tiny_tokenizer, 9)
+    params = [SamplingParams(max_new_tokens=n) for n in (30, 12, 41, 25, 7, 33, 19, 28, 36)]
+    plain = _run(Scheduler(engine, None, engine.max_context, 6), prompts, params)
+    for kind in ("draft", "draft-eagle3"):
+        draft = tiny_draft(kind)
+        target = SlowTarget(engine)
+        proposes = []
+        propose = draft.propose
+
+        def timed_propose(rids, size=None, propose=propose, proposes=proposes):
+            proposes.append(time.perf_counter())
+            return propose(rids, size)
+
+        draft.propose = timed_propose
+        overlap = TwoBatchOverlap(min_batch_size=4)
+        # 6 running at most of 9: later requests are admitted while a micro-batch is in flight
+        sched = Scheduler(target, draft, engine.max_context, 6, feature_layers_for(draft), overlap=overlap)
+        assert _run(sched, prompts, params) == plain
+        assert _all_free(engine, draft)
+        assert overlap.micro_steps > 10
+        assert min(n for _, _, n in target.verifies) < 6  # micro-batches, not the whole batch
+        during = sum(any(t0 < t < t1 for t0, t1, _ in target.verifies) for t in proposes)
+        assert during >= overlap.micro_steps // 2, (during, overlap.micro_steps)
+
+
+def test_small_batches_step_synchronously(dev_prompts, tiny_tokenizer):
+    engine, draft = tiny_target(), tiny_draft()
+    prompts = _prompts(dev_prompts, tiny_tokenizer, 3)
+    params = [SamplingParams(max_new_tokens=10)] * 3
+    overlap = TwoBatchOverlap(min_batch_size=4)
+    out = _run(Scheduler(engine, draft, engine.max_context, 8, feature_layers_for(draft), overlap=overlap),
+               prompts, params)
+    assert overlap.micro_steps == 0 and all(len(t) == 10 for t in out.values())
+
+
+def test_abort_of_a_request_in_flight_lands_first_and_frees_its_pages(dev_prompts, tiny_tokenizer):
+    engine, draft = tiny_target(), tiny_draft()
+    prompts = _prompts(dev_prompts, tiny_tokenizer, 6)
+    params = [SamplingParams(max_new_tokens=30, ignore_eos=True)] * 6
+    plain = _run(Scheduler(engine, None, engine.max_context, 8), prompts, params)
+    overlap = TwoBatchOverlap(min_batch_size=2)
+    sched = Scheduler(SlowTarget(engine, 0.01), draft, engine.max_context, 8, feature_layers_for(draft),
+                      overlap=overlap)
+    aborted = []
+
+    def abort_in_flight(s, n):
+        if n == 3:
+            rid = sorted(overlap.busy())[0]
+            aborted.append(rid)
+            s.abort(rid)
+
+    out = _run(sched, prompts, params, abort_in_flight)
+    (rid,) = aborted
+    assert out[rid] == plain[rid][:len(out[rid])] and len(out[rid]) < 30
+    assert {r: t for r, t in out.items() if r != rid} == {r: t for r, t in plain.items() if r != rid}
+    assert _all_free(engine, draft)
+
+
+def test_a_failed_verify_ends_only_its_micro_batch(dev_prompts, tiny_tokenizer):
+    engine, draft = tiny_target(), tiny_draft()
+    prompts = _prompts(dev_prompts, tiny_tokenizer, 8)
+    params = [SamplingParams(max_new_tokens=20, ignore_eos=True)] * 8
+    plain = _run(Scheduler(engine, None, engine.max_context, 8), prompts, params)
+    overlap = TwoBatchOverlap(min_batch_size=2)
+    sched = Scheduler(SlowTarget(engine, 0.0, fail_on="r0"), draft, engine.max_context, 8,
+                      feature_layers_for(draft), overlap=overlap)
+    out = _run(sched, prompts, params)
+    failed = {r for r, v in out.items() if isinstance(v, SpecdecError)}
+    assert "r0" in failed and 0 < len(failed) < 8  # r0's micro-batch, not the other one
+    assert all(out[r] == plain[r] for r in out if r not in failed)
+    assert _all_free(engine, draft)
+
+
+def test_seeded_sampling_draws_the_same_with_and_without_overlap(dev_prompts, tiny_tokenizer):
+    engine = tiny_target()
+    prompts = _prompts(dev_prompts, tiny_tokenizer, 6)
+    params = [SamplingParams(max_new_tokens=24, temperature=0.8, top_p=0.95, seed=100 + i) for i in range(6)]
+    runs = []
+    for overlap in (None, TwoBatchOverlap(min_batch_size=2)):
+        draft = tiny_draft()
+        runs.append(_run(Scheduler(engine, draft, engine.max_context, 8, feature_layers_for(draft),
+                                   overlap=overlap), prompts, params))
+        assert _all_free(engine, draft)
+    assert runs[0] == runs[1]
+
+
+def test_the_verify_worker_runs_beside_the_scheduler_thread(dev_prompts, tiny_tokenizer):
+    """The verify call leaves the scheduler's thread (so the draft's work is not behind it)."""
+    engine, draft = tiny_target(), tiny_draft()
+    threads = set()
+
+    class Recording(SlowTarget):
+        def verify(self, inputs):
+            threads.add(threading.current_thread().name)
+            return super().verify(inputs)
+
+    prompts = _prompts(dev_prompts, tiny_tokenizer, 4)
+    _run(Scheduler(Recording(engine, 0.0), draft, engine.max_context, 8, feature_layers_for(draft),
+                   overlap=TwoBatchOverlap(min_batch_size=2)), prompts, [SamplingParams(max_new_tokens=8)] * 4)
+    assert threads and all(t.startswith("specdec-verify") for t in threads)
