@@ -77,6 +77,7 @@ class Launch:
     speculate: bool
     trace: tuple[bool, Any, list]
     started: float  # perf_counter at the start of the step
+    catch_up_s: float = 0.0  # of which the draft's extend over tokens that earlier plain steps committed
 
     @property
     def num_draft_tokens(self) -> int:
@@ -308,13 +309,12 @@ class Scheduler:
         budget = self._budget(rids)
         speculate = self.draft is not None and budget != 0
         trace = sampled, parent, links = self._step_trace([self.running[rid] for rid in rids])
-        if speculate:
-            self._catch_up(rids, trace)
+        catch_up_s = self._catch_up(rids, trace) if speculate else 0.0
         with self.step_spans.span("draft.propose", sampled, links, parent, batch_size=len(rids)) as span:
             trees = self._propose(rids, budget) if speculate else [_EMPTY] * len(rids)
             if span is not None:
                 span.set_attribute("num_draft_tokens", sum(len(t.tokens) for t in trees))
-        return Launch(rids, trees, budget, speculate, trace, started)
+        return Launch(rids, trees, budget, speculate, trace, started, catch_up_s)
 
     def verify(self, launch: Launch) -> list:
         """The target's verdict on a launch's trees (callable from another thread: see `TwoBatchOverlap`)."""
@@ -361,7 +361,10 @@ class Scheduler:
             self.timings.plain_steps += 1
             self.timings.plain_s += elapsed
         if self.policy is not None and self.draft is not None:
-            self.policy.record(len(rids), launch.budget, sum(len(e.tokens) for e in events), elapsed)
+            # the catch-up is the deferred cost of earlier plain steps, paid once per switch: the policy compares
+            # the budgets' steady rates (else a re-measurement after plain steps always reads slow)
+            self.policy.record(len(rids), launch.budget, sum(len(e.tokens) for e in events),
+                               elapsed - launch.catch_up_s)
         return events
 
     def fail_running(self, error: SpecdecError) -> list[Event]:
@@ -385,16 +388,20 @@ class Scheduler:
             return FULL
         return self.policy.choose(len(rids))
 
-    def _catch_up(self, rids: list[str], trace) -> None:
-        """Extend the draft over tokens that plain steps committed, so its state is current before proposing."""
+    def _catch_up(self, rids: list[str], trace) -> float:
+        """Extend the draft over tokens that plain steps committed, so its state is current before proposing.
+        Returns the seconds it took."""
         items = []
         for rid in rids:
             state = self.running[rid]
             if state.backlog_tokens:
                 items.append((rid, state.backlog_tokens, torch.cat(state.backlog_features)))
                 state.backlog_tokens, state.backlog_features = [], []
-        if items:
-            self._extend(items, trace, "draft.catch_up")
+        if not items:
+            return 0.0
+        t0 = time.perf_counter()
+        self._extend(items, trace, "draft.catch_up")
+        return time.perf_counter() - t0
 
     def _propose(self, rids: list[str], budget: int = FULL) -> list:
         empty = _EMPTY

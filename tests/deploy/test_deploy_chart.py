@@ -122,6 +122,7 @@ def test_default_runs_on_cpu_with_the_bundled_model():
     draft, target = container(pair, "draft"), container(pair, "target")
     assert flag(draft, "target") == "localhost:50052", "draft and target share the Pod and talk over localhost"
     assert flag(draft, "device") == flag(target, "device") == "cpu"
+    assert flag(draft, "two-batch-overlap") is None, "on CPU the services share the cores: no overlap"
     assert flag(target, "model") == "/opt/specdec/models/tiny-code/target"
     assert flag(draft, "model") == "/opt/specdec/models/tiny-code/draft"
     assert flag(draft, "target-model") == flag(target, "model")
@@ -165,6 +166,7 @@ def test_gpu_pair_gives_draft_and_target_their_own_gpu():
         assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
     assert flag(container(pair, "target"), "attention-backend") == "flashinfer"
     assert flag(container(pair, "draft"), "topk") == "4"
+    assert flag(container(pair, "draft"), "two-batch-overlap") == "32", "own GPUs: micro-batches take turns"
     assert flag(container(pair, "draft"), "model") == "/models/EAGLE3-LLaMA3.1-Instruct-8B"
     spec = pod_spec(pair)
     assert spec["runtimeClassName"] == "nvidia"

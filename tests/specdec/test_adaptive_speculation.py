@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from core_engines import tiny_draft, tiny_target
 
 from specdec.engine.adaptive import FULL, SpeculationPolicy, budget_menu
@@ -176,3 +178,27 @@ def test_where_plain_wins_the_whole_tree_is_never_probed_until_half_the_tree_win
         later.append(b)
         p.record(128, b, tokens=speed[b], seconds=1.0)
     assert FULL in later and later[-20:].count(FULL) >= 14
+
+
+def test_the_policy_times_a_speculative_step_without_the_catch_up_of_earlier_plain_steps(dev_prompts, tiny_tokenizer):
+    """After plain steps the draft first extends over their tokens: a one-off cost of switching, not of speculating,
+    so the rate the policy records for that step leaves it out (the step's own timings keep it)."""
+    target, draft = tiny_target(), tiny_draft()
+    recorded = []
+
+    class Recording(AlternatingPolicy):
+        def record(self, batch_size, budget, tokens, seconds):
+            recorded.append((budget, seconds))
+
+    class SlowCatchUp(Scheduler):
+        def _extend(self, extend, trace, name="draft.extend"):
+            if name == "draft.catch_up":
+                time.sleep(0.3)
+            super()._extend(extend, trace, name)
+
+    sched = SlowCatchUp(target, draft, target.max_context, 4, feature_layers_for(draft), policy=Recording())
+    prompts = [tiny_tokenizer.encode(p)[-60:] for p in dev_prompts[44:46]]
+    _run(sched, prompts, [SamplingParams(max_new_tokens=24, ignore_eos=True)] * 2)
+    after_plain = [s for (b, s), (prev, _) in zip(recorded[1:], recorded, strict=False) if b == FULL and prev == 0]
+    assert after_plain and max(after_plain) < 0.3
+    assert sched.timings.spec_s > 0.3 * len(after_plain)

@@ -297,6 +297,9 @@ lifecycle:
     {{- if and (eq $v.device "cuda") (not $v.draft.cudaGraph) }}
     - --disable-cuda-graph
     {{- end }}
+    {{- if eq $v.device "cuda" }}
+    - --two-batch-overlap={{ $v.draft.twoBatchOverlap }}
+    {{- end }}
     - --log-format={{ $v.logFormat }}
     - --drain-seconds={{ $v.drainSeconds }}
     {{- with include "specdec.tlsArgs" .root | trim }}{{ . | nindent 4 }}{{- end }}
