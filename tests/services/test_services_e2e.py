@@ -171,27 +171,31 @@ def test_target_rpc_errors(stack):
     assert asyncio.run(_kv_free(stack))[0]
 
 
+async def _pairs(draft_addr: str, target_addr: str, prompts, lengths: list[int], tag: str):
+    """Every prompt to this draft service and to target Generate at once: (draft token lists, target token lists,
+    whether the draft's KV pool is all free afterwards)."""
+    async with make_channel(draft_addr) as dch, make_channel(target_addr) as tch:
+        d, t = draft_pb2_grpc.DraftServiceStub(dch), target_pb2_grpc.TargetServiceStub(tch)
+        jobs = []
+        for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
+            s = _sampling(max_new_tokens=n)
+            jobs.append(_collect(d.Generate(draft_pb2.DraftServiceGenerateRequest(
+                request_id=f"{tag}-{i}", prompt_ids=p, sampling=s))))
+            jobs.append(_collect(t.Generate(target_pb2.TargetServiceGenerateRequest(
+                request_id=f"{tag}-plain-{i}", prompt_ids=p, sampling=s))))
+        out = await asyncio.gather(*jobs)
+        di = await d.GetModelInfo(draft_pb2.DraftServiceGetModelInfoRequest())
+    return [o[0] for o in out[::2]], [o[0] for o in out[1::2]], di.kv.pages_free == di.kv.pages_total
+
+
 def test_adaptive_speculation_service_is_lossless(stack, prompts):
     """`--speculation auto` switches between speculative and plain steps by measured tokens/s; the stream
     still equals target Generate token for token."""
     target, _ = stack
     auto = start_draft(target.addr, "--speculation", "auto", "--max-batch-size", "8")
     try:
-        async def run():
-            async with make_channel(auto.addr) as dch, make_channel(target.addr) as tch:
-                d, t = draft_pb2_grpc.DraftServiceStub(dch), target_pb2_grpc.TargetServiceStub(tch)
-                jobs = []
-                for i, p in enumerate(prompts[:6]):
-                    s = _sampling(max_new_tokens=40)
-                    jobs.append(_collect(d.Generate(draft_pb2.DraftServiceGenerateRequest(
-                        request_id=f"auto-{i}", prompt_ids=p, sampling=s))))
-                    jobs.append(_collect(t.Generate(target_pb2.TargetServiceGenerateRequest(
-                        request_id=f"auto-plain-{i}", prompt_ids=p, sampling=s))))
-                return await asyncio.gather(*jobs)
-
-        out = asyncio.run(run())
-        for spec, plain in zip(out[::2], out[1::2], strict=True):
-            assert spec[0] == plain[0]
+        spec, plain, _ = asyncio.run(_pairs(auto.addr, target.addr, prompts[:6], [40] * 6, "auto"))
+        assert spec == plain
     finally:
         auto.stop()
 
@@ -202,22 +206,9 @@ def test_two_batch_overlap_service_is_lossless_and_frees_kv(stack, prompts):
     target, _ = stack
     overlapped = start_draft(target.addr, "--two-batch-overlap", "2", "--max-batch-size", "8", "--num-pages", "600")
     try:
-        async def run():
-            async with make_channel(overlapped.addr) as dch, make_channel(target.addr) as tch:
-                d, t = draft_pb2_grpc.DraftServiceStub(dch), target_pb2_grpc.TargetServiceStub(tch)
-                jobs = []
-                for i, p in enumerate(prompts[:10]):
-                    s = _sampling(max_new_tokens=12 + 4 * i)
-                    jobs.append(_collect(d.Generate(draft_pb2.DraftServiceGenerateRequest(
-                        request_id=f"tbo-{i}", prompt_ids=p, sampling=s))))
-                    jobs.append(_collect(t.Generate(target_pb2.TargetServiceGenerateRequest(
-                        request_id=f"tbo-plain-{i}", prompt_ids=p, sampling=s))))
-                out = await asyncio.gather(*jobs)
-                di = await d.GetModelInfo(draft_pb2.DraftServiceGetModelInfoRequest())
-                return out, di.kv.pages_free == di.kv.pages_total
-        out, draft_free = asyncio.run(run())
-        for spec, plain in zip(out[::2], out[1::2], strict=True):
-            assert spec[0] == plain[0]
+        lengths = [12 + 4 * i for i in range(10)]
+        spec, plain, draft_free = asyncio.run(_pairs(overlapped.addr, target.addr, prompts[:10], lengths, "tbo"))
+        assert spec == plain
         assert draft_free and asyncio.run(_kv_free(stack))[0]
     finally:
         overlapped.stop()

@@ -107,14 +107,21 @@ def test_small_batches_step_synchronously(dev_prompts, tiny_tokenizer):
     assert overlap.micro_steps == 0 and all(len(t) == 10 for t in out.values())
 
 
-def test_abort_of_a_request_in_flight_lands_first_and_frees_its_pages(dev_prompts, tiny_tokenizer):
+def _overlapped_vs_plain(dev_prompts, tiny_tokenizer, n: int, new_tokens: int, target_wrapper):
+    """(engine, draft, prompts, params, plain outputs, an overlapped scheduler over `target_wrapper(engine)`)."""
     engine, draft = tiny_target(), tiny_draft()
-    prompts = _prompts(dev_prompts, tiny_tokenizer, 6)
-    params = [SamplingParams(max_new_tokens=30, ignore_eos=True)] * 6
+    prompts = _prompts(dev_prompts, tiny_tokenizer, n)
+    params = [SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)] * n
     plain = _run(Scheduler(engine, None, engine.max_context, 8), prompts, params)
-    overlap = TwoBatchOverlap(min_batch_size=2)
-    sched = Scheduler(SlowTarget(engine, 0.01), draft, engine.max_context, 8, feature_layers_for(draft),
-                      overlap=overlap)
+    sched = Scheduler(target_wrapper(engine), draft, engine.max_context, 8, feature_layers_for(draft),
+                      overlap=TwoBatchOverlap(min_batch_size=2))
+    return engine, draft, prompts, params, plain, sched
+
+
+def test_abort_of_a_request_in_flight_lands_first_and_frees_its_pages(dev_prompts, tiny_tokenizer):
+    engine, draft, prompts, params, plain, sched = _overlapped_vs_plain(
+        dev_prompts, tiny_tokenizer, 6, 30, lambda e: SlowTarget(e, 0.01))
+    overlap = sched.overlap
     aborted = []
 
     def abort_in_flight(s, n):
@@ -131,13 +138,8 @@ def test_abort_of_a_request_in_flight_lands_first_and_frees_its_pages(dev_prompt
 
 
 def test_a_failed_verify_ends_only_its_micro_batch(dev_prompts, tiny_tokenizer):
-    engine, draft = tiny_target(), tiny_draft()
-    prompts = _prompts(dev_prompts, tiny_tokenizer, 8)
-    params = [SamplingParams(max_new_tokens=20, ignore_eos=True)] * 8
-    plain = _run(Scheduler(engine, None, engine.max_context, 8), prompts, params)
-    overlap = TwoBatchOverlap(min_batch_size=2)
-    sched = Scheduler(SlowTarget(engine, 0.0, fail_on="r0"), draft, engine.max_context, 8,
-                      feature_layers_for(draft), overlap=overlap)
+    engine, draft, prompts, params, plain, sched = _overlapped_vs_plain(
+        dev_prompts, tiny_tokenizer, 8, 20, lambda e: SlowTarget(e, 0.0, fail_on="r0"))
     out = _run(sched, prompts, params)
     failed = {r for r, v in out.items() if isinstance(v, SpecdecError)}
     assert "r0" in failed and 0 < len(failed) < 8  # r0's micro-batch, not the other one
