@@ -8,11 +8,11 @@ size, and tokens/s rises then falls along it (more drafts accepted vs a longer v
 it measures budgets in order while they get faster (a bigger budget after a slower one is not tried: at large
 batch the whole tree costs several plain steps), then keeps re-measuring the neighbours of its choice (in
 turn), so a change in acceptance (a new prompt mix) or load moves the choice one budget at a time.
-Re-measuring costs (a speculative step after plain ones first extends the draft over the backlog), so the
-interval backs off: it starts at `explore_every` steps, doubles (up to `max_explore_every`) each time a
-re-measurement confirms the choice, and resets when one overturns it. Buckets
-are powers of two. The menu (`budget_menu`) is plain, about half the tree, and the whole tree: at large batch a
-verify is compute-bound and its cost grows with the tokens verified, so a shorter chain can beat both extremes.
+Re-measuring costs (a speculative step after plain ones first extends the draft over the backlog), so the interval
+backs off: it starts at `explore_every` steps, doubles (up to `max_explore_every`) each time a re-measurement
+confirms the choice, and resets when one overturns it. Buckets are powers of two. The menu (`budget_menu`) is
+plain, about half the tree, and the whole tree: at large batch a verify is compute-bound and its cost grows with
+the tokens verified, so a shorter chain can beat both extremes.
 """
 
 from __future__ import annotations

@@ -76,6 +76,7 @@ class TwoBatchOverlap:
         self.device = torch.device(device) if device is not None else None  # the verify worker's current GPU
         self.inflight: deque[tuple[Launch, Future]] = deque()
         self._pool: ThreadPoolExecutor | None = None
+        self._workers = 1  # 2 once `wrap_target` sees a target that takes concurrent calls
         self._last_land = 0.0
         self.micro_steps = 0  # landings of micro-batches (not counting synchronous steps)
 
