@@ -141,7 +141,7 @@ class Scheduler:
 
     def _apply_aborts(self) -> list[Event]:
         events, later = [], set()
-        in_flight = self.overlap.busy() if self.overlap is not None else set()
+        in_flight = self.overlap.busy() if self.overlap is not None and self._aborts else set()
         for rid in self._aborts:
             if rid in in_flight:  # its verify is out: abort once it has landed
                 later.add(rid)
@@ -312,9 +312,10 @@ class Scheduler:
         catch_up_s = self._catch_up(rids, trace) if speculate else 0.0
         with self.step_spans.span("draft.propose", sampled, links, parent, batch_size=len(rids)) as span:
             trees = self._propose(rids, budget) if speculate else [_EMPTY] * len(rids)
+            launch = Launch(rids, trees, budget, speculate, trace, started, catch_up_s)
             if span is not None:
-                span.set_attribute("num_draft_tokens", sum(len(t.tokens) for t in trees))
-        return Launch(rids, trees, budget, speculate, trace, started, catch_up_s)
+                span.set_attribute("num_draft_tokens", launch.num_draft_tokens)
+        return launch
 
     def verify(self, launch: Launch) -> list:
         """The target's verdict on a launch's trees (callable from another thread: see `TwoBatchOverlap`)."""

@@ -126,12 +126,14 @@ class EngineLoop:
             with self._cond:
                 while not self._calls and not self._stopping and not (self.scheduler and self.scheduler.has_work):
                     self._cond.wait()
-                if self._stopping:
+                stopping = self._stopping
+                if stopping:
                     self._fail_all()
-                    if self.scheduler is not None:
-                        self.scheduler.close()
-                    return
                 calls, self._calls = self._calls, []
+            if stopping:  # verifies in flight are waited for outside the lock: handlers keep being answered
+                if self.scheduler is not None:
+                    self.scheduler.close()
+                return
             self._run_calls(calls)
             if self.scheduler is not None and self.scheduler.has_work:
                 self._step()
