@@ -13,6 +13,7 @@ from specdec.rpc.errors import map_servicer_errors
 from specdec.rpc.sampling_codec import sampling_from_proto
 from specdec.rpc.target_codec import (
     check_request_id,
+    features_to_host,
     finish_to_proto,
     prefill_from_proto,
     prefill_output_to_proto,
@@ -36,7 +37,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         inp = prefill_from_proto(request)
         with bind_request_id(inp.request_id):
             t0 = time.perf_counter()
-            out = (await self.loop.call(self.engine.prefill, [inp]))[0]
+            out = (await self.loop.call(self._prefill, [inp]))[0]
             elapsed = time.perf_counter() - t0
             trace.get_current_span().set_attribute("num_prompt_tokens", len(inp.prompt_ids))
             log.info("prefill: %d prompt tokens in %.3f s", len(inp.prompt_ids), elapsed,
@@ -49,6 +50,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             return target_pb2.VerifyResponse()
         outputs = await self.loop.call_batched(self._verify_many, (inputs, current_trace_context()))
         return verify_outputs_to_proto(outputs)
+
+    def _prefill(self, inputs: list) -> list:
+        return features_to_host(self.engine.prefill(inputs))
 
     def _verify_many(self, groups: list[tuple[list, object]]) -> list[list]:
         """Several Verify RPCs that arrived together run as one forward (engine thread). Each group is
@@ -65,6 +69,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                           "num_draft_tokens": sum(len(i.draft_tokens) for i in flat)}
             with get_tracer().start_as_current_span("target.verify_batch", parent, links=links, attributes=attributes):
                 outs = self.engine.verify(flat)
+        features_to_host(outs)  # here, not in the handler: the copy waits for the GPU
         result, start = [], 0
         for g, _ in groups:
             result.append(outs[start : start + len(g)])

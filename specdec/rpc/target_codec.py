@@ -55,7 +55,7 @@ def prefill_output_to_proto(out: PrefillOutput) -> target_pb2.PrefillResponse:
     msg = target_pb2.PrefillResponse(request_id=out.request_id, first_token=out.first_token,
                                      finish_reason=finish_to_proto(out.finish_reason))
     if out.features is not None:
-        msg.features.CopyFrom(tensor_to_proto(out.features))
+        tensor_to_proto(out.features, msg.features)
     return msg
 
 
@@ -87,7 +87,7 @@ def verify_outputs_to_proto(outputs: list[VerifyOutput]) -> target_pb2.VerifyRes
             request_id=out.request_id, tokens=out.tokens, num_accepted_drafts=out.num_accepted_drafts,
             num_feature_rows=rows, finish_reason=finish_to_proto(out.finish_reason)))
     if feats:
-        msg.features.CopyFrom(tensor_to_proto(torch.cat(feats)))
+        tensor_to_proto(feats[0] if len(feats) == 1 else torch.cat(feats), msg.features)
     return msg
 
 
@@ -100,4 +100,21 @@ def verify_outputs_from_proto(msg: target_pb2.VerifyResponse, device=None) -> li
         start += r.num_feature_rows
         outputs.append(VerifyOutput(r.request_id, list(r.tokens), r.num_accepted_drafts, rows,
                                     finish_from_proto(r.finish_reason)))
+    return outputs
+
+
+def features_to_host(outputs: list) -> list:
+    """Move the features of Prefill/Verify outputs to host memory, one device-to-host copy per feature width.
+    Call it on the engine thread: the copy waits for the GPU, and the event loop that packs the reply (and
+    answers every other RPC) must not; with two micro-batches in flight it would also wait for the next
+    micro-batch's forward queued behind it."""
+    groups: dict[tuple, list] = {}
+    for out in outputs:
+        f = out.features
+        if f is not None and f.device.type != "cpu":
+            groups.setdefault((f.dtype, tuple(f.shape[1:])), []).append(out)
+    for group in groups.values():
+        host = torch.cat([o.features for o in group]).cpu()
+        for out, rows in zip(group, host.split([o.features.shape[0] for o in group]), strict=True):
+            out.features = rows
     return outputs

@@ -28,8 +28,9 @@ if sys.byteorder != "little":  # pragma: no cover - the wire format is the host'
     raise ImportError("specdec.rpc.tensor_codec supports little-endian hosts only")
 
 
-def tensor_to_proto(t: torch.Tensor) -> common_pb2.Tensor:
-    """Pack `t` (float32, bfloat16 or float16, any device) into a Tensor message.
+def tensor_to_proto(t: torch.Tensor, out: common_pb2.Tensor | None = None) -> common_pb2.Tensor:
+    """Pack `t` (float32, bfloat16 or float16, any device) into a Tensor message (`out`, e.g. a reply's field,
+    filled in place: no second copy of the bytes; else a new one).
 
     The bytes are those of a contiguous CPU copy; bf16/fp16 are reinterpreted as int16, never converted.
     """
@@ -39,7 +40,12 @@ def tensor_to_proto(t: torch.Tensor) -> common_pb2.Tensor:
     cpu = t.detach().to("cpu").contiguous()
     raw = cpu.view(torch.int16) if cpu.element_size() == 2 else cpu.view(torch.int32)
     data = raw.numpy().tobytes() if cpu.numel() else b""
-    return common_pb2.Tensor(dtype=name, shape=list(cpu.shape), data=data)
+    if out is None:
+        return common_pb2.Tensor(dtype=name, shape=list(cpu.shape), data=data)
+    out.dtype, out.data = name, data
+    del out.shape[:]
+    out.shape.extend(cpu.shape)
+    return out
 
 
 def tensor_from_proto(

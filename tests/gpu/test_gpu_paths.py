@@ -169,3 +169,17 @@ def test_sampled_speculative_generation_on_gpu_is_seed_reproducible(backend):
     plain = generate(target, None, prompts, [SamplingParams(max_new_tokens=24, temperature=0.8, seed=5)] * 3)
     assert all(r.tokens for r in plain)
     assert target.kv.num_free_pages + len(target.kv.aside) == target.kv.num_total_pages
+
+
+def test_features_go_to_host_in_one_batch_per_width():
+    from specdec.engine.requests import STOP, VerifyOutput
+    from specdec.rpc.target_codec import features_to_host
+
+    a, b, c = (torch.randn(n, w, device="cuda").to(torch.bfloat16) for n, w in ((3, 8), (2, 8), (1, 16)))
+    outs = [VerifyOutput("a", [1], 0, a), VerifyOutput("b", [1], 0, b), VerifyOutput("c", [1], 0, c),
+            VerifyOutput("d", [1], 0, None, STOP)]
+    features_to_host(outs)
+    assert all(o.features.device.type == "cpu" for o in outs[:3]) and outs[3].features is None
+    assert torch.equal(outs[0].features, a.cpu()) and torch.equal(outs[1].features, b.cpu())
+    assert torch.equal(outs[2].features, c.cpu())
+    assert outs[0].features.untyped_storage().data_ptr() == outs[1].features.untyped_storage().data_ptr()

@@ -1,0 +1,39 @@
+"""target_codec: Verify replies carry the batch's features as one blob and unpack to the same rows; the engine
+thread moves features to host memory in one copy per feature width before the reply is packed."""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.engine.requests import RUNNING, STOP, VerifyOutput
+from specdec.rpc.target_codec import features_to_host, verify_outputs_from_proto, verify_outputs_to_proto
+from specdec.rpc.tensor_codec import tensor_to_proto
+from specdec.v1 import common_pb2, target_pb2
+
+
+def test_verify_reply_round_trip_keeps_each_requests_rows():
+    feats = [torch.randn(3, 8).to(torch.bfloat16), torch.randn(1, 8).to(torch.bfloat16)]
+    outs = [VerifyOutput("a", [1, 2, 3], 2, feats[0]), VerifyOutput("b", [4], 0, feats[1]),
+            VerifyOutput("c", [5, 6], 1, None, STOP)]
+    msg = target_pb2.VerifyResponse.FromString(verify_outputs_to_proto(outs).SerializeToString())
+    back = verify_outputs_from_proto(msg)
+    assert [(o.request_id, o.tokens, o.num_accepted_drafts, o.finish_reason) for o in back] == \
+        [("a", [1, 2, 3], 2, RUNNING), ("b", [4], 0, RUNNING), ("c", [5, 6], 1, STOP)]
+    assert torch.equal(back[0].features, feats[0]) and torch.equal(back[1].features, feats[1])
+    assert back[2].features is None
+
+
+def test_tensor_fills_a_replys_field_in_place():
+    t = torch.randn(4, 6)
+    reply = target_pb2.PrefillResponse()
+    tensor_to_proto(t, reply.features)
+    assert reply.features == tensor_to_proto(t)
+    tensor_to_proto(torch.randn(2, 3), reply.features)  # refilled, not appended
+    assert list(reply.features.shape) == [2, 3] and isinstance(reply.features, common_pb2.Tensor)
+
+
+def test_host_features_are_left_as_they_are():
+    """(The device-to-host copy itself is checked on a GPU: tests/gpu/test_gpu_paths.py.)"""
+    f = torch.randn(2, 8)
+    outs = [VerifyOutput("a", [1, 2], 1, f), VerifyOutput("b", [3], 0, None, STOP)]
+    assert features_to_host(outs) is outs and outs[0].features is f and outs[1].features is None
