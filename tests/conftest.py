@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 from pathlib import Path
 
 import pytest
 import torch
-from repo_paths import SHARED_PROMPTS, TINY
+from repo_paths import REPO, SHARED_PROMPTS, TINY
+
+PACKAGES = ("specdec", "gateway", "draft_service", "target_service")
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -20,15 +23,26 @@ def tiny_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def dev_prompts() -> list[str]:
-    """Held-out prompts: ../shared/prompts/dev.jsonl when present, else a few bundled code prompts."""
+    """Held-out prompts: ../shared/prompts/dev.jsonl when present (CI), else openings of this project's own
+    functions (a fresh clone: real Python code, enough of it for every test's slice)."""
     if SHARED_PROMPTS.is_file():
         return [json.loads(line)["prompt"] for line in SHARED_PROMPTS.read_text().splitlines() if line.strip()]
-    return [
-        'def bfs(G, source):\n    """Breadth-first search from source."""\n',
-        "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n",
-        "import os\n\n\ndef list_files(path):\n    \"\"\"Return the files under path.\"\"\"\n",
-        "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    ]
+    return _own_function_openings()
+
+
+def _own_function_openings(limit: int = 400) -> list[str]:
+    """For each documented function of the project's packages (files in sorted order): its source from the
+    `def` line to the end of its docstring."""
+    prompts = []
+    for path in sorted(p for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py") if "/v1/" not in str(p)):
+        lines = path.read_text().splitlines(keepends=True)
+        for node in ast.walk(ast.parse("".join(lines))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and ast.get_docstring(node):
+                doc = node.body[0]
+                prompts.append("".join(lines[node.lineno - 1 : doc.end_lineno]).lstrip())
+                if len(prompts) == limit:
+                    return prompts
+    return prompts
 
 
 @pytest.fixture(scope="session")
