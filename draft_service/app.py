@@ -98,12 +98,16 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
 
 
 def _observe(metrics, engine, events) -> None:
-    """Spec-decode counters of one step (KV and request gauges are read at scrape time, see `track`)."""
+    """Spec-decode counters of one step (KV and request gauges are read at scrape time, see `track`). Only
+    requests that had a draft count as drafts: under `--speculation auto` a step may verify nothing (plain) or
+    part of the tree."""
     verified = [e for e in events if e.from_verify]
     if verified:
         metrics.observe_batch(len(verified))
+    drafted = [e for e in verified if e.num_draft_tokens]
+    if drafted:
         per_pos = [0] * engine.spec.num_steps
-        for e in verified:
+        for e in drafted:
             for i in range(min(e.num_accepted_drafts, len(per_pos))):
                 per_pos[i] += 1
-        metrics.observe_spec_step(len(verified), len(verified) * engine.spec.num_draft_tokens, per_pos)
+        metrics.observe_spec_step(len(drafted), sum(e.num_draft_tokens for e in drafted), per_pos)

@@ -49,6 +49,7 @@ class Event:
     error: SpecdecError | None = None
     num_accepted_drafts: int = 0
     from_verify: bool = False  # False for the prefill's first token and for aborts
+    num_draft_tokens: int = 0  # draft tokens the step verified for this request (0: a plain step)
 
 
 @dataclass
@@ -344,7 +345,8 @@ class Scheduler:
             state = self.running[out.request_id]
             self._count(state, len(tree.tokens), out.num_accepted_drafts, out.tokens)
             events.append(Event(out.request_id, out.tokens, out.finish_reason,
-                                num_accepted_drafts=out.num_accepted_drafts, from_verify=True))
+                                num_accepted_drafts=out.num_accepted_drafts, from_verify=True,
+                                num_draft_tokens=len(tree.tokens)))
             if out.finish_reason != RUNNING:
                 self._finish(out.request_id, release_target=False)  # the target freed its pages itself
             elif self.draft is not None and launch.speculate:

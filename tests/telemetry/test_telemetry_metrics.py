@@ -89,3 +89,32 @@ def test_status_codes_are_accepted_as_enums(scrape):
     got = samples()
     assert got[("specdec:requests_total", labels(status="CANCELLED"))] == 1
     assert got[("specdec:request_errors_total", labels(code="CANCELLED"))] == 1
+
+
+def test_draft_counts_only_requests_that_had_a_draft():
+    """Under `--speculation auto` a step may verify nothing (plain) or part of the tree: draft counters follow
+    what was verified, not the configured tree size."""
+    from types import SimpleNamespace
+
+    from draft_service.app import _observe
+    from specdec.engine.scheduler import Event
+
+    class Recording:
+        def __init__(self):
+            self.batches, self.steps = [], []
+
+        def observe_batch(self, n):
+            self.batches.append(n)
+
+        def observe_spec_step(self, num_drafts, num_draft_tokens, per_pos):
+            self.steps.append((num_drafts, num_draft_tokens, per_pos))
+
+    engine = SimpleNamespace(spec=SimpleNamespace(num_steps=4, num_draft_tokens=8))
+    m = Recording()
+    plain = [Event(r, [7], from_verify=True) for r in "ab"]
+    _observe(m, engine, plain)
+    assert m.batches == [2] and m.steps == []
+    partial = [Event("a", [1, 2, 3], num_accepted_drafts=2, from_verify=True, num_draft_tokens=4),
+               Event("b", [4], from_verify=True, num_draft_tokens=4), Event("c", [], "abort")]
+    _observe(m, engine, partial)
+    assert m.batches == [2, 2] and m.steps == [(2, 8, [1, 1, 0, 0])]
