@@ -51,11 +51,12 @@ def stack(tmp_path_factory):
     target_b = start_target()
     gateway = start_gateway(f"{draft_a.addr}={target_a.addr}", f"={target_b.addr}")
     wait_pairs_up(gateway.addr, 2)
-    yield {"target_a": target_a, "draft_a": draft_a, "target_b": target_b, "gateway": gateway, "logs": logs}
+    stack = {"target_a": target_a, "draft_a": draft_a, "target_b": target_b, "gateway": gateway, "logs": logs}
+    yield stack
     gateway.stop()
     draft_a.stop()
     target_b.stop()
-    target_a.kill()
+    stack["target_a"].kill()  # the restarted process, if a test restarted it (the first one is dead then)
 
 
 def restart_target_a(stack) -> None:
