@@ -171,6 +171,7 @@ def test_the_verify_worker_runs_beside_the_scheduler_thread(dev_prompts, tiny_to
             return super().verify(inputs)
 
     prompts = _prompts(dev_prompts, tiny_tokenizer, 4)
+    params = [SamplingParams(max_new_tokens=8, ignore_eos=True)] * 4  # all four run to the end: never below 2
     _run(Scheduler(Recording(engine, 0.0), draft, engine.max_context, 8, feature_layers_for(draft),
-                   overlap=TwoBatchOverlap(min_batch_size=2)), prompts, [SamplingParams(max_new_tokens=8)] * 4)
+                   overlap=TwoBatchOverlap(min_batch_size=2)), prompts, params)
     assert threads and all(t.startswith("specdec-verify") for t in threads)
