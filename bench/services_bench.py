@@ -1,16 +1,21 @@
 """End-to-end tokens/s and per-step time split of speculative decoding through the gRPC services (tiny pair, CPU).
 
-Starts the target service and one draft service per setting in this process (each on its own event-loop thread,
-free loopback ports), sends N concurrent greedy requests (`ignore_eos`, so every request makes the same number
-of tokens) once to `DraftService.Generate` (speculative) and once to `TargetService.Generate` (plain), and reports
-tokens/s, the speed-up, tau and the split of one speculative step in ms:
+Starts the target service and one draft service per setting (in this process, each on its own event-loop thread,
+or as their own processes with --target-process / --draft-process, as deployed), sends N concurrent greedy
+requests (`ignore_eos`, so every request makes the same number of tokens) once to `DraftService.Generate`
+(speculative) and once to `TargetService.Generate` (plain), and reports tokens/s, the speed-up, tau and the split
+of one speculative step in ms:
 
-    propose   the draft's tree growth (Scheduler timings)
-    target    time inside `TargetEngine.verify` (the target's forward + acceptance; timed here by wrapping it)
-    rpc       the draft's Verify round trip minus `target`: protobuf + feature (de)serialization, gRPC, the
-              target's engine-loop hand-off
-    extend    the draft's extend over the accepted tokens (admission extend over the prompt excluded)
+    propose        the draft's tree growth
+    target queue   a Verify waiting for the target's engine thread (service process only: 0 in this process)
+    target verify  the target's batched verify: forward, acceptance, features to host
+    target reply   packing the VerifyResponse (service process only)
+    RPC rest       the draft's Verify round trip minus the three target columns: the draft's packing and
+                   decoding, gRPC, the features' copy to the draft's device (in this process: queue and reply too)
+    extend         the draft's extend over the accepted tokens (admission extend over the prompt excluded)
 
+A service in this process is timed by wrapping its engine and scheduler; a service process by scraping its
+`specdec:step_phase_seconds` metrics before and after each run.
 Speculative output is checked against plain output token for token (`match`).
 
     python bench/services_bench.py [--concurrency 1,8,32] [--settings eagle1-chain,eagle3-chain,eagle1-tree]
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -33,6 +39,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "bench"))
 
 TINY = REPO_ROOT / "models" / "tiny-code"
 DEV_PROMPTS = REPO_ROOT.parent / "shared" / "prompts" / "dev.jsonl"
@@ -82,19 +89,12 @@ class Probe:
         probe = self
 
         class CountingScheduler(Scheduler):
-            """Counts decode steps and their batch sizes; keeps admission extend apart from per-step extend."""
+            """Counts decode steps and their batch sizes."""
 
             def __init__(self, *args, **kwargs):
                 super().__init__(*args, **kwargs)
                 self.num_steps = self.sum_batch = 0
-                self.admit_extend_s = 0.0
                 probe.schedulers.append(self)
-
-            def _admit(self):
-                before = self.timings.extend_s
-                events = super()._admit()
-                self.admit_extend_s += self.timings.extend_s - before
-                return events
 
             def _decode(self):
                 self.num_steps += 1
@@ -121,17 +121,32 @@ class Probe:
         target_service.app.Scheduler = CountingScheduler
         draft_service.app.Scheduler = CountingScheduler
 
-    def snapshot(self, scheduler) -> dict:
-        if scheduler is None:  # the target in its own process: nothing to read here
-            return dict(propose_s=0.0, verify_s=0.0, extend_s=0.0, num_steps=0, sum_batch=0, target_s=0.0,
-                        target_calls=0)
-        t = scheduler.timings
-        return dict(propose_s=t.propose_s, verify_s=t.verify_s, extend_s=t.extend_s - scheduler.admit_extend_s,
-                    num_steps=scheduler.num_steps, sum_batch=scheduler.sum_batch,
-                    target_s=self.target_verify_s, target_calls=self.target_verify_calls)
+    def snapshot(self, scheduler, target, draft) -> dict:
+        """Cumulative step timings: from the draft's scheduler when it runs here, else scraped from the draft
+        process's metrics; the target's from the wrapped engine here, else from its process's metrics."""
+        snap = dict(propose_s=0.0, verify_s=0.0, extend_s=0.0, num_steps=0, sum_batch=0, target_s=0.0,
+                    target_queue_s=0.0, target_reply_s=0.0)
+        if scheduler is not None:
+            t = scheduler.timings
+            snap.update(propose_s=t.propose_s, verify_s=t.verify_s, extend_s=t.extend_s,
+                        num_steps=scheduler.num_steps, sum_batch=scheduler.sum_batch)
+        elif isinstance(draft, ServiceProcess):
+            d = draft.scrape()
+            snap.update(propose_s=d.phase_sum("propose"), verify_s=d.phase_sum("verify"),
+                        extend_s=d.phase_sum("extend"), num_steps=d.phase_count("step"),
+                        sum_batch=d.get("specdec:batch_size_sum"))
+        if isinstance(target, ServiceProcess):
+            t = target.scrape()
+            snap.update(target_s=t.phase_sum("forward"), target_queue_s=t.phase_sum("queue"),
+                        target_reply_s=t.phase_sum("reply"))
+        else:
+            snap["target_s"] = self.target_verify_s
+        return snap
 
 
 # ---- services in this process ----------------------------------------------------------------------------------
+from service_process import ServiceProcess  # noqa: E402
+
 from specdec.serving.service_thread import ServiceThread  # noqa: E402
 
 
@@ -144,55 +159,20 @@ def engine_flags(max_concurrency: int, prompt_tokens: int, new_tokens: int) -> l
 def start_target(flags: list[str], own_process: bool = False):
     from target_service.app import serve
 
+    argv = ["serve-target", "--model", str(TINY / "target"), *flags]
     if own_process:
-        return TargetProcess(flags)
-    return ServiceThread(serve, ["serve-target", "--model", str(TINY / "target"), *flags]).start()
+        return ServiceProcess(argv, "specdec.v1.TargetService")
+    return ServiceThread(serve, argv).start()
 
 
-class TargetProcess:
-    """The target service as its own process (`python -m specdec serve-target`), as deployed: its host work does
-    not share the draft's interpreter. Its engine is not probed (no target/RPC split in the rows)."""
-
-    def __init__(self, flags: list[str], timeout_s: float = 900.0):
-        import socket
-        import subprocess
-
-        from specdec.rpc.channel import make_channel, wait_for_serving
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        self.addr = f"127.0.0.1:{port}"
-        argv = [sys.executable, "-m", "specdec", "serve-target", "--model", str(TINY / "target"), *flags,
-                "--port", str(port)]
-        path = os.pathsep.join(x for x in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if x)
-        self.proc = subprocess.Popen(argv, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": path})
-
-        async def ready():
-            async with make_channel(self.addr) as channel:
-                deadline = time.monotonic() + timeout_s
-                while True:
-                    if self.proc.poll() is not None:
-                        raise RuntimeError(f"the target process exited with {self.proc.returncode}")
-                    try:
-                        return await wait_for_serving(channel, "specdec.v1.TargetService", 5.0)
-                    except Exception:
-                        if time.monotonic() > deadline:
-                            raise
-
-        asyncio.run(ready())
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(60)
-
-
-def start_draft(target_addr: str, setting: Setting, flags: list[str]) -> ServiceThread:
+def start_draft(target_addr: str, setting: Setting, flags: list[str], own_process: bool = False):
     from draft_service.app import serve
 
     argv = ["serve-draft", "--model", str(TINY / setting.draft_dir), "--target-model", str(TINY / "target"),
             "--target", target_addr, "--num-steps", str(setting.num_steps), "--topk", str(setting.topk),
             "--num-draft-tokens", str(setting.num_draft_tokens), "--speculation", "always", *flags]
+    if own_process:
+        return ServiceProcess(argv, "specdec.v1.DraftService")
     return ServiceThread(serve, argv).start()
 
 
@@ -236,7 +216,9 @@ class Row:
     steps: int
     mean_batch: float
     propose_ms: float
+    target_queue_ms: float  # a Verify waiting for the target's engine thread (0: not measured, target in-process)
     target_ms: float
+    target_reply_ms: float  # packing the VerifyResponse (0: not measured, target in-process)
     rpc_ms: float
     extend_ms: float
     verify_rtt_ms: float
@@ -249,9 +231,11 @@ def per_step_split(before: dict, after: dict) -> dict:
     d = {k: after[k] - before[k] for k in before}
     steps = max(d["num_steps"], 1)
     ms = lambda s: 1000.0 * s / steps  # noqa: E731
-    return dict(steps=d["num_steps"], mean_batch=d["sum_batch"] / steps, propose_ms=ms(d["propose_s"]),
-                target_ms=ms(d["target_s"]), rpc_ms=ms(d["verify_s"] - d["target_s"]), extend_ms=ms(d["extend_s"]),
-                verify_rtt_ms=ms(d["verify_s"]))
+    target_side = d["target_s"] + d["target_queue_s"] + d["target_reply_s"]
+    return dict(steps=int(d["num_steps"]), mean_batch=d["sum_batch"] / steps, propose_ms=ms(d["propose_s"]),
+                target_queue_ms=ms(d["target_queue_s"]), target_ms=ms(d["target_s"]),
+                target_reply_ms=ms(d["target_reply_s"]), rpc_ms=ms(d["verify_s"] - target_side),
+                extend_ms=ms(d["extend_s"]), verify_rtt_ms=ms(d["verify_s"]))
 
 
 BUSY_GPUS: list[int] = []  # --gpu-busy: the GPUs whose busy fraction each speculative run records
@@ -266,13 +250,13 @@ def busy_meter():
     return GpuBusy(BUSY_GPUS)
 
 
-def measure_plain(probe: Probe, target: ServiceThread, sched, prompts, new_tokens: int, repeats: int) -> dict:
-    """Best (shortest wall) of `repeats` runs."""
+def measure_plain(snapshot, addr: str, prompts, new_tokens: int, repeats: int) -> dict:
+    """Best (shortest wall) of `repeats` runs; `snapshot()` reads the cumulative timings (see Probe.snapshot)."""
     best = None
     for _ in range(repeats):
-        before = probe.snapshot(sched)
-        wall, tokens, _ = asyncio.run(run_batch(target.addr, False, prompts, new_tokens, f"plain{len(prompts)}"))
-        after = probe.snapshot(sched)
+        before = snapshot()
+        wall, tokens, _ = asyncio.run(run_batch(addr, False, prompts, new_tokens, f"plain{len(prompts)}"))
+        after = snapshot()
         steps = max(after["num_steps"] - before["num_steps"], 1)
         run = dict(tok_s=sum(map(len, tokens)) / wall, tokens=tokens,
                    target_ms=1000.0 * (after["target_s"] - before["target_s"]) / steps)
@@ -280,16 +264,15 @@ def measure_plain(probe: Probe, target: ServiceThread, sched, prompts, new_token
     return best
 
 
-def measure_spec(probe: Probe, draft: ServiceThread, sched, prompts, new_tokens: int, setting: str,
-                 plain: dict, repeats: int) -> Row:
+def measure_spec(snapshot, addr: str, prompts, new_tokens: int, setting: str, plain: dict, repeats: int) -> Row:
     """Best (shortest wall) of `repeats` runs, with that run's step split."""
     best = None
     for _ in range(repeats):
-        before = probe.snapshot(sched)
+        before = snapshot()
         tag = f"{setting}{len(prompts)}"
         with busy_meter() as busy:
-            wall, tokens, finals = asyncio.run(run_batch(draft.addr, True, prompts, new_tokens, tag))
-        split = per_step_split(before, probe.snapshot(sched))
+            wall, tokens, finals = asyncio.run(run_batch(addr, True, prompts, new_tokens, tag))
+        split = per_step_split(before, snapshot())
         tok_s = sum(map(len, tokens)) / wall
         tau = sum(f.final.tau for f in finals) / len(finals)
         row = Row(setting, len(prompts), tok_s, plain["tok_s"], tok_s / plain["tok_s"], tau, **split,
@@ -328,19 +311,21 @@ def run(args) -> list[Row]:
     rows = []
     try:
         warm_up(target.addr, False, prompts, args.new_tokens)
-        plain = {n: measure_plain(probe, target, target_sched, prompts[:n], args.new_tokens, args.repeats)
+        plain = {n: measure_plain(lambda: probe.snapshot(target_sched, None, None), target.addr, prompts[:n],
+                                  args.new_tokens, args.repeats)
                  for n in conc}
         for name in args.settings:
             setting = SETTINGS[name]
             draft_flags = flags + ["--device", args.draft_device] + args.draft_flags.split()
-            draft = start_draft(target.addr, setting, draft_flags)
-            sched = probe.schedulers[-1]
+            draft = start_draft(target.addr, setting, draft_flags, args.draft_process)
+            sched = None if args.draft_process else probe.schedulers[-1]
+            snapshot = functools.partial(probe.snapshot, sched, target, draft)
             try:
                 warm_up(draft.addr, True, prompts, args.new_tokens)
                 for n in conc:
                     if n > args.max_concurrency.get(name, n):
                         continue
-                    rows.append(measure_spec(probe, draft, sched, prompts[:n], args.new_tokens, name, plain[n],
+                    rows.append(measure_spec(snapshot, draft.addr, prompts[:n], args.new_tokens, name, plain[n],
                                              args.repeats))
                     log_row(rows[-1], args.json)
             finally:
@@ -350,13 +335,14 @@ def run(args) -> list[Row]:
     return rows
 
 
-HEADER = ("| setting | N | spec tok/s | plain tok/s | speed-up | tau | steps | propose | target verify | "
-          "RPC + ser. | extend | (verify RTT) | plain step (target) | match |")
+HEADER = ("| setting | N | spec tok/s | plain tok/s | speed-up | tau | steps | propose | target queue | "
+          "target verify | target reply | RPC rest | extend | (verify RTT) | plain step (target) | match |")
 
 
 def format_row(r: Row) -> str:
     return (f"| {r.setting} | {r.concurrency} | {r.spec_tok_s:.0f} | {r.plain_tok_s:.0f} | {r.speedup:.2f}x | "
-            f"{r.tau:.2f} | {r.steps} | {r.propose_ms:.1f} | {r.target_ms:.1f} | {r.rpc_ms:.1f} | "
+            f"{r.tau:.2f} | {r.steps} | {r.propose_ms:.1f} | {r.target_queue_ms:.1f} | {r.target_ms:.1f} | "
+            f"{r.target_reply_ms:.1f} | {r.rpc_ms:.1f} | "
             f"{r.extend_ms:.1f} | {r.verify_rtt_ms:.1f} | {r.plain_target_ms:.1f} | {'yes' if r.match else 'NO'} |"
             + (f" busy {r.gpu_busy}" if r.gpu_busy else ""))
 
@@ -383,6 +369,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "speculative run records, e.g. 0,1")
     p.add_argument("--target-process", action="store_true",
                    help="run the target service as its own process (as deployed); default: a thread of this one")
+    p.add_argument("--draft-process", action="store_true",
+                   help="run each draft service as its own process too (its step split is scraped from its metrics)")
     p.add_argument("--draft-device", default="cpu", help="the draft service's --device (cuda:1: its own GPU)")
     p.add_argument("--engine-flags", default="",
                    help="more engine flags for both services, e.g. '--attention-backend flashinfer --dtype bfloat16'")

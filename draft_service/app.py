@@ -14,6 +14,7 @@ from specdec.engine.draft_engine import SpecConfig
 from specdec.engine.factory import build_draft
 from specdec.engine.generate import feature_layers_for
 from specdec.engine.overlap import TwoBatchOverlap
+from specdec.engine.requests import StepTimings
 from specdec.engine.scheduler import Scheduler
 from specdec.errors import ConfigError, NotReady
 from specdec.rpc.service_runner import ServiceSpec, run_service
@@ -72,7 +73,8 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
                           overlap=TwoBatchOverlap(args.two_batch_overlap, engine.device) if args.two_batch_overlap
                           else None)
         loop = EngineLoop(sched, "draft-engine", engine.device)
-        loop.on_step = lambda events: _observe(metrics, engine, events)
+        phases = StepPhases(sched.timings)
+        loop.on_step = lambda events: (_observe(metrics, engine, events), phases.observe(metrics))
         kv = engine.kv
         metrics.track(kv_pages=lambda: (kv.num_total_pages - kv.num_free_pages, kv.num_free_pages),
                       running=lambda: len(engine.requests), waiting=lambda: len(sched.waiting))
@@ -95,6 +97,31 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
         metrics_port=args.metrics_port, drain_s=args.drain_seconds,
         trace_parent_required=(f"/{HEALTH_NAME}/GetModelInfo",),
     ), shutdown, ready)
+
+
+class StepPhases:
+    """Where the draft's steps go, as `step_phase_seconds{phase}` observations: after each engine-loop step, the
+    growth of the scheduler's cumulative timings by phase (with two-batch overlap a loop step lands one
+    micro-batch and launches the next, so a phase's observation may cover parts of two micro-steps)."""
+
+    PHASES = {"propose": "propose_s", "verify": "verify_s", "extend": "extend_s", "admit": "admit_s"}
+
+    def __init__(self, timings: StepTimings):
+        self.timings = timings
+        self.last = self._read()
+
+    def _read(self) -> dict[str, float]:
+        t = self.timings
+        read = {phase: getattr(t, name) for phase, name in self.PHASES.items()}
+        read["step"] = t.plain_s + t.spec_s
+        return read
+
+    def observe(self, metrics) -> None:
+        now = self._read()
+        for phase, total in now.items():
+            if total > self.last[phase]:
+                metrics.observe_phase(phase, total - self.last[phase])
+        self.last = now
 
 
 def _observe(metrics, engine, events) -> None:

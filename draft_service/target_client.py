@@ -19,6 +19,7 @@ from specdec.rpc.target_codec import (
 from specdec.rpc.tensor_codec import tensor_from_proto
 from specdec.rpc.tls import TlsConfig
 from specdec.telemetry.grpc_tracing import blocking_call_metadata
+from specdec.telemetry.tracing import attached
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 
 TARGET_SERVICE_PATH = "/specdec.v1.TargetService/"  # span name when a stub method does not tell its own
@@ -49,6 +50,7 @@ class TargetClient:
     """Implements the engine-side target interface (`prefill`, `verify`, `release`) over gRPC."""
 
     concurrent_calls = True  # a gRPC channel takes calls from several threads (two-batch overlap)
+    batches_prefill = True  # the Prefill RPCs of an admission group go out together
 
     def __init__(self, addr: str, tls: TlsConfig | None = None, timeout_s: float = 60.0, device=None):
         opts = channel_options()
@@ -67,19 +69,47 @@ class TargetClient:
         except grpc.RpcError as exc:
             raise _translate(exc) from None
 
+    def _start(self, method, request, trace_context=None):
+        """Send a call without waiting; `_wait` collects it. Under `trace_context` (a request's) it carries that
+        trace and gets its own CLIENT span, ended when the call is collected."""
+        stack = contextlib.ExitStack()
+        with attached(trace_context):
+            metadata = stack.enter_context(blocking_call_metadata(getattr(method, "_method", TARGET_SERVICE_PATH)))
+        return stack, method.future(request, timeout=self.timeout_s, metadata=metadata or None)
+
+    @staticmethod
+    def _wait(started):
+        stack, future = started
+        try:
+            with stack:
+                return future.result()
+        except grpc.RpcError as exc:
+            raise _translate(exc) from None
+
     def prefill(self, inputs: list[PrefillInput]) -> list[PrefillOutput]:
-        outputs = []
-        for inp in inputs:
-            msg = self._call(self.stub.Prefill, prefill_to_proto(inp))
+        """One Prefill RPC per request, all in flight at once (the target runs those that meet as one forward),
+        each in its request's trace. Every call is collected; then the first failure, if any, is raised (the
+        scheduler releases the group on the target and admits its requests one by one)."""
+        started = [self._start(self.stub.Prefill, prefill_to_proto(inp), inp.trace_context) for inp in inputs]
+        outputs, error = [], None
+        for inp, call in zip(inputs, started, strict=True):
             try:
-                if msg.request_id != inp.request_id or (inp.return_features and not msg.HasField("features")):
-                    raise MalformedReply(f"target: malformed Prefill reply for {inp.request_id!r}")
-                rows = len(inp.prompt_ids) if inp.return_features else None
-                outputs.append(self._checked(prefill_output_from_proto, msg, expected_rows=rows))
-            except MalformedReply:
-                self._release_quietly(inp.request_id)  # the target admitted it; nobody else will free it
-                raise
+                outputs.append(self._prefill_output(inp, self._wait(call)))
+            except SpecdecError as exc:
+                error = error or exc
+        if error is not None:
+            raise error
         return outputs
+
+    def _prefill_output(self, inp: PrefillInput, msg) -> PrefillOutput:
+        try:
+            if msg.request_id != inp.request_id or (inp.return_features and not msg.HasField("features")):
+                raise MalformedReply(f"target: malformed Prefill reply for {inp.request_id!r}")
+            rows = len(inp.prompt_ids) if inp.return_features else None
+            return self._checked(prefill_output_from_proto, msg, expected_rows=rows)
+        except MalformedReply:
+            self._release_quietly(inp.request_id)  # the target admitted it; nobody else will free it
+            raise
 
     def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
         msg = self._call(self.stub.Verify, verify_to_proto(inputs))

@@ -8,7 +8,9 @@ import time
 from opentelemetry import trace
 
 from specdec.engine.requests import RUNNING
+from specdec.engine.scheduler import MAX_PREFILL_TOKENS
 from specdec.engine.target_engine import TargetEngine
+from specdec.errors import SpecdecError
 from specdec.rpc.errors import map_servicer_errors
 from specdec.rpc.sampling_codec import sampling_from_proto
 from specdec.rpc.target_codec import (
@@ -28,6 +30,17 @@ from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 log = logging.getLogger(__name__)
 
 
+def _chunks(inputs: list, max_tokens: int) -> list[list]:
+    chunks, tokens = [], 0
+    for inp in inputs:
+        if not chunks or tokens + len(inp.prompt_ids) > max_tokens:
+            chunks.append([])
+            tokens = 0
+        chunks[-1].append(inp)
+        tokens += len(inp.prompt_ids)
+    return chunks
+
+
 @map_servicer_errors
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def __init__(self, engine: TargetEngine, loop: EngineLoop, model_name: str, metrics=None):
@@ -37,7 +50,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         inp = prefill_from_proto(request)
         with bind_request_id(inp.request_id):
             t0 = time.perf_counter()
-            out = (await self.loop.call(self._prefill, [inp]))[0]
+            out = await self.loop.call_batched(self._prefill_many, inp)
             elapsed = time.perf_counter() - t0
             trace.get_current_span().set_attribute("num_prompt_tokens", len(inp.prompt_ids))
             log.info("prefill: %d prompt tokens in %.3f s", len(inp.prompt_ids), elapsed,
@@ -48,20 +61,44 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         inputs = verify_from_proto(request)
         if not inputs:
             return target_pb2.VerifyResponse()
-        outputs = await self.loop.call_batched(self._verify_many, (inputs, current_trace_context()))
-        return verify_outputs_to_proto(outputs)
+        outputs = await self.loop.call_batched(self._verify_many,
+                                               (inputs, current_trace_context(), time.perf_counter()))
+        t0 = time.perf_counter()
+        reply = verify_outputs_to_proto(outputs)
+        self._phase("reply", time.perf_counter() - t0)
+        return reply
 
-    def _prefill(self, inputs: list) -> list:
-        return features_to_host(self.engine.prefill(inputs))
+    def _phase(self, phase: str, seconds: float) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_phase(phase, seconds)
 
-    def _verify_many(self, groups: list[tuple[list, object]]) -> list[list]:
+    def _prefill_many(self, inputs: list) -> list:
+        """Prefill RPCs that arrived together run as few forwards (engine thread): chunks of up to
+        MAX_PREFILL_TOKENS prompt tokens. A chunk that fails runs again one request at a time, so a bad request
+        (a duplicate id, no KV pages) fails alone; its result is then its exception."""
+        results = []
+        for chunk in _chunks(inputs, MAX_PREFILL_TOKENS):
+            try:
+                results += features_to_host(self.engine.prefill(chunk))
+            except SpecdecError:  # the engine admitted none of the chunk
+                for inp in chunk:
+                    try:
+                        results += features_to_host(self.engine.prefill([inp]))
+                    except SpecdecError as exc:
+                        results.append(exc)
+        return results
+
+    def _verify_many(self, groups: list[tuple[list, object, float]]) -> list[list]:
         """Several Verify RPCs that arrived together run as one forward (engine thread). Each group is
-        (inputs, the RPC's trace context or None); a traced batch gets one `target.verify_batch` span,
-        parented to the first traced RPC and linked to the others."""
-        flat = [inp for g, _ in groups for inp in g]
+        (inputs, the RPC's trace context or None, when the RPC was queued); a traced batch gets one
+        `target.verify_batch` span, parented to the first traced RPC and linked to the others."""
+        started = time.perf_counter()
+        flat = [inp for g, _, _ in groups for inp in g]
         if self.metrics is not None:
             self.metrics.observe_batch(len(flat))
-        parent, links = batch_parent([ctx for _, ctx in groups])
+            for _, _, queued in groups:
+                self.metrics.observe_phase("queue", started - queued)
+        parent, links = batch_parent([ctx for _, ctx, _ in groups])
         if parent is None:
             outs = self.engine.verify(flat)
         else:
@@ -70,8 +107,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             with get_tracer().start_as_current_span("target.verify_batch", parent, links=links, attributes=attributes):
                 outs = self.engine.verify(flat)
         features_to_host(outs)  # here, not in the handler: the copy waits for the GPU
+        self._phase("forward", time.perf_counter() - started)
         result, start = [], 0
-        for g, _ in groups:
+        for g, _, _ in groups:
             result.append(outs[start : start + len(g)])
             start += len(g)
         return result

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -22,6 +23,8 @@ class PrefillInput:
     sampling: SamplingParams
     feature_layers: tuple[int, ...] = ()  # () = final normed hidden (EAGLE-1), else aux layer inputs (EAGLE-3)
     return_features: bool = True
+    # the request's OpenTelemetry context: a remote target's Prefill RPC joins the request's trace
+    trace_context: Any = field(default=None, compare=False, repr=False)
 
 
 @dataclass
@@ -54,8 +57,9 @@ class StepTimings:
 
     propose_s: float = 0.0
     verify_s: float = 0.0
-    extend_s: float = 0.0
+    extend_s: float = 0.0  # the draft's extend over verified tokens (and the catch-up over plain steps' tokens)
     admit_s: float = 0.0  # admissions: target prefill + draft extend over the prompts
+    prompt_extend_s: float = 0.0  # the draft's extend over admitted prompts (part of admit_s, not of extend_s)
     plain_steps: int = 0
     plain_s: float = 0.0  # whole decode steps that verified nothing (plain decoding)
     spec_steps: int = 0

@@ -37,6 +37,7 @@ _EMPTY = TokenTree((), ())  # a plain decode step: verify of the root alone
 QUEUE_POLL_S = 0.01  # how often a request waiting for KV pages retries its admission
 MAX_PREFILL_TOKENS = 16384  # prompt tokens admitted in one target prefill call
 _BLOCKED = object()  # admission result: the KV pools are full, the request waits
+PROMPT_EXTEND = "draft.extend_prompt"  # span name of the draft's extend over admitted prompts
 
 
 @dataclass
@@ -204,7 +205,7 @@ class Scheduler:
             if blocked:
                 break
         if extend:
-            self._extend(extend, self._step_trace([self.running[rid] for rid, _, _ in extend]), "draft.extend_prompt")
+            self._extend(extend, self._step_trace([self.running[rid] for rid, _, _ in extend]), PROMPT_EXTEND)
         return events
 
     def _next_group(self) -> list[RunState]:
@@ -221,13 +222,14 @@ class Scheduler:
         if self.draft is not None:
             self.draft.add(state.request_id, len(state.prompt_ids) + state.sampling.max_new_tokens)
         return PrefillInput(state.request_id, state.prompt_ids, state.sampling, self.feature_layers,
-                            self.draft is not None)
+                            self.draft is not None, state.trace_context)
 
     def _prefill_together(self, group: list[RunState]):
         """Outputs for the whole group from one target call, or None (one request, or any failure: nothing of
-        the group is left admitted). The call joins the first request's trace."""
+        the group is left admitted). An in-process call joins the first request's trace; a remote target sends
+        one Prefill RPC per request, all at once, each in its request's trace (the target runs them together)."""
         if len(group) < 2 or not getattr(self.target, "batches_prefill", False):
-            return None  # a remote target takes one Prefill RPC per request anyway: keep each in its own trace
+            return None
         inputs = []
         try:
             for state in group:
@@ -288,7 +290,10 @@ class Scheduler:
         t0 = time.perf_counter()
         with self.step_spans.span(name, sampled, links, parent, batch_size=len(extend)):
             self.draft.extend(extend)
-        self.timings.extend_s += time.perf_counter() - t0
+        if name == PROMPT_EXTEND:
+            self.timings.prompt_extend_s += time.perf_counter() - t0
+        else:
+            self.timings.extend_s += time.perf_counter() - t0
 
     def _decode(self) -> list[Event]:
         if self.overlap is not None:

@@ -121,15 +121,20 @@ class TargetEngine:
     # ---- steps --------------------------------------------------------------------------------------------
     @engine_call
     def prefill(self, inputs: list[PrefillInput]) -> list[PrefillOutput]:
+        """All or nothing: if any input is refused or the forward fails, none of them stays admitted."""
         admitted: list[PrefillInput] = []
         try:
             for inp in inputs:
                 self._admit(inp)
                 admitted.append(inp)
+            return self._prefill_admitted(inputs)
         except Exception:
             for inp in admitted:
-                self.release(inp.request_id)
+                if inp.request_id in self.requests:
+                    self.release(inp.request_id)
             raise
+
+    def _prefill_admitted(self, inputs: list[PrefillInput]) -> list[PrefillOutput]:
         ids, pos, seqs, slots = [], [], [], []
         for inp in inputs:
             n = len(inp.prompt_ids)

@@ -68,8 +68,9 @@ class EngineLoop:
         return await self._submit(_Call(fn, args, asyncio.get_running_loop().create_future()))
 
     async def call_batched(self, batch_fn: Callable[[list], list], item) -> Any:
-        """Queue `item`; items queued together run as one `batch_fn(items) -> results`. If the batch raises,
-        each item is retried alone so only the bad one fails."""
+        """Queue `item`; items queued together run as one `batch_fn(items) -> results`. If the batch raises a
+        SpecdecError, each item is retried alone so only the bad one fails; a result that is an exception is
+        raised to its caller alone."""
         fut = asyncio.get_running_loop().create_future()
         return await self._submit(_Call(None, (item,), fut, batch_fn))
 
@@ -157,7 +158,10 @@ class EngineLoop:
                     self._set(c.future, exc=exc)
                 continue
             for c, r in zip(group, results, strict=True):
-                self._set(c.future, result=r)
+                if isinstance(r, BaseException):
+                    self._set(c.future, exc=r)
+                else:
+                    self._set(c.future, result=r)
 
     def _resolve(self, call: _Call, thunk: Callable) -> None:
         try:

@@ -92,6 +92,9 @@ E2E_BUCKETS_S = (
     1920.0,
 )
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)
+# one phase of a decode step (a draft's propose, a target's forward): 100 us .. 10 s
+PHASE_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
+                   0.075, 0.1, 0.2, 0.5, 1.0, 2.5, 10.0)
 
 PREFIX = "specdec:"
 BASE_LABELS = ("service", "model_name")
@@ -150,6 +153,10 @@ class ServiceMetrics:
             ("position",),
         )
         self._per_pos_children: list[Any] = []
+        self._phase = make(Histogram, "step_phase_seconds", "Seconds of one phase of a decode step (draft: "
+                           "propose, verify round trip, extend, the whole step; target: a Verify's queue wait, "
+                           "forward, reply packing).", ("phase",), buckets=PHASE_BUCKETS_S)
+        self._phase_children: dict[str, Any] = {}
 
     def observe_request(
         self,
@@ -199,6 +206,13 @@ class ServiceMetrics:
 
     def observe_batch(self, n: int) -> None:
         self._batch.observe(n)
+
+    def observe_phase(self, phase: str, seconds: float) -> None:
+        """Time of one phase of a step (`phase` is one of a few fixed names: see docs/observability.md)."""
+        child = self._phase_children.get(phase)
+        if child is None:
+            child = self._phase_children[phase] = self._phase.labels(*self._base, phase)
+        child.observe(seconds)
 
     def observe_spec_step(
         self, num_drafts: int, num_draft_tokens: int, accepted_per_pos: Sequence[int]

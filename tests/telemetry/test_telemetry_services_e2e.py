@@ -181,6 +181,27 @@ def test_telemetry_e2e_metrics(run):
     assert _value(target, "specdec:batch_size_count") == drafts  # one verify batch per step
 
 
+def _phase(text: str, phase: str, part: str) -> float:
+    """`specdec:step_phase_seconds_<part>` (sum or count) of one phase."""
+    return sum(v for k, v in _samples(text, f"specdec:step_phase_seconds_{part}").items() if f'phase="{phase}"' in k)
+
+
+def test_telemetry_e2e_step_phases(run):
+    """Where the steps went: every verify step timed on both sides, the draft's round trip covering the target's
+    forward, the phases of a step inside the step."""
+    draft, target = run["metrics"]["draft"], run["metrics"]["target"]
+    drafts = _value(draft, "specdec:spec_decode_num_drafts_total")
+    assert drafts >= 1
+    for phase in ("propose", "verify", "step"):  # one request, always speculating: one of each per step
+        assert _phase(draft, phase, "count") == drafts, phase
+    assert _phase(draft, "admit", "count") >= 1
+    for phase in ("queue", "forward", "reply"):  # one Verify RPC per step
+        assert _phase(target, phase, "count") == drafts, phase
+    assert _phase(draft, "verify", "sum") > _phase(target, "forward", "sum") + _phase(target, "queue", "sum")
+    inside = sum(_phase(draft, p, "sum") for p in ("propose", "verify", "extend"))
+    assert 0 < inside <= _phase(draft, "step", "sum")
+
+
 def test_telemetry_e2e_final_message_has_acceptance(run):
     stats = run["stats"]
     assert stats.speculative and stats.request_id == REQUEST_ID

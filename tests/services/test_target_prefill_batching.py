@@ -1,0 +1,100 @@
+"""Prefill RPCs that reach the target together run as one forward; a bad one fails alone (its own status, the
+others' replies unchanged, no pages left behind)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+from repo_paths import TINY
+
+from specdec.engine.factory import EngineOptions, build_target
+from specdec.engine.requests import PrefillInput
+from specdec.sampling_params import SamplingParams
+from specdec.serving.engine_loop import EngineLoop
+from specdec.v1 import target_pb2
+from target_service.servicer import TargetServicer
+
+
+class Aborted(Exception):
+    def __init__(self, code, message):
+        super().__init__(message)
+        self.code = code
+
+
+class FakeContext:
+    async def abort(self, code, message):
+        raise Aborted(code, message)
+
+
+@pytest.fixture
+def target():
+    engine = build_target(str(TINY / "target"), EngineOptions(num_pages=256, max_batch_size=8))
+    batches: list[list[str]] = []
+    prefill = engine.prefill
+
+    def recorded(inputs):
+        batches.append([i.request_id for i in inputs])
+        return prefill(inputs)
+
+    engine.prefill = recorded
+    return engine, batches
+
+
+def _request(rid: str, prompt: list[int]) -> target_pb2.PrefillRequest:
+    return target_pb2.PrefillRequest(request_id=rid, prompt_ids=prompt, return_features=True)
+
+
+async def _together(servicer: TargetServicer, loop: EngineLoop, requests: list) -> list:
+    """All requests queued before the engine thread starts, so they meet in one batch."""
+    tasks = [asyncio.ensure_future(servicer.Prefill(r, FakeContext())) for r in requests]
+    await asyncio.sleep(0.05)
+    loop.start()
+    return await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def test_prefills_arriving_together_run_as_one_forward(target):
+    engine, batches = target
+    prompts = [list(range(10 + i, 30 + 3 * i)) for i in range(5)]
+    loop = EngineLoop(None, "target-engine")
+    servicer = TargetServicer(engine, loop, "tiny")
+    try:
+        replies = asyncio.run(_together(servicer, loop, [_request(f"r{i}", p) for i, p in enumerate(prompts)]))
+    finally:
+        loop.stop()
+    assert batches == [[f"r{i}" for i in range(5)]]
+    for i, (reply, prompt) in enumerate(zip(replies, prompts, strict=True)):
+        assert reply.request_id == f"r{i}" and list(reply.features.shape)[0] == len(prompt)
+        engine.release(f"r{i}")
+        alone = engine.prefill([engine_input(f"alone{i}", prompt)])[0]
+        engine.release(f"alone{i}")
+        assert reply.first_token == alone.first_token
+        got = torch.frombuffer(bytearray(reply.features.data), dtype=torch.float32).view(len(prompt), -1)
+        torch.testing.assert_close(got, alone.features, rtol=1e-4, atol=1e-4)
+    assert engine.kv.num_free_pages == engine.kv.num_total_pages
+
+
+def test_a_bad_prefill_among_others_fails_alone(target):
+    engine, batches = target
+    engine.prefill([engine_input("dup", [5, 6, 7])])
+    loop = EngineLoop(None, "target-engine")
+    servicer = TargetServicer(engine, loop, "tiny")
+    requests = [_request("a", [5, 6, 7, 8]), _request("dup", [9, 9]), _request("b", [1, 2, 3]),
+                _request("c", [4] * 40)]
+    try:
+        replies = asyncio.run(_together(servicer, loop, requests))
+    finally:
+        loop.stop()
+    assert isinstance(replies[1], Aborted) and replies[1].code == grpc.StatusCode.ALREADY_EXISTS
+    assert [r.request_id for i, r in enumerate(replies) if i != 1] == ["a", "b", "c"]
+    assert batches[1] == ["a", "dup", "b", "c"]  # the batch was refused whole, then each ran alone
+    assert sorted(engine.requests) == ["a", "b", "c", "dup"]
+    for rid in ("a", "b", "c", "dup"):
+        engine.release(rid)
+    assert engine.kv.num_free_pages == engine.kv.num_total_pages
+
+
+def engine_input(rid: str, prompt: list[int]) -> PrefillInput:
+    return PrefillInput(rid, prompt, SamplingParams())
