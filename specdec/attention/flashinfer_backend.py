@@ -8,6 +8,8 @@ slot ids: page = slot // page_size at every page_size-th position.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from specdec.attention import register_backend
@@ -50,28 +52,34 @@ class FlashInferAttention:
 def plan_paged(wrapper, kv, num_qo_heads: int, seqs: list[SeqAttention], causal: bool) -> None:
     """Page tables (CSR: indptr, page ids, last-page lengths) and, unless causal, the visibility masks of
     `seqs`, handed to a flashinfer prefill wrapper (host side, once per forward or graph replay)."""
-    ps, dev = kv.page_size, kv.k.device
-    qo, kv_ptr, pages, last, masks = [0], [0], [], [], []
-    for s in seqs:
-        seq_pages = s.ctx_slots[::ps] // ps
-        pages.append(seq_pages)
-        qo.append(qo[-1] + s.num_q)
-        kv_ptr.append(kv_ptr[-1] + seq_pages.shape[0])
-        last.append(s.ctx_slots.shape[0] - (seq_pages.shape[0] - 1) * ps)
-        if not causal:
-            masks.append(visibility_mask(s, "cpu").reshape(-1))
+    lens = [s.ctx_slots.shape[0] for s in seqs]
+    flat = torch.cat([s.ctx_slots for s in seqs])
+    starts = [0, *itertools.accumulate(lens)][:-1]
+    plan_pages(wrapper, kv, num_qo_heads, [s.num_q for s in seqs], lens,
+               lambda first: flat[torch.tensor([starts[i] + j for i, j in first])] // kv.page_size,
+               None if causal else torch.cat([visibility_mask(s, "cpu").reshape(-1) for s in seqs]))
 
+
+def plan_pages(wrapper, kv, num_qo_heads: int, num_q: list[int], lens: list[int], page_ids, mask=None) -> None:
+    """plan_paged's core, for callers that know their page ids without slot tensors: sequence i has `num_q[i]`
+    queries over a context of `lens[i]` positions; `page_ids(first)` gets [(sequence, position)] of every page's
+    first position (all sequences, page order) and returns their page ids (a list or an int tensor). `mask`:
+    flattened [num_q, len] visibility masks of all sequences (None: causal)."""
+    ps = kv.page_size
+    npages = [-(-n // ps) for n in lens]
+    first = [(i, j * ps) for i, p in enumerate(npages) for j in range(p)]
+    last = [n - (p - 1) * ps for n, p in zip(lens, npages, strict=True)]
     # Causal plans take host tensors: flashinfer reads the lengths on the host anyway (device ones cost a sync
     # each) and copies them into its buffers. With a custom mask it packs the mask on the GPU from device ones.
-    where = "cpu" if causal else dev
+    where = "cpu" if mask is None else kv.k.device
 
     def index(values) -> torch.Tensor:
         return torch.as_tensor(values, dtype=torch.int32).to(where, non_blocking=True)
 
     wrapper.plan(
-        index(qo), index(kv_ptr), index(torch.cat(pages)), index(last),
-        num_qo_heads, kv.k.shape[2], kv.k.shape[3], ps,
-        custom_mask=None if causal else torch.cat(masks).to(dev, non_blocking=True), causal=causal,
+        index([0, *itertools.accumulate(num_q)]), index([0, *itertools.accumulate(npages)]), index(page_ids(first)),
+        index(last), num_qo_heads, kv.k.shape[2], kv.k.shape[3], ps,
+        custom_mask=None if mask is None else mask.to(kv.k.device, non_blocking=True), causal=mask is None,
         sm_scale=kv.k.shape[3] ** -0.5, q_data_type=kv.k.dtype, kv_data_type=kv.k.dtype,
     )
 

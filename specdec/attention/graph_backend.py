@@ -13,7 +13,7 @@ import logging
 import torch
 
 from specdec.attention.batch import SeqAttention
-from specdec.attention.flashinfer_backend import paged_attention, plan_paged
+from specdec.attention.flashinfer_backend import paged_attention, plan_paged, plan_pages
 from specdec.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,16 @@ class GraphAttention:
         """Host side, before capture or replay: seqs has exactly `batch_size` entries of `n` queries each."""
         plan_paged(self.wrapper, self.kv, self.num_qo_heads, seqs, self.causal)
         self.write_slots.copy_(write_slots, non_blocking=True)
+
+    def plan_decode(self, page_lists: list[list[int]], lens: list[int]) -> None:
+        """`plan` for one query per sequence (n == 1, causal) from page lists: sequence i sees positions
+        0..lens[i]-1 of the pages `page_lists[i]` and writes its K/V at position lens[i] - 1. Python lists
+        throughout: no per-sequence tensor work on the host."""
+        ps = self.kv.page_size
+        plan_pages(self.wrapper, self.kv, self.num_qo_heads, [1] * len(lens), lens,
+                   lambda first: [page_lists[i][j // ps] for i, j in first])
+        write = [pages[(n - 1) // ps] * ps + (n - 1) % ps for pages, n in zip(page_lists, lens, strict=True)]
+        self.write_slots.copy_(torch.tensor(write), non_blocking=True)
 
     fuses_rope = True
 

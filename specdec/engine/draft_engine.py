@@ -48,11 +48,45 @@ class SpecConfig:
 
 
 @dataclass
+class DraftState:
+    """The draft state of the requests of one extend, as rows of batch tensors (one per extend, not per request)."""
+
+    topk_p: torch.Tensor  # [n, topk]
+    topk_index: torch.Tensor  # [n, topk] target ids
+    hidden: torch.Tensor  # [n, hidden]
+
+
+@dataclass
 class DraftRequest:
     kv_len: int
-    topk_p: torch.Tensor | None = None  # [topk]
-    topk_index: torch.Tensor | None = None  # [topk] target ids
-    hidden: torch.Tensor | None = None  # [hidden]
+    state: DraftState | None = None
+    row: int = 0  # this request's row of `state`
+
+    @property
+    def topk_p(self) -> torch.Tensor:  # [topk]
+        return self.state.topk_p[self.row]
+
+    @property
+    def topk_index(self) -> torch.Tensor:  # [topk]
+        return self.state.topk_index[self.row]
+
+    @property
+    def hidden(self) -> torch.Tensor:  # [hidden]
+        return self.state.hidden[self.row]
+
+
+def batch_state(reqs: list[DraftRequest]) -> DraftState:
+    """The states of `reqs` as one batch: without copies when they come from one extend, in that order (the
+    common case: the whole batch was extended together), one gather when from one extend in another order."""
+    first = reqs[0].state
+    if all(r.state is first for r in reqs):
+        rows = [r.row for r in reqs]
+        if rows == list(range(first.hidden.shape[0])):
+            return first
+        idx = torch.tensor(rows, device=first.hidden.device)
+        return DraftState(first.topk_p[idx], first.topk_index[idx], first.hidden[idx])
+    return DraftState(torch.stack([r.topk_p for r in reqs]), torch.stack([r.topk_index for r in reqs]),
+                      torch.stack([r.hidden for r in reqs]))
 
 
 class DraftEngine:
@@ -116,20 +150,20 @@ class DraftEngine:
             self.kv.resize(rid, req.kv_len + n)
             ctx = self.kv.slots(rid, 0, req.kv_len + n)
             ids += tokens
-            pos.append(torch.arange(req.kv_len, req.kv_len + n))
+            pos += range(req.kv_len, req.kv_len + n)
             seqs.append(SeqAttention(ctx, n))
             slots.append(ctx[req.kv_len :])
-            feats.append(features.to(self.device, self.dtype))
+            feats.append(features.to(self.device, self.dtype))  # no copy when already there
             req.kv_len += n
             lasts.append(len(ids) - 1)
         batch = self.backend.plan(AttentionBatch(seqs, torch.cat(slots)))
         out = self.model(torch.tensor(ids, device=self.device), torch.cat(feats),
-                         torch.cat(pos).to(self.device), self.backend, batch)  # [num_tokens, hidden]
+                         torch.tensor(pos, device=self.device), self.backend, batch)  # [num_tokens, hidden]
         last_hidden = out[torch.tensor(lasts, device=self.device)]  # [num_items, hidden]
-        topk_p, topk_index = self._topk(last_hidden)
+        state = DraftState(*self._topk(last_hidden), last_hidden)
         for i, (rid, _, _) in enumerate(items):
             req = self.requests[rid]
-            req.topk_p, req.topk_index, req.hidden = topk_p[i], topk_index[i], last_hidden[i]
+            req.state, req.row = state, i
 
     def _topk(self, hidden: torch.Tensor):
         probs = torch.softmax(self.model.compute_logits(hidden), dim=-1)  # [n, draft_vocab]
@@ -150,9 +184,10 @@ class DraftEngine:
         k, steps = self.spec.topk, self.spec.num_steps
         reqs = [self.requests[r] for r in rids]
         b = len(reqs)
-        f_tokens = torch.stack([r.topk_index for r in reqs])  # [b, k] frontier tokens
-        f_scores = torch.stack([r.topk_p for r in reqs]).float()  # [b, k]
-        f_hidden = torch.stack([r.hidden for r in reqs]).unsqueeze(1).expand(b, k, -1)  # [b, k, hidden]
+        state = batch_state(reqs)
+        f_tokens = state.topk_index  # [b, k] frontier tokens
+        f_scores = state.topk_p.float()  # [b, k]
+        f_hidden = state.hidden.unsqueeze(1).expand(b, k, -1)  # [b, k, hidden]
         dev = f_tokens.device
         f_cand = torch.arange(k, device=dev).expand(b, k)  # [b, k] candidate index of each frontier node
         cand_tokens, cand_scores, cand_parents = [f_tokens], [f_scores], [torch.full((b, k), -1, device=dev)]

@@ -17,6 +17,7 @@ import torch
 from specdec.attention.batch import SeqAttention
 from specdec.attention.graph_backend import GraphAttention, capture_graph, capture_or_go_eager, scratch_slots
 from specdec.engine.cuda_graphs import BATCH_LADDER
+from specdec.engine.draft_engine import batch_state
 from specdec.tree import TokenTree
 
 log = logging.getLogger(__name__)
@@ -69,16 +70,16 @@ class DraftChainGraphs:
         for rid, req in zip(rids, reqs, strict=True):
             eng.kv.resize(rid, req.kv_len + steps - 1)
         pad = bucket - b
+        # step d: each request's query sits at position kv_len + d - 1 and sees positions 0..kv_len + d - 1;
+        # padding requests do the same over the scratch pages from position 0
+        pages = [eng.kv.table(rid).pages for rid in rids] + [self.scratch_pages] * pad
+        base = [r.kv_len for r in reqs] + [0] * pad
         for d in range(1, steps):
-            seqs = [SeqAttention(eng.kv.slots(rid, 0, req.kv_len + d), 1) for rid, req in zip(rids, reqs, strict=True)]
-            write = [eng.kv.slots(rid, req.kv_len + d - 1, req.kv_len + d) for rid, req in zip(rids, reqs, strict=True)]
-            seqs += [self._scratch_seq(d)] * pad
-            write += [self._scratch_slots(d)[-1:]] * pad
-            g.attn[d - 1].plan(seqs, torch.cat(write))
-            pos = torch.tensor([r.kv_len + d - 1 for r in reqs] + [d - 1] * pad)
-            g.positions[d - 1].copy_(pos, non_blocking=True)
-        g.tokens0[:b].copy_(torch.stack([r.topk_index[0] for r in reqs]))
-        g.hidden0[:b].copy_(torch.stack([r.hidden for r in reqs]))
+            g.attn[d - 1].plan_decode(pages, [n + d for n in base])
+        g.positions.copy_(torch.tensor([[n + d - 1 for n in base] for d in range(1, steps)]), non_blocking=True)
+        state = batch_state(reqs)
+        g.tokens0[:b].copy_(state.topk_index[:, 0])
+        g.hidden0[:b].copy_(state.hidden)
         g.graph.replay()
         for rid, req in zip(rids, reqs, strict=True):
             eng.kv.resize(rid, req.kv_len)

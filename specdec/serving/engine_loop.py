@@ -192,13 +192,16 @@ class EngineLoop:
                 self.on_step(events)
             except Exception:  # noqa: BLE001
                 log.exception("on_step hook failed")
+        deliveries: dict[asyncio.AbstractEventLoop, list] = {}  # one wake-up per event loop, not per request
         for ev in events:
             stream = self._streams.get(ev.request_id)
             if stream is None:
                 continue
             if ev.finish_reason != RUNNING or ev.error is not None:
                 del self._streams[ev.request_id]
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, ev)
+            deliveries.setdefault(stream.loop, []).append((stream.queue, ev))
+        for loop, items in deliveries.items():
+            loop.call_soon_threadsafe(_deliver, items)
 
     def _fail_all(self) -> None:
         err = NotReady(f"{self.name} is shutting down")
@@ -208,6 +211,11 @@ class EngineLoop:
         for rid, stream in list(self._streams.items()):
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, Event(rid, [], "abort", error=err))
         self._streams.clear()
+
+
+def _deliver(items: list[tuple[asyncio.Queue, Event]]) -> None:
+    for queue, ev in items:
+        queue.put_nowait(ev)
 
 
 def _as_specdec(exc: Exception) -> SpecdecError:
