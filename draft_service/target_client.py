@@ -50,7 +50,6 @@ class TargetClient:
     """Implements the engine-side target interface (`prefill`, `verify`, `release`) over gRPC."""
 
     concurrent_calls = True  # a gRPC channel takes calls from several threads (two-batch overlap)
-    batches_prefill = True  # the Prefill RPCs of an admission group go out together
 
     def __init__(self, addr: str, tls: TlsConfig | None = None, timeout_s: float = 60.0, device=None):
         opts = channel_options()
@@ -87,19 +86,27 @@ class TargetClient:
             raise _translate(exc) from None
 
     def prefill(self, inputs: list[PrefillInput]) -> list[PrefillOutput]:
+        """All or nothing: the first failure is raised after what the others admitted was released."""
+        answers = self.prefill_each(inputs)
+        error = next((a for a in answers if isinstance(a, SpecdecError)), None)
+        if error is not None:
+            for inp, answer in zip(inputs, answers, strict=True):
+                if not isinstance(answer, SpecdecError):
+                    self._release_quietly(inp.request_id)
+            raise error
+        return answers
+
+    def prefill_each(self, inputs: list[PrefillInput]) -> list:
         """One Prefill RPC per request, all in flight at once (the target runs those that meet as one forward),
-        each in its request's trace. Every call is collected; then the first failure, if any, is raised (the
-        scheduler releases the group on the target and admits its requests one by one)."""
+        each in its request's trace; per request its PrefillOutput or its error (SpecdecError)."""
         started = [self._start(self.stub.Prefill, prefill_to_proto(inp), inp.trace_context) for inp in inputs]
-        outputs, error = [], None
+        answers: list = []
         for inp, call in zip(inputs, started, strict=True):
             try:
-                outputs.append(self._prefill_output(inp, self._wait(call)))
+                answers.append(self._prefill_output(inp, self._wait(call)))
             except SpecdecError as exc:
-                error = error or exc
-        if error is not None:
-            raise error
-        return outputs
+                answers.append(exc)
+        return answers
 
     def _prefill_output(self, inp: PrefillInput, msg) -> PrefillOutput:
         try:

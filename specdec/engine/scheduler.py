@@ -187,13 +187,16 @@ class Scheduler:
         self._retry_at = 0.0
         while self.waiting and len(self.running) < self.max_batch_size:
             group = self._next_group()
-            outs = self._prefill_together(group)
+            answers = self._prefill_each(group)  # a remote target: each request answered alone, all at once
+            outs = self._prefill_together(group) if answers is None else None
             blocked = False
             if outs is None:  # a single request, or the group failed: one by one, so a failure stays its own
                 outs = []
                 for i, state in enumerate(group):
-                    out = self._prefill_one(state, events)
+                    out = self._prefill_one(state, events, answers[i] if answers else None)
                     if out is _BLOCKED:  # waits (FIFO) until pages free up or the limit passes
+                        if answers:
+                            self._undo_answers(group[i + 1 :], answers[i + 1 :])
                         self.waiting.extendleft(reversed(group[i:]))
                         self._block_waiting()
                         blocked = True
@@ -226,8 +229,7 @@ class Scheduler:
 
     def _prefill_together(self, group: list[RunState]):
         """Outputs for the whole group from one target call, or None (one request, or any failure: nothing of
-        the group is left admitted). An in-process call joins the first request's trace; a remote target sends
-        one Prefill RPC per request, all at once, each in its request's trace (the target runs them together)."""
+        the group is left admitted). The call joins the first request's trace."""
         if len(group) < 2 or not getattr(self.target, "batches_prefill", False):
             return None
         inputs = []
@@ -246,11 +248,42 @@ class Scheduler:
                     self.target.release(rid)
             return None
 
-    def _prefill_one(self, state: RunState, events: list[Event]):
-        """The request's prefill output; None if it failed (an error event is added); _BLOCKED if the pools are
-        full and it may wait."""
+    def _prefill_each(self, group: list[RunState]) -> list | None:
+        """For a target that answers each request of a group alone (`prefill_each`: a remote one, one Prefill RPC
+        per request, all in flight at once, each in its request's trace): per request its output or its error.
+        None for other targets."""
+        prefill_each = getattr(self.target, "prefill_each", None)
+        if prefill_each is None:
+            return None
+        answers: list = [None] * len(group)
+        inputs, where = [], []
+        for i, state in enumerate(group):
+            try:
+                inputs.append(self._prefill_input(state))
+                where.append(i)
+            except SpecdecError as exc:  # refused on the draft side (its KV pool, a duplicate id): no RPC
+                answers[i] = exc
+        for i, answer in zip(where, prefill_each(inputs) if inputs else [], strict=True):
+            answers[i] = answer
+        return answers
+
+    def _undo_answers(self, states: list[RunState], answers: list) -> None:
+        """Requests behind one that must wait for pages wait too (FIFO): undo what their answers admitted."""
+        for state, answer in zip(states, answers, strict=True):
+            self._drop_draft(state.request_id)
+            if not isinstance(answer, SpecdecError):
+                with contextlib.suppress(SpecdecError):
+                    self.target.release(state.request_id)
+
+    def _prefill_one(self, state: RunState, events: list[Event], answer=None):
+        """The request's prefill output (`answer`: what `_prefill_each` got for it; None: prefill it now); None
+        if it failed (an error event is added); _BLOCKED if the pools are full and it may wait."""
         rid = state.request_id
         try:
+            if isinstance(answer, SpecdecError):
+                raise answer
+            if answer is not None:
+                return answer
             inp = self._prefill_input(state)
             with attached(state.trace_context):  # the Prefill RPC joins the request's trace
                 return self.target.prefill([inp])[0]

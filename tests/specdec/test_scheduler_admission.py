@@ -73,3 +73,47 @@ def test_a_bad_request_in_a_group_fails_alone(dev_prompts, tiny_tokenizer):
     assert all(len(out[f"a{i}"]) == 8 for i in (0, 1, 3))
     assert engine.kv.num_free_pages == engine.kv.num_total_pages and not engine.requests
     assert draft.kv.num_free_pages == draft.kv.num_total_pages and not draft.requests
+
+
+class EachTarget(CountingTarget):
+    """A remote target's shape: `prefill_each` answers every request alone (an output or its error), as the
+    draft's gRPC client does; `refuse` maps request ids to the error the target gives them."""
+
+    def __init__(self, engine, refuse=None):
+        super().__init__(engine)
+        self.refuse, self.each_sizes, self.released = dict(refuse or {}), [], []
+
+    def prefill_each(self, inputs):
+        self.each_sizes.append(len(inputs))
+        answers = []
+        for inp in inputs:
+            error = self.refuse.pop(inp.request_id, None)
+            answers.append(error if error is not None else self.engine.prefill([inp])[0])
+        return answers
+
+    def release(self, rid):
+        self.released.append(rid)
+        self.engine.release(rid)
+
+
+def test_a_remote_targets_answers_are_taken_one_by_one(dev_prompts, tiny_tokenizer):
+    """A group's Prefills go out together; a request the target refuses fails alone; one that must wait for KV
+    pages waits with every request behind it (FIFO; what the target admitted for those is released), then all
+    finish with the same tokens as when admitted one at a time."""
+    from specdec.errors import InvalidInput, OutOfPages
+
+    engine = tiny_target()
+    draft = tiny_draft()
+    prompts = _prompts(dev_prompts, tiny_tokenizer, 5)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    alone = _run(Scheduler(CountingTarget(engine), draft, engine.max_context, 1, feature_layers_for(draft)),
+                 prompts, params)
+    target = EachTarget(engine, {"a1": InvalidInput("bad prompt"), "a2": OutOfPages("KV pool full")})
+    sched = Scheduler(target, draft, engine.max_context, 8, feature_layers_for(draft), max_queue_wait_s=30.0)
+    out = _run(sched, prompts, params)
+    assert target.each_sizes[0] == 5 and target.prefill_sizes == []  # never the all-or-nothing call
+    assert "bad prompt" in str(out["a1"])
+    assert set(target.released) >= {"a3", "a4"}  # admitted behind the waiting a2: released, admitted again
+    assert {k: v for k, v in out.items() if k != "a1"} == {k: v for k, v in alone.items() if k != "a1"}
+    assert engine.kv.num_free_pages == engine.kv.num_total_pages and not engine.requests
+    assert draft.kv.num_free_pages == draft.kv.num_total_pages and not draft.requests
