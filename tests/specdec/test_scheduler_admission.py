@@ -41,13 +41,18 @@ def _prompts(dev_prompts, tiny_tokenizer, n):
     return [tiny_tokenizer.encode(p)[-(30 + 5 * i):] for i, p in enumerate(dev_prompts[50:50 + n])]
 
 
+def _one_at_a_time(engine, draft, prompts, params) -> dict:
+    """The reference: a batch of one, so every request is admitted alone."""
+    return _run(Scheduler(CountingTarget(engine), draft, engine.max_context, 1, feature_layers_for(draft)),
+                prompts, params)
+
+
 def test_waiting_requests_are_prefilled_together_with_the_same_output(dev_prompts, tiny_tokenizer, monkeypatch):
     engine = tiny_target()
     draft = tiny_draft()
     prompts = _prompts(dev_prompts, tiny_tokenizer, 6)
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
-    one_by_one = _run(Scheduler(CountingTarget(engine), draft, engine.max_context, 1, feature_layers_for(draft)),
-                      prompts, params)
+    one_by_one = _one_at_a_time(engine, draft, prompts, params)
     target = CountingTarget(engine)
     together = _run(Scheduler(target, draft, engine.max_context, 8, feature_layers_for(draft)), prompts, params)
     assert target.prefill_sizes == [6]
@@ -106,8 +111,7 @@ def test_a_remote_targets_answers_are_taken_one_by_one(dev_prompts, tiny_tokeniz
     draft = tiny_draft()
     prompts = _prompts(dev_prompts, tiny_tokenizer, 5)
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
-    alone = _run(Scheduler(CountingTarget(engine), draft, engine.max_context, 1, feature_layers_for(draft)),
-                 prompts, params)
+    alone = _one_at_a_time(engine, draft, prompts, params)
     target = EachTarget(engine, {"a1": InvalidInput("bad prompt"), "a2": OutOfPages("KV pool full")})
     sched = Scheduler(target, draft, engine.max_context, 8, feature_layers_for(draft), max_queue_wait_s=30.0)
     out = _run(sched, prompts, params)
