@@ -1,0 +1,26 @@
+#!/bin/bash
+# The services on two GPUs, each service its own process (as deployed), 8B-shaped dummy target and EAGLE-1 head,
+# SIMULATED acceptance: speculative vs plain tokens/s at 1-128 concurrent requests for each --speculation mode
+# (docs/benchmarks.md, "GPU: H200, fourth pass"). Needs 2 GPUs and flashinfer. Run from the repository root:
+#
+#   bash bench/services_gpu.sh                 # tau 5 and 3, all modes (~5 min on 2 x H200)
+#   TAUS=5 MODES="always" bash bench/services_gpu.sh
+#
+# Each row: | setting | N | spec tok/s | plain tok/s | speed-up | tau | steps | per-step ms ... | busy {gpu: fraction}
+set -euo pipefail
+TAUS=${TAUS:-"5 3"}
+MODES=${MODES:-"always|always --two-batch-overlap 32|auto --two-batch-overlap 32"}
+CONCURRENCY=${CONCURRENCY:-1,8,32,64,128}
+NEW_TOKENS=${NEW_TOKENS:-192}
+DRAFT="--load-format dummy --config llama3-8b-eagle1 --target-model llama3-8b"
+IFS='|' read -r -a modes <<< "$MODES"
+for tau in $TAUS; do
+  for mode in "${modes[@]}"; do
+    echo "== SIMULATED tau $tau, --speculation $mode"
+    python bench/services_bench.py --settings eagle1-chain --new-tokens "$NEW_TOKENS" --concurrency "$CONCURRENCY" \
+      --target-process --draft-process --gpu-busy 0,1 --target-device cuda:0 --draft-device cuda:1 \
+      --engine-flags "--attention-backend flashinfer --dtype bfloat16" \
+      --target-flags "--load-format dummy --config llama3-8b --simulate-accept-len $tau" \
+      --draft-flags "$DRAFT --speculation $mode"
+  done
+done
