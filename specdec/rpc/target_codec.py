@@ -87,8 +87,26 @@ def verify_outputs_to_proto(outputs: list[VerifyOutput]) -> target_pb2.VerifyRes
             request_id=out.request_id, tokens=out.tokens, num_accepted_drafts=out.num_accepted_drafts,
             num_feature_rows=rows, finish_reason=finish_to_proto(out.finish_reason)))
     if feats:
-        tensor_to_proto(feats[0] if len(feats) == 1 else torch.cat(feats), msg.features)
+        tensor_to_proto(rows_of_one(feats), msg.features)
     return msg
+
+
+def rows_of_one(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """`tensors` stacked by rows: without a copy when they are consecutive rows of one contiguous tensor (as
+    `features_to_host` leaves a batch's features), else one `torch.cat`."""
+    first = tensors[0]
+    offset = first.storage_offset()
+    for t in tensors:
+        if (not t.is_contiguous() or t.dtype != first.dtype or t.shape[1:] != first.shape[1:]
+                or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or t.storage_offset() != offset):
+            return torch.cat(tensors) if len(tensors) > 1 else first
+        offset += t.numel()
+    shape = (sum(t.shape[0] for t in tensors), *first.shape[1:])
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    return first.as_strided(shape, strides, first.storage_offset())
 
 
 def verify_outputs_from_proto(msg: target_pb2.VerifyResponse, device=None) -> list[VerifyOutput]:

@@ -6,7 +6,12 @@ from __future__ import annotations
 import torch
 
 from specdec.engine.requests import RUNNING, STOP, VerifyOutput
-from specdec.rpc.target_codec import features_to_host, verify_outputs_from_proto, verify_outputs_to_proto
+from specdec.rpc.target_codec import (
+    features_to_host,
+    rows_of_one,
+    verify_outputs_from_proto,
+    verify_outputs_to_proto,
+)
 from specdec.rpc.tensor_codec import tensor_to_proto
 from specdec.v1 import common_pb2, target_pb2
 
@@ -37,3 +42,17 @@ def test_host_features_are_left_as_they_are():
     f = torch.randn(2, 8)
     outs = [VerifyOutput("a", [1, 2], 1, f), VerifyOutput("b", [3], 0, None, STOP)]
     assert features_to_host(outs) is outs and outs[0].features is f and outs[1].features is None
+
+
+def test_rows_of_one_tensor_stack_without_a_copy():
+    batch = torch.randn(9, 4)
+    views = list(batch.split([3, 1, 5]))
+    stacked = rows_of_one(views)
+    assert torch.equal(stacked, batch) and stacked.data_ptr() == batch.data_ptr()  # a view, no copy
+    assert torch.equal(rows_of_one(views[:2]), batch[:4])
+    # not consecutive (a request skipped, rows cut short, another tensor): copied, same values
+    for parts in ([views[0], views[2]], [views[0][:2], views[1]], [views[0], torch.randn(2, 4)], [batch.t()[:2]]):
+        got = rows_of_one(parts)
+        assert torch.equal(got, torch.cat(parts))
+    one = torch.randn(1, 4)
+    assert rows_of_one([one]) is one or torch.equal(rows_of_one([one]), one)
