@@ -9,9 +9,10 @@ from specdec.engine.factory import build_target
 from specdec.engine.scheduler import Scheduler
 from specdec.rpc.service_runner import ServiceSpec, run_service
 from specdec.rpc.tls import TlsConfig
+from specdec.rpc.wire import add_servicer
 from specdec.serving.engine_args import engine_options
 from specdec.serving.engine_loop import EngineLoop
-from specdec.v1 import target_pb2_grpc
+from specdec.v1 import target_pb2
 from target_service.servicer import TargetServicer
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
 
     spec = ServiceSpec(
         name="target", health_name=HEALTH_NAME,
-        servicers=[lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s)],
+        servicers=[lambda s: add_servicer(target_pb2.DESCRIPTOR.services_by_name["TargetService"], servicer, s)],
         load=load, close=close, host=args.host, port=args.port, tls=TlsConfig.from_args(args),
         metrics_port=args.metrics_port, drain_s=args.drain_seconds,
         trace_parent_required=tuple(f"/{HEALTH_NAME}/{m}" for m in ("Verify", "Release", "GetModelInfo")),

@@ -18,9 +18,9 @@ from specdec.rpc.target_codec import (
     features_to_host,
     finish_to_proto,
     prefill_from_proto,
-    prefill_output_to_proto,
+    prefill_reply_bytes,
     verify_from_proto,
-    verify_outputs_to_proto,
+    verify_reply_bytes,
 )
 from specdec.serving.engine_loop import EngineLoop
 from specdec.telemetry import bind_request_id, get_tracer
@@ -55,7 +55,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             trace.get_current_span().set_attribute("num_prompt_tokens", len(inp.prompt_ids))
             log.info("prefill: %d prompt tokens in %.3f s", len(inp.prompt_ids), elapsed,
                      extra={"prompt_tokens": len(inp.prompt_ids), "prefill_s": round(elapsed, 4)})
-            return prefill_output_to_proto(out)
+            return prefill_reply_bytes(out)  # encoded here: see specdec.rpc.wire
 
     async def Verify(self, request, context):
         inputs = verify_from_proto(request)
@@ -64,7 +64,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         outputs = await self.loop.call_batched(self._verify_many,
                                                (inputs, current_trace_context(), time.perf_counter()))
         t0 = time.perf_counter()
-        reply = verify_outputs_to_proto(outputs)
+        reply = verify_reply_bytes(outputs)  # encoded here: see specdec.rpc.wire
         self._phase("reply", time.perf_counter() - t0)
         return reply
 

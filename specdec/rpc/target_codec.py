@@ -9,6 +9,7 @@ from specdec.engine.requests import ABORT, LENGTH, RUNNING, STOP, PrefillInput, 
 from specdec.errors import InvalidInput
 from specdec.rpc.sampling_codec import sampling_from_proto, sampling_to_proto
 from specdec.rpc.tensor_codec import tensor_from_proto, tensor_to_proto
+from specdec.rpc.wire import encode_with_tensor
 from specdec.v1 import common_pb2, target_pb2
 
 _FINISH_TO_PROTO = {
@@ -52,11 +53,20 @@ def prefill_from_proto(msg: target_pb2.PrefillRequest) -> PrefillInput:
 
 
 def prefill_output_to_proto(out: PrefillOutput) -> target_pb2.PrefillResponse:
-    msg = target_pb2.PrefillResponse(request_id=out.request_id, first_token=out.first_token,
-                                     finish_reason=finish_to_proto(out.finish_reason))
+    msg = _prefill_reply(out)
     if out.features is not None:
         tensor_to_proto(out.features, msg.features)
     return msg
+
+
+def prefill_reply_bytes(out: PrefillOutput) -> bytes:
+    """`prefill_output_to_proto(out)` encoded, the features' bytes copied once (see specdec.rpc.wire)."""
+    return encode_with_tensor(_prefill_reply(out), "features", out.features)
+
+
+def _prefill_reply(out: PrefillOutput) -> target_pb2.PrefillResponse:
+    return target_pb2.PrefillResponse(request_id=out.request_id, first_token=out.first_token,
+                                      finish_reason=finish_to_proto(out.finish_reason))
 
 
 def prefill_output_from_proto(msg: target_pb2.PrefillResponse, device=None) -> PrefillOutput:
@@ -77,6 +87,20 @@ def verify_from_proto(msg: target_pb2.VerifyRequest) -> list[VerifyInput]:
 
 
 def verify_outputs_to_proto(outputs: list[VerifyOutput]) -> target_pb2.VerifyResponse:
+    msg, feats = _verify_reply(outputs)
+    if feats:
+        tensor_to_proto(rows_of_one(feats), msg.features)
+    return msg
+
+
+def verify_reply_bytes(outputs: list[VerifyOutput]) -> bytes:
+    """`verify_outputs_to_proto(outputs)` encoded, the features' bytes copied once (see specdec.rpc.wire)."""
+    msg, feats = _verify_reply(outputs)
+    return encode_with_tensor(msg, "features", rows_of_one(feats) if feats else None)
+
+
+def _verify_reply(outputs: list[VerifyOutput]) -> tuple[target_pb2.VerifyResponse, list[torch.Tensor]]:
+    """The reply without its features, and the feature rows it carries (running requests', in order)."""
     msg = target_pb2.VerifyResponse()
     feats = []
     for out in outputs:
@@ -86,9 +110,7 @@ def verify_outputs_to_proto(outputs: list[VerifyOutput]) -> target_pb2.VerifyRes
         msg.results.append(target_pb2.VerifyResult(
             request_id=out.request_id, tokens=out.tokens, num_accepted_drafts=out.num_accepted_drafts,
             num_feature_rows=rows, finish_reason=finish_to_proto(out.finish_reason)))
-    if feats:
-        tensor_to_proto(rows_of_one(feats), msg.features)
-    return msg
+    return msg, feats
 
 
 def rows_of_one(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -34,9 +34,7 @@ def tensor_to_proto(t: torch.Tensor, out: common_pb2.Tensor | None = None) -> co
 
     The bytes are those of a contiguous CPU copy; bf16/fp16 are reinterpreted as int16, never converted.
     """
-    name = _NAMES.get(t.dtype)
-    if name is None:
-        raise InvalidInput(f"cannot send a {t.dtype} tensor; supported dtypes: {sorted(_DTYPES)}")
+    name = tensor_dtype_name(t.dtype)
     cpu = t.detach().to("cpu").contiguous()
     raw = cpu.view(torch.int16) if cpu.element_size() == 2 else cpu.view(torch.int32)
     data = raw.numpy().tobytes() if cpu.numel() else b""
@@ -46,6 +44,14 @@ def tensor_to_proto(t: torch.Tensor, out: common_pb2.Tensor | None = None) -> co
     del out.shape[:]
     out.shape.extend(cpu.shape)
     return out
+
+
+def tensor_dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of `dtype` (InvalidInput for a dtype the wire does not carry)."""
+    name = _NAMES.get(dtype)
+    if name is None:
+        raise InvalidInput(f"cannot send a {dtype} tensor; supported dtypes: {sorted(_DTYPES)}")
+    return name
 
 
 def tensor_from_proto(

@@ -52,7 +52,8 @@ async def _together(servicer: TargetServicer, loop: EngineLoop, requests: list) 
     tasks = [asyncio.ensure_future(servicer.Prefill(r, FakeContext())) for r in requests]
     await asyncio.sleep(0.05)
     loop.start()
-    return await asyncio.gather(*tasks, return_exceptions=True)
+    replies = await asyncio.gather(*tasks, return_exceptions=True)  # encoded replies (or the abort)
+    return [r if isinstance(r, Exception) else target_pb2.PrefillResponse.FromString(r) for r in replies]
 
 
 def test_prefills_arriving_together_run_as_one_forward(target):

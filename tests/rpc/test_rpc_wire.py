@@ -1,0 +1,56 @@
+"""specdec.rpc.wire: replies encoded around the features' raw bytes are the same protobuf messages as protobuf's
+own encoding, for every dtype, shape and reply the target sends."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.engine.requests import RUNNING, STOP, PrefillOutput, VerifyOutput
+from specdec.rpc.target_codec import (
+    prefill_output_to_proto,
+    prefill_reply_bytes,
+    verify_outputs_from_proto,
+    verify_outputs_to_proto,
+    verify_reply_bytes,
+)
+from specdec.rpc.wire import encode_with_tensor
+from specdec.v1 import common_pb2, target_pb2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(0, 8), (1, 1), (3, 5), (200, 4096)])
+def test_tensor_field_encodes_like_protobuf(dtype, shape):
+    t = torch.randn(shape).to(dtype)
+    msg = target_pb2.PrefillResponse(request_id="r", first_token=7)
+    ours = encode_with_tensor(msg, "features", t)
+    reference = prefill_output_to_proto(PrefillOutput("r", 7, t, RUNNING))
+    assert target_pb2.PrefillResponse.FromString(ours) == reference
+    assert ours == reference.SerializeToString()  # byte for byte: the field is protobuf's last one anyway
+
+
+def test_verify_reply_bytes_parse_to_the_same_reply():
+    batch = torch.randn(9, 16).to(torch.bfloat16)
+    rows = batch.split([4, 2, 3])
+    outs = [VerifyOutput("a", [1, 2, 3, 4], 3, rows[0]), VerifyOutput("b", [5], 0, rows[1][:1], STOP),
+            VerifyOutput("c", [6, 7, 8], 2, rows[2])]
+    parsed = target_pb2.VerifyResponse.FromString(verify_reply_bytes(outs))
+    assert parsed == verify_outputs_to_proto(outs)
+    back = verify_outputs_from_proto(parsed)
+    assert torch.equal(back[0].features, rows[0]) and back[1].features is None and torch.equal(back[2].features,
+                                                                                               rows[2])
+    none = [VerifyOutput("d", [9], 0, None, STOP)]
+    assert target_pb2.VerifyResponse.FromString(verify_reply_bytes(none)) == verify_outputs_to_proto(none)
+
+
+def test_prefill_reply_without_features():
+    out = PrefillOutput("r", 3, None, STOP)
+    assert target_pb2.PrefillResponse.FromString(prefill_reply_bytes(out)) == prefill_output_to_proto(out)
+
+
+def test_large_field_lengths_use_multi_byte_varints():
+    t = torch.zeros(3000, 100, dtype=torch.float32)  # 1.2 MB: a 3-byte length
+    msg = common_pb2.Tensor()
+    parsed = target_pb2.VerifyResponse.FromString(encode_with_tensor(target_pb2.VerifyResponse(), "features", t))
+    msg.CopyFrom(parsed.features)
+    assert list(msg.shape) == [3000, 100] and len(msg.data) == 1_200_000
