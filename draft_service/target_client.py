@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from specdec.engine.requests import PrefillInput, PrefillOutput, VerifyInput, VerifyOutput
 from specdec.errors import DuplicateRequest, InvalidInput, NotReady, OutOfPages, SpecdecError, UnknownRequest
@@ -18,6 +19,7 @@ from specdec.rpc.target_codec import (
 )
 from specdec.rpc.tensor_codec import tensor_from_proto
 from specdec.rpc.tls import TlsConfig
+from specdec.rpc.wire import decode_with_tensor
 from specdec.telemetry.grpc_tracing import blocking_call_metadata
 from specdec.telemetry.tracing import attached
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
@@ -56,8 +58,15 @@ class TargetClient:
         self.channel = (grpc.secure_channel(addr, tls.channel_credentials(), options=opts) if tls
                         else grpc.insecure_channel(addr, options=opts))
         self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
+        # the feature-carrying replies come back as bytes: the features are read where they lie (specdec.rpc.wire)
+        self._prefill_raw = self._raw("Prefill", target_pb2.PrefillRequest)
+        self._verify_raw = self._raw("Verify", target_pb2.VerifyRequest)
         self.addr, self.timeout_s, self.device = addr, timeout_s, device
         self.feature_dim = 0  # set once the draft is built: the feature width it consumes (0: not checked)
+
+    def _raw(self, name: str, request_cls):
+        return self.channel.unary_unary(TARGET_SERVICE_PATH + name, request_serializer=request_cls.SerializeToString,
+                                        response_deserializer=None, _registered_method=True)
 
     def _call(self, method, request):
         """One blocking call; under a trace (a sampled step, a request's prefill) it carries `traceparent` and
@@ -99,7 +108,7 @@ class TargetClient:
     def prefill_each(self, inputs: list[PrefillInput]) -> list:
         """One Prefill RPC per request, all in flight at once (the target runs those that meet as one forward),
         each in its request's trace; per request its PrefillOutput or its error (SpecdecError)."""
-        started = [self._start(self.stub.Prefill, prefill_to_proto(inp), inp.trace_context) for inp in inputs]
+        started = [self._start(self._prefill_raw, prefill_to_proto(inp), inp.trace_context) for inp in inputs]
         answers: list = []
         for inp, call in zip(inputs, started, strict=True):
             try:
@@ -108,18 +117,19 @@ class TargetClient:
                 answers.append(exc)
         return answers
 
-    def _prefill_output(self, inp: PrefillInput, msg) -> PrefillOutput:
+    def _prefill_output(self, inp: PrefillInput, data: bytes) -> PrefillOutput:
         try:
-            if msg.request_id != inp.request_id or (inp.return_features and not msg.HasField("features")):
+            msg, feats = self._decode(target_pb2.PrefillResponse, data)
+            if msg.request_id != inp.request_id or (inp.return_features and feats is None):
                 raise MalformedReply(f"target: malformed Prefill reply for {inp.request_id!r}")
             rows = len(inp.prompt_ids) if inp.return_features else None
-            return self._checked(prefill_output_from_proto, msg, expected_rows=rows)
+            return self._checked(prefill_output_from_proto, msg, feats, expected_rows=rows)
         except MalformedReply:
             self._release_quietly(inp.request_id)  # the target admitted it; nobody else will free it
             raise
 
     def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
-        msg = self._call(self.stub.Verify, verify_to_proto(inputs))
+        msg, feats = self._decode(target_pb2.VerifyResponse, self._call(self._verify_raw, verify_to_proto(inputs)))
         ids = [r.request_id for r in msg.results]
         if ids != [i.request_id for i in inputs]:
             raise MalformedReply(f"target: Verify answered {ids[:4]} for {[i.request_id for i in inputs][:4]}")
@@ -128,14 +138,26 @@ class TargetClient:
             if not r.tokens or r.num_feature_rows != (len(r.tokens) if running else 0):
                 raise MalformedReply(f"target: Verify result for {r.request_id!r} has {len(r.tokens)} tokens "
                                      f"and {r.num_feature_rows} feature rows")
-        return self._checked(verify_outputs_from_proto, msg)
+        return self._checked(verify_outputs_from_proto, msg, feats)
 
-    def _checked(self, decode, msg, **expected):
+    @staticmethod
+    def _decode(cls, data: bytes):
+        """(reply without its features, the features' tensor message or None); a reply that is not protobuf is the
+        target's fault."""
+        try:
+            msg, feats = decode_with_tensor(cls, data, "features")
+        except DecodeError as exc:
+            raise MalformedReply(f"target: reply is not a {cls.DESCRIPTOR.name}: {exc}") from None
+        if feats is None and msg.HasField("features"):
+            feats = msg.features
+        return msg, feats
+
+    def _checked(self, decode, msg, feats, **expected):
         """Decode a reply's features, checking rows and the feature width; a bad blob is the target's fault."""
         try:
-            if self.feature_dim and msg.HasField("features"):
-                tensor_from_proto(msg.features, expected_dim=self.feature_dim, **expected)
-            return decode(msg, self.device)
+            if self.feature_dim and feats is not None:
+                tensor_from_proto(feats, expected_dim=self.feature_dim, **expected)
+            return decode(msg, self.device, features=feats)
         except InvalidInput as exc:
             raise MalformedReply(f"target: malformed features: {exc}") from None
 

@@ -69,8 +69,10 @@ def _prefill_reply(out: PrefillOutput) -> target_pb2.PrefillResponse:
                                       finish_reason=finish_to_proto(out.finish_reason))
 
 
-def prefill_output_from_proto(msg: target_pb2.PrefillResponse, device=None) -> PrefillOutput:
-    feats = tensor_from_proto(msg.features, device=device) if msg.HasField("features") else None
+def prefill_output_from_proto(msg: target_pb2.PrefillResponse, device=None, features=None) -> PrefillOutput:
+    """`features`: the reply's tensor when read apart from `msg` (see specdec.rpc.wire.decode_with_tensor)."""
+    features = features if features is not None else msg.features if msg.HasField("features") else None
+    feats = tensor_from_proto(features, device=device) if features is not None else None
     return PrefillOutput(msg.request_id, msg.first_token, feats, finish_from_proto(msg.finish_reason))
 
 
@@ -131,9 +133,11 @@ def rows_of_one(tensors: list[torch.Tensor]) -> torch.Tensor:
     return first.as_strided(shape, strides, first.storage_offset())
 
 
-def verify_outputs_from_proto(msg: target_pb2.VerifyResponse, device=None) -> list[VerifyOutput]:
+def verify_outputs_from_proto(msg: target_pb2.VerifyResponse, device=None, features=None) -> list[VerifyOutput]:
+    """`features`: the reply's tensor when read apart from `msg` (see specdec.rpc.wire.decode_with_tensor)."""
     total = sum(r.num_feature_rows for r in msg.results)
-    feats = tensor_from_proto(msg.features, device=device, expected_rows=total) if total else None
+    features = features if features is not None else msg.features
+    feats = tensor_from_proto(features, device=device, expected_rows=total) if total else None
     outputs, start = [], 0
     for r in msg.results:
         rows = feats[start : start + r.num_feature_rows] if r.num_feature_rows else None

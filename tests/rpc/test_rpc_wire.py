@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from google.protobuf.message import DecodeError
 
 from specdec.engine.requests import RUNNING, STOP, PrefillOutput, VerifyOutput
 from specdec.rpc.target_codec import (
@@ -14,7 +15,8 @@ from specdec.rpc.target_codec import (
     verify_outputs_to_proto,
     verify_reply_bytes,
 )
-from specdec.rpc.wire import encode_with_tensor
+from specdec.rpc.tensor_codec import tensor_from_proto
+from specdec.rpc.wire import RawTensor, decode_with_tensor, encode_with_tensor
 from specdec.v1 import common_pb2, target_pb2
 
 
@@ -26,7 +28,7 @@ def test_tensor_field_encodes_like_protobuf(dtype, shape):
     ours = encode_with_tensor(msg, "features", t)
     reference = prefill_output_to_proto(PrefillOutput("r", 7, t, RUNNING))
     assert target_pb2.PrefillResponse.FromString(ours) == reference
-    assert ours == reference.SerializeToString()  # byte for byte: the field is protobuf's last one anyway
+    assert len(ours) == len(reference.SerializeToString())  # the same fields, the tensor moved to the front
 
 
 def test_verify_reply_bytes_parse_to_the_same_reply():
@@ -54,3 +56,34 @@ def test_large_field_lengths_use_multi_byte_varints():
     parsed = target_pb2.VerifyResponse.FromString(encode_with_tensor(target_pb2.VerifyResponse(), "features", t))
     msg.CopyFrom(parsed.features)
     assert list(msg.shape) == [3000, 100] and len(msg.data) == 1_200_000
+
+
+def _raw_equals(raw, t: torch.Tensor) -> bool:
+    got = tensor_from_proto(raw)
+    return got.dtype == t.dtype and torch.equal(got, t)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_reads_the_tensor_in_place_and_the_rest_like_protobuf(dtype):
+    batch = torch.randn(7, 12).to(dtype)
+    outs = [VerifyOutput("a", [1, 2, 3], 2, batch[:3]), VerifyOutput("b", [4, 5, 6, 7], 3, batch[3:])]
+    data = verify_reply_bytes(outs)
+    msg, raw = decode_with_tensor(target_pb2.VerifyResponse, data, "features")
+    assert isinstance(raw, RawTensor) and _raw_equals(raw, batch)
+    assert not msg.HasField("features") and msg.results == verify_outputs_to_proto(outs).results
+    back = verify_outputs_from_proto(msg, features=raw)
+    assert torch.equal(back[0].features, batch[:3]) and torch.equal(back[1].features, batch[3:])
+
+
+def test_decode_takes_protobufs_own_layout_too():
+    """Any valid encoding decodes: protobuf's (tensor last), no tensor at all, or a broken layout is left to
+    protobuf (which then raises its own error)."""
+    t = torch.randn(2, 3)
+    reference = prefill_output_to_proto(PrefillOutput("r", 7, t, RUNNING))
+    msg, raw = decode_with_tensor(target_pb2.PrefillResponse, reference.SerializeToString(), "features")
+    assert msg.request_id == "r" and _raw_equals(raw, t)
+    plain = target_pb2.PrefillResponse(request_id="s", first_token=1).SerializeToString()
+    assert decode_with_tensor(target_pb2.PrefillResponse, plain, "features") == \
+        (target_pb2.PrefillResponse.FromString(plain), None)
+    with pytest.raises(DecodeError):
+        decode_with_tensor(target_pb2.PrefillResponse, b"\x1a\xff\xff", "features")
