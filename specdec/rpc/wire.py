@@ -153,7 +153,10 @@ def _raw_tensor(buf: memoryview) -> RawTensor:
     dtype, shape, data = "", [], memoryview(b"")
     for number, kind, _, value, end in _fields(buf):
         if number == dtype_no and kind == _LEN:
-            dtype = bytes(buf[value:end]).decode()
+            try:
+                dtype = bytes(buf[value:end]).decode()
+            except UnicodeDecodeError:
+                raise _Layout("dtype is not UTF-8") from None
         elif number == shape_no and kind == _LEN:  # packed
             pos = value
             while pos < end:

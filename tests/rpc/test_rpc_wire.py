@@ -3,6 +3,8 @@ own encoding, for every dtype, shape and reply the target sends."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from google.protobuf.message import DecodeError
@@ -87,3 +89,22 @@ def test_decode_takes_protobufs_own_layout_too():
         (target_pb2.PrefillResponse.FromString(plain), None)
     with pytest.raises(DecodeError):
         decode_with_tensor(target_pb2.PrefillResponse, b"\x1a\xff\xff", "features")
+
+
+def test_garbage_decodes_or_raises_decode_error_only():
+    """Whatever a broken target sends, decoding gives a message or protobuf's DecodeError, nothing else (the
+    client turns that into MalformedReply)."""
+    rng = random.Random(0)
+    good = verify_reply_bytes([VerifyOutput("a", [1, 2], 1, torch.randn(2, 4))])
+    samples = [bytes(rng.randrange(256) for _ in range(rng.randrange(1, 40))) for _ in range(1500)]
+    for _ in range(1500):  # a valid reply with a few bytes changed or cut
+        b = bytearray(good)
+        for _ in range(rng.randrange(1, 4)):
+            b[rng.randrange(len(b))] = rng.randrange(256)
+        samples.append(bytes(b[: rng.randrange(1, len(b) + 1)]))
+    for data in samples:
+        try:
+            msg, raw = decode_with_tensor(target_pb2.VerifyResponse, data, "features")
+        except DecodeError:
+            continue
+        assert isinstance(msg, target_pb2.VerifyResponse) and (raw is None or isinstance(raw, RawTensor))
