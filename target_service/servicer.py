@@ -7,8 +7,8 @@ import time
 
 from opentelemetry import trace
 
+from specdec.engine.admission import MAX_PREFILL_TOKENS
 from specdec.engine.requests import RUNNING
-from specdec.engine.scheduler import MAX_PREFILL_TOKENS
 from specdec.engine.target_engine import TargetEngine
 from specdec.errors import SpecdecError
 from specdec.rpc.errors import map_servicer_errors

@@ -14,79 +14,31 @@ of the batch whose trace is sampled and linked to every other request's span (`b
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from specdec.engine.adaptive import FULL, SpeculationPolicy
+from specdec.engine.admission import PROMPT_EXTEND, Admission
 from specdec.engine.draft_engine import DraftEngine
 from specdec.engine.overlap import TwoBatchOverlap
-from specdec.engine.requests import ABORT, RUNNING, PrefillInput, StepTimings, VerifyInput
-from specdec.errors import NotReady, OutOfPages, SpecdecError
+from specdec.engine.requests import ABORT, RUNNING, StepTimings, VerifyInput
+from specdec.engine.run_state import Event, Launch, RunState
+from specdec.errors import NotReady, SpecdecError
 from specdec.sampling_params import SamplingParams
-from specdec.telemetry.tracing import StepSpanSampler, attached, batch_parent
+from specdec.telemetry.tracing import StepSpanSampler, batch_parent
 from specdec.tree import TokenTree
+
+__all__ = ["Event", "Launch", "RunState", "Scheduler"]
 
 log = logging.getLogger(__name__)
 _EMPTY = TokenTree((), ())  # a plain decode step: verify of the root alone
-QUEUE_POLL_S = 0.01  # how often a request waiting for KV pages retries its admission
-MAX_PREFILL_TOKENS = 16384  # prompt tokens admitted in one target prefill call
-_BLOCKED = object()  # admission result: the KV pools are full, the request waits
-PROMPT_EXTEND = "draft.extend_prompt"  # span name of the draft's extend over admitted prompts
 
 
-@dataclass
-class Event:
-    """What one request got from one step."""
-
-    request_id: str
-    tokens: list[int]
-    finish_reason: str = RUNNING
-    error: SpecdecError | None = None
-    num_accepted_drafts: int = 0
-    from_verify: bool = False  # False for the prefill's first token and for aborts
-    num_draft_tokens: int = 0  # draft tokens the step verified for this request (0: a plain step)
-
-
-@dataclass
-class RunState:
-    request_id: str
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    num_generated: int = 0
-    num_verify_steps: int = 0
-    num_draft_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-    blocked_since: float | None = None  # when admission first found the KV pools too full for it
-    trace_context: Any = None  # the request's OpenTelemetry context (None: not traced)
-    # committed tokens (and their features) the draft has not extended over yet: left by plain steps
-    backlog_tokens: list[int] = field(default_factory=list)
-    backlog_features: list = field(default_factory=list)
-
-
-@dataclass
-class Launch:
-    """One step of a set of running requests up to its verify: what was proposed, and how the step is traced."""
-
-    rids: list[str]
-    trees: list[TokenTree]
-    budget: int
-    speculate: bool
-    trace: tuple[bool, Any, list]
-    started: float  # perf_counter at the start of the step
-    catch_up_s: float = 0.0  # of which the draft's extend over tokens that earlier plain steps committed
-
-    @property
-    def num_draft_tokens(self) -> int:
-        return sum(len(t.tokens) for t in self.trees)
-
-
-class Scheduler:
+class Scheduler(Admission):
     def __init__(self, target, draft: DraftEngine | None, max_context: int, max_batch_size: int = 64,
                  feature_layers: tuple[int, ...] = (), max_queue_wait_s: float = 0.0,
                  step_spans: StepSpanSampler | None = None, policy: SpeculationPolicy | None = None,
@@ -157,159 +109,6 @@ class Scheduler:
                 events.append(Event(rid, [], ABORT))
         self._aborts = later
         return events
-
-    def _expire_blocked(self) -> list[Event]:
-        """Requests that waited max_queue_wait_s for KV pages fail with OutOfPages (RESOURCE_EXHAUSTED)."""
-        now, events = time.monotonic(), []
-        for state in [s for s in self.waiting if s.blocked_since is not None]:
-            waited = now - state.blocked_since
-            if waited >= self.max_queue_wait_s:
-                self.waiting.remove(state)
-                err = OutOfPages(f"KV pool full: waited {waited:.1f} s for pages (limit {self.max_queue_wait_s:g} s)")
-                events.append(Event(state.request_id, [], ABORT, error=err))
-        if not self.waiting:
-            self._retry_at = 0.0
-        return events
-
-    def _block_waiting(self) -> None:
-        now = time.monotonic()
-        for state in self.waiting:
-            if state.blocked_since is None:
-                state.blocked_since = now
-        self._retry_at = now + QUEUE_POLL_S
-
-    def _admit(self) -> list[Event]:
-        """Admit waiting requests (FIFO) while the batch has room: prefill groups of them in one target call
-        (at most MAX_PREFILL_TOKENS prompt tokens each), then extend the draft over their prompts."""
-        events, extend = [], []
-        if self._retry_at and time.monotonic() < self._retry_at:
-            return events
-        self._retry_at = 0.0
-        while self.waiting and len(self.running) < self.max_batch_size:
-            group = self._next_group()
-            answers = self._prefill_each(group)  # a remote target: each request answered alone, all at once
-            outs = self._prefill_together(group) if answers is None else None
-            blocked = False
-            if outs is None:  # a single request, or the group failed: one by one, so a failure stays its own
-                outs = []
-                for i, state in enumerate(group):
-                    out = self._prefill_one(state, events, answers[i] if answers else None)
-                    if out is _BLOCKED:  # waits (FIFO) until pages free up or the limit passes
-                        if answers:
-                            self._undo_answers(group[i + 1 :], answers[i + 1 :])
-                        self.waiting.extendleft(reversed(group[i:]))
-                        self._block_waiting()
-                        blocked = True
-                        break
-                    outs.append(out)
-            for state, out in zip(group, outs, strict=False):
-                if out is not None:
-                    self._start(state, out, events, extend)
-            if blocked:
-                break
-        if extend:
-            self._extend(extend, self._step_trace([self.running[rid] for rid, _, _ in extend]), PROMPT_EXTEND)
-        return events
-
-    def _next_group(self) -> list[RunState]:
-        group, tokens = [], 0
-        while self.waiting and len(self.running) + len(group) < self.max_batch_size:
-            n = len(self.waiting[0].prompt_ids)
-            if group and tokens + n > MAX_PREFILL_TOKENS:
-                break
-            group.append(self.waiting.popleft())
-            tokens += n
-        return group
-
-    def _prefill_input(self, state: RunState) -> PrefillInput:
-        if self.draft is not None:
-            self.draft.add(state.request_id, len(state.prompt_ids) + state.sampling.max_new_tokens)
-        return PrefillInput(state.request_id, state.prompt_ids, state.sampling, self.feature_layers,
-                            self.draft is not None, state.trace_context)
-
-    def _prefill_together(self, group: list[RunState]):
-        """Outputs for the whole group from one target call, or None (one request, or any failure: nothing of
-        the group is left admitted). The call joins the first request's trace."""
-        if len(group) < 2 or not getattr(self.target, "batches_prefill", False):
-            return None
-        inputs = []
-        try:
-            for state in group:
-                inputs.append(self._prefill_input(state))
-            with attached(group[0].trace_context):
-                return self.target.prefill(inputs)
-        except SpecdecError:
-            for state in group:
-                rid = state.request_id
-                if rid in self.running:  # a duplicate id: the running request keeps its state
-                    continue
-                self._drop_draft(rid)
-                with contextlib.suppress(SpecdecError):  # whatever the target admitted before failing
-                    self.target.release(rid)
-            return None
-
-    def _prefill_each(self, group: list[RunState]) -> list | None:
-        """For a target that answers each request of a group alone (`prefill_each`: a remote one, one Prefill RPC
-        per request, all in flight at once, each in its request's trace): per request its output or its error.
-        None for other targets."""
-        prefill_each = getattr(self.target, "prefill_each", None)
-        if prefill_each is None:
-            return None
-        answers: list = [None] * len(group)
-        inputs, where = [], []
-        for i, state in enumerate(group):
-            try:
-                inputs.append(self._prefill_input(state))
-                where.append(i)
-            except SpecdecError as exc:  # refused on the draft side (its KV pool, a duplicate id): no RPC
-                answers[i] = exc
-        for i, answer in zip(where, prefill_each(inputs) if inputs else [], strict=True):
-            answers[i] = answer
-        return answers
-
-    def _undo_answers(self, states: list[RunState], answers: list) -> None:
-        """Requests behind one that must wait for pages wait too (FIFO): undo what their answers admitted."""
-        for state, answer in zip(states, answers, strict=True):
-            self._drop_draft(state.request_id)
-            if not isinstance(answer, SpecdecError):
-                with contextlib.suppress(SpecdecError):
-                    self.target.release(state.request_id)
-
-    def _prefill_one(self, state: RunState, events: list[Event], answer=None):
-        """The request's prefill output (`answer`: what `_prefill_each` got for it; None: prefill it now); None
-        if it failed (an error event is added); _BLOCKED if the pools are full and it may wait."""
-        rid = state.request_id
-        try:
-            if isinstance(answer, SpecdecError):
-                raise answer
-            if answer is not None:
-                return answer
-            inp = self._prefill_input(state)
-            with attached(state.trace_context):  # the Prefill RPC joins the request's trace
-                return self.target.prefill([inp])[0]
-        except SpecdecError as exc:
-            self._drop_draft(rid)
-            if isinstance(exc, OutOfPages) and self.max_queue_wait_s > 0:
-                return _BLOCKED
-            events.append(Event(rid, [], ABORT, error=exc))
-            return None
-
-    def _drop_draft(self, rid: str) -> None:
-        """Undo a failed admission's draft state (never a running request's, should the id repeat)."""
-        if self.draft is not None and rid in self.draft.requests and rid not in self.running:
-            self.draft.release(rid)
-
-    def _start(self, state: RunState, out, events: list[Event], extend: list) -> None:
-        rid = state.request_id
-        state.num_generated = 1
-        events.append(Event(rid, [out.first_token], out.finish_reason))
-        if out.finish_reason != RUNNING:
-            if self.draft is not None:
-                self.draft.release(rid)
-            return
-        self.running[rid] = state
-        if self.draft is not None:
-            extend.append((rid, state.prompt_ids[1:] + [out.first_token], out.features))
 
     def _step_trace(self, states: list[RunState]) -> tuple[bool, Any, list]:
         """(sampled, parent context, links) for one step's spans over `states`."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from core_engines import tiny_draft, tiny_target
 
-from specdec.engine import scheduler as scheduler_module
+from specdec.engine import admission as admission_module
 from specdec.engine.generate import feature_layers_for
 from specdec.engine.scheduler import Scheduler
 from specdec.sampling_params import SamplingParams
@@ -57,7 +57,7 @@ def test_waiting_requests_are_prefilled_together_with_the_same_output(dev_prompt
     together = _run(Scheduler(target, draft, engine.max_context, 8, feature_layers_for(draft)), prompts, params)
     assert target.prefill_sizes == [6]
     assert together == one_by_one
-    monkeypatch.setattr(scheduler_module, "MAX_PREFILL_TOKENS", 100)  # groups split by prompt tokens
+    monkeypatch.setattr(admission_module, "MAX_PREFILL_TOKENS", 100)  # groups split by prompt tokens
     target = CountingTarget(engine)
     assert _run(Scheduler(target, draft, engine.max_context, 8, feature_layers_for(draft)), prompts, params) == \
         one_by_one

@@ -1,0 +1,58 @@
+"""What the scheduler keeps per request and hands out per step: `RunState` (a request in the queue or the running
+batch), `Event` (what one request got from one step), `Launch` (one step up to its verify)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from specdec.engine.requests import RUNNING
+from specdec.errors import SpecdecError
+from specdec.sampling_params import SamplingParams
+from specdec.tree import TokenTree
+
+
+@dataclass
+class Event:
+    """What one request got from one step."""
+
+    request_id: str
+    tokens: list[int]
+    finish_reason: str = RUNNING
+    error: SpecdecError | None = None
+    num_accepted_drafts: int = 0
+    from_verify: bool = False  # False for the prefill's first token and for aborts
+    num_draft_tokens: int = 0  # draft tokens the step verified for this request (0: a plain step)
+
+
+@dataclass
+class RunState:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    num_generated: int = 0
+    num_verify_steps: int = 0
+    num_draft_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    blocked_since: float | None = None  # when admission first found the KV pools too full for it
+    trace_context: Any = None  # the request's OpenTelemetry context (None: not traced)
+    # committed tokens (and their features) the draft has not extended over yet: left by plain steps
+    backlog_tokens: list[int] = field(default_factory=list)
+    backlog_features: list = field(default_factory=list)
+
+
+@dataclass
+class Launch:
+    """One step of a set of running requests up to its verify: what was proposed, and how the step is traced."""
+
+    rids: list[str]
+    trees: list[TokenTree]
+    budget: int
+    speculate: bool
+    trace: tuple[bool, Any, list]
+    started: float  # perf_counter at the start of the step
+    catch_up_s: float = 0.0  # of which the draft's extend over tokens that earlier plain steps committed
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(len(t.tokens) for t in self.trees)
