@@ -41,7 +41,10 @@ class IncrementalDetokenizer:
     def _emit(self, new_text: str, final: bool) -> str:
         window = self._held + new_text
         stop_at = _first_stop(window, self._stop_strings)
-        if stop_at is not None:
+        pending = None if stop_at is None or final else _pending_start(window, self._stop_strings, stop_at)
+        if pending is not None:  # a stop string starting earlier may still complete: the next text decides
+            emitted, self._held = window[:pending], window[pending:]
+        elif stop_at is not None:
             self.stopped = True
             emitted, self._held = window[:stop_at], ""
         else:
@@ -55,6 +58,19 @@ def _first_stop(text: str, stop_strings: tuple[str, ...]) -> int | None:
     """Start of the earliest stop string occurrence in `text`, or None."""
     starts = [start for start in (text.find(stop) for stop in stop_strings) if start >= 0]
     return min(starts) if starts else None
+
+
+def _pending_start(text: str, stop_strings: tuple[str, ...], before: int) -> int | None:
+    """The earliest position before `before` from which `text` is a proper prefix of a stop string (one that can
+    still complete with more text), or None. Example: stops "b" and "<b<", text "<b": "b" matched at 1, but
+    "<b<" may still match at 0, which would cut earlier."""
+    earliest = None
+    for stop in stop_strings:
+        for start in range(max(0, len(text) - len(stop) + 1), before if earliest is None else min(before, earliest)):
+            if stop.startswith(text[start:]):
+                earliest = start
+                break
+    return earliest
 
 
 def _longest_stop_prefix_suffix(text: str, stop_strings: tuple[str, ...]) -> int:

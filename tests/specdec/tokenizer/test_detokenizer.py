@@ -67,6 +67,17 @@ def test_earliest_of_several_stop_strings_wins(tiny_code):
     assert detok.text == "ab"
 
 
+def test_a_stop_starting_earlier_that_completes_later_wins(tiny_code):
+    """Stops "b" and "<b<": after "<b" the "b" has matched, but "<b<" may still match from 0 (earlier); the
+    text waits for the next push instead of cutting at "b", so every split gives the whole decode's cut."""
+    for rest, expected in (("<", ""), ("x", "<")):
+        chunks = [tiny_code.encode("<b"), tiny_code.encode(rest)]
+        detok, pieces = _stream(tiny_code, chunks, ["b", "<b<"])
+        assert pieces[0] == "" and detok.text == expected and detok.stopped
+    detok, _ = _stream(tiny_code, [tiny_code.encode("<b")], ["b", "<b<"])  # the stream ends: "b" it is
+    assert detok.text == "<" and detok.stopped
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     text=st.text(alphabet=st.sampled_from(list("ab \n你🙂é<>")), max_size=30),
