@@ -17,7 +17,6 @@ from specdec.rpc.target_codec import (
     verify_outputs_from_proto,
     verify_to_proto,
 )
-from specdec.rpc.tensor_codec import tensor_from_proto
 from specdec.rpc.tls import TlsConfig
 from specdec.rpc.wire import decode_with_tensor
 from specdec.telemetry.grpc_tracing import blocking_call_metadata
@@ -155,9 +154,7 @@ class TargetClient:
     def _checked(self, decode, msg, feats, **expected):
         """Decode a reply's features, checking rows and the feature width; a bad blob is the target's fault."""
         try:
-            if self.feature_dim and feats is not None:
-                tensor_from_proto(feats, expected_dim=self.feature_dim, **expected)
-            return decode(msg, self.device, features=feats)
+            return decode(msg, self.device, features=feats, expected_dim=self.feature_dim or None, **expected)
         except InvalidInput as exc:
             raise MalformedReply(f"target: malformed features: {exc}") from None
 

@@ -69,10 +69,12 @@ def _prefill_reply(out: PrefillOutput) -> target_pb2.PrefillResponse:
                                       finish_reason=finish_to_proto(out.finish_reason))
 
 
-def prefill_output_from_proto(msg: target_pb2.PrefillResponse, device=None, features=None) -> PrefillOutput:
-    """`features`: the reply's tensor when read apart from `msg` (see specdec.rpc.wire.decode_with_tensor)."""
+def prefill_output_from_proto(msg: target_pb2.PrefillResponse, device=None, features=None,
+                              expected_dim: int | None = None, expected_rows: int | None = None) -> PrefillOutput:
+    """`features`: the reply's tensor when read apart from `msg` (see specdec.rpc.wire.decode_with_tensor);
+    `expected_*`: checks of its shape (InvalidInput), as `tensor_from_proto` makes them."""
     features = features if features is not None else msg.features if msg.HasField("features") else None
-    feats = tensor_from_proto(features, device=device) if features is not None else None
+    feats = None if features is None else tensor_from_proto(features, device, expected_dim, expected_rows)
     return PrefillOutput(msg.request_id, msg.first_token, feats, finish_from_proto(msg.finish_reason))
 
 
@@ -133,11 +135,13 @@ def rows_of_one(tensors: list[torch.Tensor]) -> torch.Tensor:
     return first.as_strided(shape, strides, first.storage_offset())
 
 
-def verify_outputs_from_proto(msg: target_pb2.VerifyResponse, device=None, features=None) -> list[VerifyOutput]:
-    """`features`: the reply's tensor when read apart from `msg` (see specdec.rpc.wire.decode_with_tensor)."""
+def verify_outputs_from_proto(msg: target_pb2.VerifyResponse, device=None, features=None,
+                              expected_dim: int | None = None) -> list[VerifyOutput]:
+    """`features`: the reply's tensor when read apart from `msg` (see specdec.rpc.wire.decode_with_tensor);
+    `expected_dim`: a check of its width (InvalidInput); its rows are checked against the results'."""
     total = sum(r.num_feature_rows for r in msg.results)
     features = features if features is not None else msg.features
-    feats = tensor_from_proto(features, device=device, expected_rows=total) if total else None
+    feats = tensor_from_proto(features, device, expected_dim, expected_rows=total) if total else None
     outputs, start = [], 0
     for r in msg.results:
         rows = feats[start : start + r.num_feature_rows] if r.num_feature_rows else None

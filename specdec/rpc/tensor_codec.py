@@ -34,16 +34,23 @@ def tensor_to_proto(t: torch.Tensor, out: common_pb2.Tensor | None = None) -> co
 
     The bytes are those of a contiguous CPU copy; bf16/fp16 are reinterpreted as int16, never converted.
     """
-    name = tensor_dtype_name(t.dtype)
-    cpu = t.detach().to("cpu").contiguous()
-    raw = cpu.view(torch.int16) if cpu.element_size() == 2 else cpu.view(torch.int32)
-    data = raw.numpy().tobytes() if cpu.numel() else b""
+    name, shape, raw = host_raw(t)
+    data = raw.tobytes()
     if out is None:
-        return common_pb2.Tensor(dtype=name, shape=list(cpu.shape), data=data)
+        return common_pb2.Tensor(dtype=name, shape=shape, data=data)
     out.dtype, out.data = name, data
     del out.shape[:]
-    out.shape.extend(cpu.shape)
+    out.shape.extend(shape)
     return out
+
+
+def host_raw(t: torch.Tensor):
+    """(wire dtype name, shape, the elements as a flat uint8 array) of `t`: the bytes of a contiguous host copy
+    (no copy for a contiguous host tensor), bf16/fp16 reinterpreted, never converted. The array shares `t`'s
+    memory when it can."""
+    name = tensor_dtype_name(t.dtype)
+    cpu = t.detach().to("cpu").contiguous()
+    return name, list(cpu.shape), cpu.reshape(-1).view(torch.uint8).numpy()
 
 
 def tensor_dtype_name(dtype: torch.dtype) -> str:

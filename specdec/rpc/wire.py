@@ -23,7 +23,7 @@ import grpc
 import torch
 from google.protobuf import message_factory
 
-from specdec.rpc.tensor_codec import tensor_dtype_name
+from specdec.rpc.tensor_codec import host_raw
 from specdec.v1 import common_pb2
 
 _LEN = 2  # wire type of length-delimited fields
@@ -49,13 +49,11 @@ def _key(field_number: int) -> bytes:
 def tensor_parts(t: torch.Tensor) -> list:
     """The wire encoding of `specdec.v1.Tensor` for host tensor `t`, as parts to join (the data part is a view
     of `t`'s memory, not a copy)."""
-    name = tensor_dtype_name(t.dtype)
-    t = t.detach().to("cpu").contiguous()  # no copy for a contiguous host tensor (see features_to_host)
-    head = common_pb2.Tensor(dtype=name, shape=list(t.shape)).SerializeToString()
-    if t.numel() == 0:
+    name, shape, raw = host_raw(t)  # no copy for a contiguous host tensor (see features_to_host)
+    head = common_pb2.Tensor(dtype=name, shape=shape).SerializeToString()
+    if raw.nbytes == 0:
         return [head]
-    raw = t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
-    data = memoryview(raw.numpy()).cast("B")
+    data = memoryview(raw)
     return [head, _key(_DATA), _varint(data.nbytes), data]
 
 
@@ -157,14 +155,11 @@ def _raw_tensor(buf: memoryview) -> RawTensor:
                 dtype = bytes(buf[value:end]).decode()
             except UnicodeDecodeError:
                 raise _Layout("dtype is not UTF-8") from None
-        elif number == shape_no and kind == _LEN:  # packed
+        elif number == shape_no and kind in (_LEN, 0):  # packed, or one element
             pos = value
             while pos < end:
                 dim, pos = _read_varint(buf, pos)
-                shape.append(dim - (1 << 64) if dim >= 1 << 63 else dim)
-        elif number == shape_no and kind == 0:
-            dim, _ = _read_varint(buf, value)
-            shape.append(dim - (1 << 64) if dim >= 1 << 63 else dim)
+                shape.append(dim - (1 << 64) if dim >= 1 << 63 else dim)  # int64: two's complement
         elif number == _DATA and kind == _LEN:
             data = buf[value:end]
         else:
