@@ -88,7 +88,9 @@ def _split(t: StepTimings) -> dict:
     """Where a run's time went: admission, plain steps and speculative steps (count, ms per step)."""
     return {"admit_s": round(t.admit_s, 3),
             "plain_steps": t.plain_steps, "plain_ms": round(t.plain_s / max(t.plain_steps, 1) * 1e3, 2),
-            "spec_steps": t.spec_steps, "spec_ms": round(t.spec_s / max(t.spec_steps, 1) * 1e3, 2)}
+            "spec_steps": t.spec_steps, "spec_ms": round(t.spec_s / max(t.spec_steps, 1) * 1e3, 2),
+            **{f"{part}_ms": round(getattr(t, f"{part}_s") / max(t.spec_steps, 1) * 1e3, 2)
+               for part in ("propose", "verify", "extend")}}
 
 
 def plain8b(res, args, bw):
@@ -187,7 +189,8 @@ def simulated(res, args, target):
         plain, _ = _decode_rate(target, None, prompts, args.new_tokens, timings=plain_t)
         for tau in (3.0, 5.0):
             target.simulate_accept_len = tau
-            spec, measured_tau = _decode_rate(target, draft, prompts, args.new_tokens)
+            spec_t = StepTimings()
+            spec, measured_tau = _decode_rate(target, draft, prompts, args.new_tokens, timings=spec_t)
             policy, auto_t = SpeculationPolicy(budget_menu(draft.spec.num_draft_tokens)), StepTimings()
             auto, auto_tps = _decode_rate(target, draft, prompts, args.new_tokens, policy=policy, timings=auto_t)
             rows.append({"bs": bs, "simulated_tau": tau, "measured_tau": round(measured_tau, 2),
@@ -195,6 +198,7 @@ def simulated(res, args, target):
                          "speedup": round(spec / plain, 2), "auto_tok_s": round(auto, 1),
                          "auto_speedup": round(auto / plain, 2), "auto_tokens_per_step": round(auto_tps, 2),
                          "auto_rates": policy.summary(), "plain_split": _split(plain_t),
+                         "spec_split": _split(spec_t),
                          "auto_split": _split(auto_t)})
             print("SIMULATED", rows[-1], flush=True)
     target.simulate_accept_len = 0.0
