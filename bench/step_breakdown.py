@@ -56,7 +56,7 @@ def kernel_table(fn, repeats: int = 5) -> dict:
         if ev.device_type.name != "CUDA":
             continue
         name = ev.name.lower()
-        cat = ("gemm" if any(k in name for k in ("gemm", "gemv", "cutlass", "sm90_xmma", "matmul", "splitk"))
+        cat = ("gemm" if any(k in name for k in ("gemm", "gemv", "nvjet", "cutlass", "sm90_xmma", "matmul", "splitk"))
                else "attention" if any(k in name for k in ("flashinfer", "prefill", "decode", "batchprefill"))
                else "memcpy" if "memcpy" in name or "memset" in name else "other")
         c = cats.setdefault(cat, [0.0, 0])
@@ -92,7 +92,7 @@ def target_rows(args, out_dir: Path) -> dict:
         inp = [VerifyInput(rid, [7] * n_draft, list(range(-1, n_draft - 1)))]
         for _ in range(3):
             target.verify(inp)  # captures the graphs on first use
-        g = target.graphs.graphs[(1, n_draft + 1, ())] if target.graphs else None
+        g = target.graphs.graphs[(1, n_draft + 1, (), True)] if target.graphs else None
         row = {}
         if g is not None:
             row["replay_ms"] = round(timed(g.graph.replay, args.repeats) * 1e3, 3)

@@ -46,6 +46,11 @@ def depths(parents) -> list[int]:
     return out
 
 
+def is_chain(parents) -> bool:
+    """Every node the child of the one before it (the first the root's): causal attention is its tree mask."""
+    return all(p == i - 1 for i, p in enumerate(parents))
+
+
 def children_lists(parents) -> list[list[int]]:
     """children[t] = tree indices of the children of tree node t (0 = root), in proposal order."""
     children: list[list[int]] = [[] for _ in range(len(parents) + 1)]

@@ -1,8 +1,9 @@
 """flashinfer attention with fixed-address buffers, so a whole target forward can be captured in a CUDA graph.
 
-One instance per captured shape (B requests x n new tokens each). `plan(seqs)` runs on the host before every
-replay and writes the page tables and mask into the buffers the graph reads; `forward` (inside the graph) writes
-K/V at the slots in `write_slots` and runs the attention. Shorter batches are padded with requests that live in
+One instance per captured shape (B requests x n new tokens each, causal or with a tree mask). `plan(seqs)` (or
+`plan_causal` from page lists) runs on the host before every replay and writes the page tables and mask into the
+buffers the graph reads; `forward` (inside the graph) writes K/V at the slots in `write_slots` and runs the
+attention. Shorter batches are padded with requests that live in
 the engine's scratch pages.
 """
 
@@ -23,14 +24,15 @@ class GraphAttention:
     name = "flashinfer-graph"
 
     def __init__(self, kv_cache, num_qo_heads: int, batch_size: int, tokens_per_seq: int, max_pages_per_seq: int,
-                 workspace: torch.Tensor):
+                 workspace: torch.Tensor, causal: bool = False):
         import flashinfer
 
         self.kv, self.num_qo_heads = kv_cache, num_qo_heads
         self.batch_size, self.n = batch_size, tokens_per_seq
         dev = kv_cache.k.device
         i32 = dict(dtype=torch.int32, device=dev)
-        self.causal = tokens_per_seq == 1  # one query per request sees its whole context: no mask needed
+        # causal: no custom mask (one query per request, or chains: query i sees the prefix and queries 0..i)
+        self.causal = causal or tokens_per_seq == 1
         max_ctx = max_pages_per_seq * kv_cache.page_size
         self.workspace = workspace  # shared by all captured shapes: they never run at the same time
         self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
@@ -50,14 +52,16 @@ class GraphAttention:
         plan_paged(self.wrapper, self.kv, self.num_qo_heads, seqs, self.causal)
         self.write_slots.copy_(write_slots, non_blocking=True)
 
-    def plan_decode(self, page_lists: list[list[int]], lens: list[int]) -> None:
-        """`plan` for one query per sequence (n == 1, causal) from page lists: sequence i sees positions
-        0..lens[i]-1 of the pages `page_lists[i]` and writes its K/V at position lens[i] - 1. Python lists
-        throughout: no per-sequence tensor work on the host."""
-        ps = self.kv.page_size
-        plan_pages(self.wrapper, self.kv, self.num_qo_heads, [1] * len(lens), lens,
+    def plan_causal(self, page_lists: list[list[int]], lens: list[int]) -> None:
+        """`plan` for causal sequences of `n` queries each, from page lists: sequence i's queries are positions
+        lens[i]-n..lens[i]-1 of the pages `page_lists[i]`, write their K/V there, and query j sees positions
+        0..lens[i]-n+j. Python lists throughout: no per-sequence tensor work on the host."""
+        ps, n = self.kv.page_size, self.n
+        assert self.causal
+        plan_pages(self.wrapper, self.kv, self.num_qo_heads, [n] * len(lens), lens,
                    lambda first: [page_lists[i][j // ps] for i, j in first])
-        write = [pages[(n - 1) // ps] * ps + (n - 1) % ps for pages, n in zip(page_lists, lens, strict=True)]
+        write = [pages[p // ps] * ps + p % ps for pages, end in zip(page_lists, lens, strict=True)
+                 for p in range(end - n, end)]
         self.write_slots.copy_(torch.tensor(write), non_blocking=True)
 
     fuses_rope = True

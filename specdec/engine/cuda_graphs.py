@@ -1,8 +1,9 @@
 """CUDA-graph replay of the target forward for uniform batches: B requests x n new tokens each (plain decode:
 n = 1; tree verify: n = num_draft_tokens + 1), with the flashinfer backend.
 
-Graphs are captured for a ladder of batch sizes the first time a (n, aux layers) shape is seen, largest first,
-sharing one memory pool; a batch is padded to the next captured size with requests that live in scratch pages.
+Graphs are captured for a ladder of batch sizes the first time a (n, aux layers, causal) shape is seen, largest
+first, sharing one memory pool (causal: every request's new tokens are a chain, so no tree mask is packed or
+applied); a batch is padded to the next captured size with requests that live in scratch pages.
 Replay feeds the same inputs as an eager forward; `tests/gpu` checks replay == eager.
 """
 
@@ -47,36 +48,38 @@ class TargetGraphs:
         self.scratch_pages = scratch_pages
         self.max_pages_per_seq = -(-max_context // kv.page_size) + 1
         self.ladder = tuple(b for b in BATCH_LADDER if b <= max_batch_size) or (1,)
-        self.graphs: dict[tuple[int, int, tuple[int, ...]], _Graph] = {}
-        self.failed: set[tuple[int, tuple[int, ...]]] = set()  # (n, aux layers) whose capture failed: eager
+        self.graphs: dict[tuple[int, int, tuple[int, ...], bool], _Graph] = {}
+        self.failed: set[tuple[int, tuple[int, ...], bool]] = set()  # (n, aux, causal) whose capture failed: eager
         self.pool = None
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=kv.k.device)
 
-    def usable(self, num_seqs: int, n: int, aux_layers: tuple[int, ...] = ()) -> bool:
+    def usable(self, num_seqs: int, n: int, aux_layers: tuple[int, ...] = (), causal: bool = False) -> bool:
         return (num_seqs <= ladder_for(self.ladder, n)[-1] and n <= len(self.scratch_pages) * self.kv.page_size
-                and (n, aux_layers) not in self.failed)
+                and (n, aux_layers, causal or n == 1) not in self.failed)
 
     def capture_startup(self) -> None:
         """Plain decode (1 token per request) for the whole ladder, at start-up."""
         with torch.cuda.device(self.kv.k.device):
-            self._capture_ladder(1, ())
+            self._capture_ladder(1, (), True)
 
     def run(self, ids: list[int], positions: torch.Tensor, seqs: list[SeqAttention], write_slots: torch.Tensor,
-            n: int, aux_layers: tuple[int, ...]):
-        """Same inputs and outputs as the eager forward (hidden [T, H], aux [T, A*H] or None), T = len(seqs) * n."""
+            n: int, aux_layers: tuple[int, ...], causal: bool = False):
+        """Same inputs and outputs as the eager forward (hidden [T, H], aux [T, A*H] or None), T = len(seqs) * n.
+        `causal`: no sequence has a tree mask (chains, plain decode)."""
         with torch.cuda.device(self.kv.k.device):  # capture and replay on the engine's GPU, whatever the thread's
-            return self._run(ids, positions, seqs, write_slots, n, aux_layers)
+            return self._run(ids, positions, seqs, write_slots, n, aux_layers, causal or n == 1)
 
-    def _run(self, ids, positions, seqs, write_slots, n, aux_layers):
+    def _run(self, ids, positions, seqs, write_slots, n, aux_layers, causal):
         b = len(seqs)
         bucket = next(x for x in ladder_for(self.ladder, n) if x >= b)
-        key = (bucket, n, aux_layers)
+        key = (bucket, n, aux_layers, causal)
         if key not in self.graphs:
-            capture_or_go_eager(lambda: self._capture_ladder(n, aux_layers), f"the target's {n}-token forwards",
-                                lambda: self._forget(n, aux_layers))
+            what = f"the target's {n}-token {'causal ' if causal else ''}forwards"
+            capture_or_go_eager(lambda: self._capture_ladder(n, aux_layers, causal), what,
+                                lambda: self._forget(n, aux_layers, causal))
         g = self.graphs[key]
         pad = bucket - b
-        pad_seqs = [self._scratch_seq(n) for _ in range(pad)]
+        pad_seqs = [self._scratch_seq(n, causal) for _ in range(pad)]
         pad_slots = self._scratch_slots(n).repeat(pad)
         g.attn.plan(seqs + pad_seqs, torch.cat([write_slots, pad_slots]))
         dev = g.ids.device
@@ -90,35 +93,36 @@ class TargetGraphs:
         return g.hidden[:t], (g.aux[:t] if g.aux is not None else None)
 
     # ---- capture --------------------------------------------------------------------------------------------
-    def _forget(self, n: int, aux_layers: tuple[int, ...]) -> None:
-        self.failed.add((n, aux_layers))
-        for k in [k for k in self.graphs if k[1:] == (n, aux_layers)]:
+    def _forget(self, n: int, aux_layers: tuple[int, ...], causal: bool) -> None:
+        self.failed.add((n, aux_layers, causal))
+        for k in [k for k in self.graphs if k[1:] == (n, aux_layers, causal)]:
             del self.graphs[k]
 
     def _scratch_slots(self, n: int) -> torch.Tensor:
         return scratch_slots(self.scratch_pages, self.kv.page_size, n)
 
-    def _scratch_seq(self, n: int) -> SeqAttention:
-        mask = None if n == 1 else torch.ones(n, n, dtype=torch.bool).tril()
+    def _scratch_seq(self, n: int, causal: bool) -> SeqAttention:
+        mask = None if causal else torch.ones(n, n, dtype=torch.bool).tril()
         return SeqAttention(self._scratch_slots(n), n, mask)
 
-    def _capture_ladder(self, n: int, aux_layers: tuple[int, ...]) -> None:
+    def _capture_ladder(self, n: int, aux_layers: tuple[int, ...], causal: bool) -> None:
         t0 = time.perf_counter()
         mem0 = torch.cuda.memory_allocated()
         ladder = ladder_for(self.ladder, n)
         for bucket in sorted(ladder, reverse=True):
-            self.graphs[(bucket, n, aux_layers)] = self._capture(bucket, n, aux_layers)
-        log.info("captured target CUDA graphs for n=%d tokens/request, batch sizes %s, aux %s in %.1f s (+%.0f MiB)",
-                 n, list(ladder), list(aux_layers), time.perf_counter() - t0,
-                 (torch.cuda.memory_allocated() - mem0) / 2**20)
+            self.graphs[(bucket, n, aux_layers, causal)] = self._capture(bucket, n, aux_layers, causal)
+        log.info("captured target CUDA graphs for n=%d tokens/request%s, batch sizes %s, aux %s in %.1f s "
+                 "(+%.0f MiB)", n, " (causal)" if causal and n > 1 else "", list(ladder), list(aux_layers),
+                 time.perf_counter() - t0, (torch.cuda.memory_allocated() - mem0) / 2**20)
 
     @torch.inference_mode()
-    def _capture(self, bucket: int, n: int, aux_layers: tuple[int, ...]) -> _Graph:
+    def _capture(self, bucket: int, n: int, aux_layers: tuple[int, ...], causal: bool) -> _Graph:
         dev = self.kv.k.device
-        attn = GraphAttention(self.kv, self.model.cfg.num_heads, bucket, n, self.max_pages_per_seq, self.workspace)
+        attn = GraphAttention(self.kv, self.model.cfg.num_heads, bucket, n, self.max_pages_per_seq, self.workspace,
+                              causal)
         ids = torch.zeros(bucket * n, dtype=torch.int64, device=dev)
         positions = torch.arange(n, device=dev).repeat(bucket)
-        attn.plan([self._scratch_seq(n) for _ in range(bucket)], self._scratch_slots(n).repeat(bucket))
+        attn.plan([self._scratch_seq(n, causal) for _ in range(bucket)], self._scratch_slots(n).repeat(bucket))
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph, out = capture_graph(lambda: self.model(ids, positions, attn, None, aux_layers), self.pool)

@@ -109,11 +109,15 @@ class DraftEngine:
         self.backend = make_backend(attention_backend, self.kv, cfg.num_heads)
         self.max_context = max_context
         self.requests: dict[str, DraftRequest] = {}
-        self.graphs = None
-        if cuda_graphs and spec.topk == 1 and spec.num_steps > 1:  # chains only, for now
-            from specdec.engine.draft_graphs import DraftChainGraphs
+        self.graphs = self.extend_graphs = None
+        if cuda_graphs:
+            from specdec.engine.draft_extend_graphs import DraftExtendGraphs
+            from specdec.engine.draft_graphs import WORKSPACE_BYTES, DraftChainGraphs
 
-            self.graphs = DraftChainGraphs(self, max_batch_size)
+            workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)  # never used at once
+            if spec.topk == 1 and spec.num_steps > 1:  # proposals: chains only, for now
+                self.graphs = DraftChainGraphs(self, max_batch_size, workspace)
+            self.extend_graphs = DraftExtendGraphs(self, max_batch_size, workspace)
 
     @property
     def _reserved(self) -> int:
@@ -143,6 +147,15 @@ class DraftEngine:
     def extend(self, items: list[tuple[str, list[int], torch.Tensor]]) -> None:
         """items: (request id, tokens [n], target features [n, feature_size]) pairs; token i pairs with the
         feature of the position before it. Updates each request's draft state."""
+        if self.extend_graphs is not None and self.extend_graphs.usable(items):
+            try:
+                state = DraftState(*self.extend_graphs.extend(items))
+            except GraphCaptureError:
+                state = None  # logged by the graphs; extends run eagerly from now on
+            if state is not None:
+                for i, (rid, _, _) in enumerate(items):
+                    self.requests[rid].state, self.requests[rid].row = state, i
+                return
         ids, pos, seqs, slots, feats, lasts = [], [], [], [], [], []
         for rid, tokens, features in items:
             req = self.requests[rid]

@@ -1,8 +1,10 @@
 """CUDA-graph replay of the draft's chain proposal (topk == 1): all `num_steps - 1` draft forwards of a batch,
-with their argmax and d2t mapping, as one graph per batch size (flashinfer backend).
+with their argmax and d2t mapping, as one graph per batch size.
 
 For a chain, draft step d of a request is a one-token decode at position kv_len + d - 1 over the request's prefix
-and the d - 1 chain tokens before it, so every step's attention plan is known on the host before the replay.
+and the d - 1 chain tokens before it. With Triton (every CUDA machine torch runs on) the steps attend through
+`ChainStepAttention`: the host writes the page table and the committed lengths once, each step derives its own
+lengths inside the graph. Without it, each step's flashinfer plan is made on the host before the replay.
 Captured for the batch ladder on first use, padded with requests that live in scratch pages.
 """
 
@@ -18,6 +20,7 @@ from specdec.attention.batch import SeqAttention
 from specdec.attention.graph_backend import GraphAttention, capture_graph, capture_or_go_eager, scratch_slots
 from specdec.engine.cuda_graphs import BATCH_LADDER
 from specdec.engine.draft_engine import batch_state
+from specdec.kernels import fused
 from specdec.tree import TokenTree
 
 log = logging.getLogger(__name__)
@@ -27,24 +30,26 @@ WORKSPACE_BYTES = 256 << 20
 @dataclass
 class _ChainGraph:
     graph: torch.cuda.CUDAGraph
-    attn: list[GraphAttention]  # one per draft step
+    attn: list  # one per draft step: GraphAttention (planned on the host) or ChainStepAttention
     tokens0: torch.Tensor  # [B] the state's top-1 token (level 1 of the chain)
     hidden0: torch.Tensor  # [B, hidden] the state's hidden
-    positions: torch.Tensor  # [steps - 1, B]
+    base: torch.Tensor  # [B] int64 committed draft length of each request; step d's query is at base + d - 1
+    table: torch.Tensor | None  # [B, max_pages] int32 page table (ChainStepAttention only)
     out_tokens: torch.Tensor  # [B, steps] chain tokens, level 1 first
 
 
 class DraftChainGraphs:
-    def __init__(self, engine, max_batch_size: int):
+    def __init__(self, engine, max_batch_size: int, workspace: torch.Tensor):
         self.engine = engine
         kv, steps = engine.kv, engine.spec.num_steps
         self.scratch_pages = kv.set_aside(-(-steps // kv.page_size))
-        self.max_pages_per_seq = -(-engine.max_context // kv.page_size) + 1
+        self.max_pages_per_seq = -(-(engine.max_context + steps) // kv.page_size) + 1
+        self.device_planned = fused(kv.k)  # Triton is there: ChainStepAttention
         self.ladder = tuple(b for b in BATCH_LADDER if b <= max_batch_size) or (1,)
         self.graphs: dict[int, _ChainGraph] = {}
         self.failed = False  # a capture failed: proposals run eagerly from now on
         self.pool = None
-        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=kv.k.device)
+        self.workspace = workspace  # flashinfer's split-KV scratch, shared with the draft's other graphs
 
     def usable(self, num_requests: int) -> bool:
         return 0 < num_requests <= self.ladder[-1] and not self.failed
@@ -74,9 +79,14 @@ class DraftChainGraphs:
         # padding requests do the same over the scratch pages from position 0
         pages = [eng.kv.table(rid).pages for rid in rids] + [self.scratch_pages] * pad
         base = [r.kv_len for r in reqs] + [0] * pad
-        for d in range(1, steps):
-            g.attn[d - 1].plan_decode(pages, [n + d for n in base])
-        g.positions.copy_(torch.tensor([[n + d - 1 for n in base] for d in range(1, steps)]), non_blocking=True)
+        if g.table is not None:
+            width = max(map(len, pages))
+            g.table[:, :width].copy_(torch.tensor([p + [0] * (width - len(p)) for p in pages], dtype=torch.int32),
+                                     non_blocking=True)
+        else:
+            for d in range(1, steps):
+                g.attn[d - 1].plan_causal(pages, [n + d for n in base])
+        g.base.copy_(torch.tensor(base), non_blocking=True)
         state = batch_state(reqs)
         g.tokens0[:b].copy_(state.topk_index[:, 0])
         g.hidden0[:b].copy_(state.hidden)
@@ -107,19 +117,28 @@ class DraftChainGraphs:
     def _capture(self, bucket: int) -> _ChainGraph:
         eng = self.engine
         model, steps, dev = eng.model, eng.spec.num_steps, eng.kv.k.device
-        attn = [GraphAttention(eng.kv, model.cfg.num_heads, bucket, 1, self.max_pages_per_seq, self.workspace)
-                for _ in range(steps - 1)]
-        for d in range(1, steps):
-            attn[d - 1].plan([self._scratch_seq(d)] * bucket, self._scratch_slots(d)[-1:].repeat(bucket))
+        base = torch.zeros(bucket, dtype=torch.int64, device=dev)
+        table = None
+        if self.device_planned:
+            from specdec.attention.chain_step import ChainStepAttention  # imports Triton
+
+            table = torch.full((bucket, self.max_pages_per_seq), self.scratch_pages[0], dtype=torch.int32,
+                               device=dev)
+            table[:, : len(self.scratch_pages)] = torch.tensor(self.scratch_pages, dtype=torch.int32)
+            attn = [ChainStepAttention(eng.kv, table, base, d) for d in range(1, steps)]
+        else:
+            attn = [GraphAttention(eng.kv, model.cfg.num_heads, bucket, 1, self.max_pages_per_seq, self.workspace)
+                    for _ in range(steps - 1)]
+            for d in range(1, steps):
+                attn[d - 1].plan([self._scratch_seq(d)] * bucket, self._scratch_slots(d)[-1:].repeat(bucket))
         tokens0 = torch.zeros(bucket, dtype=torch.int64, device=dev)
         hidden0 = torch.zeros(bucket, model.cfg.hidden_size, dtype=eng.dtype, device=dev)
-        positions = torch.zeros(steps - 1, bucket, dtype=torch.int64, device=dev)
         out_tokens = torch.zeros(bucket, steps, dtype=torch.int64, device=dev)
 
         def body():
             tok, hid, outs = tokens0, hidden0, [tokens0]
             for d in range(1, steps):
-                out = model(tok, hid, positions[d - 1], attn[d - 1], None)  # [B, hidden]
+                out = model(tok, hid, base + (d - 1), attn[d - 1], None)  # [B, hidden]
                 tok = model.to_target_ids(model.compute_logits(out).argmax(-1))
                 hid = out
                 outs.append(tok)
@@ -128,4 +147,4 @@ class DraftChainGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph, _ = capture_graph(body, self.pool)
-        return _ChainGraph(graph, attn, tokens0, hidden0, positions, out_tokens)
+        return _ChainGraph(graph, attn, tokens0, hidden0, base, table, out_tokens)

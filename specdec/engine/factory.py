@@ -91,6 +91,7 @@ def build_draft(path: str, target_path: str, spec: SpecConfig, opts: EngineOptio
     graphs = opts.cuda_graphs and opts.device.startswith("cuda") and opts.attention_backend == "flashinfer"
     engine = DraftEngine(model, spec, pages, opts.page_size, opts.attention_backend, max_context,
                          device=opts.device, cuda_graphs=graphs, max_batch_size=opts.max_batch_size)
-    if engine.graphs is not None:
-        capture_at_startup(engine.graphs, "draft")
+    for graphs in (engine.graphs, engine.extend_graphs):
+        if graphs is not None:
+            capture_at_startup(graphs, "draft")
     return engine

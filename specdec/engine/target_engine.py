@@ -26,7 +26,7 @@ from specdec.kv_cache import PagedKVCache
 from specdec.models.llama import LlamaForCausalLM
 from specdec.sampling import make_generator, sample, target_probs
 from specdec.sampling_params import SamplingParams
-from specdec.tree import ancestor_mask, depths, validate_tree
+from specdec.tree import ancestor_mask, depths, is_chain, validate_tree
 from specdec.verify import verify_greedy, verify_simulated, verify_stochastic
 
 
@@ -176,7 +176,8 @@ class TargetEngine:
             ctx = self.kv.slots(inp.request_id, 0, req.kv_len + n)
             ids += [req.root] + list(inp.draft_tokens)
             pos.append(req.kv_len + torch.tensor([0] + depths(inp.parents)))
-            mask = ancestor_mask(inp.parents) if inp.draft_tokens else None
+            # a chain's tree mask is causal: no mask to build, pack and apply
+            mask = None if is_chain(inp.parents) else ancestor_mask(inp.parents)
             seqs.append(SeqAttention(ctx, n, mask))
             slots.append(ctx[req.kv_len :])
             rows.append(n)
@@ -262,10 +263,12 @@ class TargetEngine:
         layers = tuple(sorted({i for inp in inputs for i in self.requests[inp.request_id].feature_layers}))
         n = seqs[0].num_q
         hidden = None
+        causal = all(s.tail_mask is None for s in seqs)
         if graphable and self.graphs is not None and all(s.num_q == n for s in seqs) and \
-                self.graphs.usable(len(seqs), n, layers):
+                self.graphs.usable(len(seqs), n, layers, causal):
             try:
-                hidden, aux_cat = self.graphs.run(ids, positions.to(self.device), seqs, write_slots, n, layers)
+                hidden, aux_cat = self.graphs.run(ids, positions.to(self.device), seqs, write_slots, n, layers,
+                                                  causal)
             except GraphCaptureError:
                 hidden = None  # logged by the graphs; this shape runs eagerly from now on
         if hidden is None:

@@ -30,9 +30,11 @@ def test_flashinfer_matches_torch_backend_prefill_and_tree():
     for eng in (torch_eng, fi_eng):
         eng.prefill([PrefillInput("r", prompt, SamplingParams(max_new_tokens=50))])
         outs.append(eng.verify([VerifyInput("r", [5, 6, 7, 8, 9, 10], [-1, -1, 0, 0, 2, 1])])[0])
-    assert outs[0].features is not None and outs[1].features is not None
-    rel = ((outs[0].features.float() - outs[1].features.float()).norm() / outs[0].features.float().norm()).item()
-    assert rel < 2e-2 and outs[0].tokens == outs[1].tokens
+        outs.append(eng.verify([VerifyInput("r", [5, 6, 7], [-1, 0, 1])])[0])  # a chain: causal, no mask
+    for a, b in (outs[0], outs[2]), (outs[1], outs[3]):
+        assert a.features is not None and b.features is not None
+        rel = ((a.features.float() - b.features.float()).norm() / a.features.float().norm()).item()
+        assert rel < 2e-2 and a.tokens == b.tokens
 
 
 @pytest.mark.parametrize("kind", ["draft", "draft-eagle3"])
@@ -70,7 +72,7 @@ def test_cuda_graph_replay_equals_eager(num_requests):
     eager.graphs = None
     params = SamplingParams(max_new_tokens=100, ignore_eos=True)
     prompts = [list(range(300 + i, 340 + 13 * i)) for i in range(num_requests)]
-    trees = ([], []), ([5, 6, 7, 8, 9, 10], [-1, -1, 0, 0, 2, 1])
+    trees = ([], []), ([5, 6, 7, 8, 9, 10], [-1, -1, 0, 0, 2, 1]), ([5, 6, 7, 8], [-1, 0, 1, 2])  # last: causal
     for eng in (graphed, eager):
         eng.prefill([PrefillInput(f"r{i}", p, params) for i, p in enumerate(prompts)])
     for _ in range(3):
@@ -80,13 +82,17 @@ def test_cuda_graph_replay_equals_eager(num_requests):
             for x, y in zip(a, b, strict=True):
                 assert x.tokens == y.tokens
                 rel = ((x.features.float() - y.features.float()).norm() / y.features.float().norm()).item()
-                assert rel < 1e-2
+                # bf16: a padded graph batch gets another split-KV schedule than the eager plan (measured 1.0%)
+                assert rel < 2e-2, (parents, rel)
     assert graphed.graphs.graphs, "no graph was captured"
+    assert {k[1:] for k in graphed.graphs.graphs} >= {(1, (), True), (7, (), False), (5, (), True)}
 
 
+@pytest.mark.parametrize("device_planned", [True, False])
 @pytest.mark.parametrize("kind", ["draft", "draft-eagle3"])
-def test_draft_chain_graph_equals_eager(kind):
-    """The captured chain proposal gives the eager proposal's tokens (batch 3, padded to 4)."""
+def test_draft_chain_graph_equals_eager(kind, device_planned):
+    """The captured chain proposal gives the eager proposal's tokens (batch 3, padded to 4), with the steps'
+    attention planned on the device (Triton decode kernel) or on the host (flashinfer, without Triton)."""
     from repo_paths import TINY
 
     from specdec.engine.draft_engine import SpecConfig
@@ -95,7 +101,9 @@ def test_draft_chain_graph_equals_eager(kind):
     opts = EngineOptions(device="cuda", dtype="bfloat16", attention_backend="flashinfer", num_pages=256)
     graphed = build_draft(str(TINY / kind), str(TINY / "target"), SpecConfig(6, 1, 6), opts, 2048)
     eager = build_draft(str(TINY / kind), str(TINY / "target"), SpecConfig(6, 1, 6), opts, 2048)
-    eager.graphs = None
+    eager.graphs = eager.extend_graphs = None
+    assert graphed.graphs.device_planned
+    graphed.graphs.device_planned = device_planned  # the graphs are captured on the first proposal
     feat = graphed.model.feature_size
     for eng in (graphed, eager):
         items = []
@@ -109,8 +117,60 @@ def test_draft_chain_graph_equals_eager(kind):
     same = sum(x.tokens == y.tokens for x, y in zip(a, b, strict=True))
     assert same >= 2, (a, b)  # bf16: a near-tie may flip one chain
     assert all(len(t.tokens) == 6 and t.parents == (-1, 0, 1, 2, 3, 4) for t in a)
-    assert graphed.kv.num_free_pages + len(graphed.graphs.scratch_pages) == graphed.kv.num_total_pages - sum(
+    aside = len(graphed.graphs.scratch_pages) + len(graphed.extend_graphs.scratch_pages)
+    assert graphed.kv.num_free_pages + aside == graphed.kv.num_total_pages - sum(
         len(graphed.kv.table(r).pages) for r in ("r0", "r1", "r2"))
+
+
+@pytest.mark.parametrize("kind", ["draft", "draft-eagle3"])
+def test_draft_extend_graph_equals_eager(kind):
+    """Extends after verify steps (1..T tokens per request, batch 3 padded to 4) through the captured extend give
+    the eager extend's state and K/V; one longer than T runs eagerly; no KV page is left behind."""
+    from repo_paths import TINY
+
+    from specdec.engine.draft_engine import SpecConfig
+    from specdec.engine.factory import EngineOptions, build_draft
+
+    opts = EngineOptions(device="cuda", dtype="bfloat16", attention_backend="flashinfer", num_pages=256)
+    engines = [build_draft(str(TINY / kind), str(TINY / "target"), SpecConfig(5, 1, 5), opts, 2048)
+               for _ in range(2)]
+    graphed, eager = engines
+    eager.graphs = eager.extend_graphs = None
+    t = graphed.extend_graphs.tokens
+    assert t == 6
+    assert set(graphed.extend_graphs.graphs) == set(graphed.extend_graphs.ladder)  # captured at start-up
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    feat = graphed.model.feature_size
+    rids = ["r0", "r1", "r2"]
+    steps = [[40, 27, 33], [1, 6, 3], [6, 2, 1], [t + 3, 1, 4], [5, 5, 5]]  # tokens per request per extend
+    for step, sizes in enumerate(steps):
+        items = []
+        for i, (rid, n) in enumerate(zip(rids, sizes, strict=True)):
+            feats = torch.randn(n, feat, generator=gen, device="cuda").to(torch.bfloat16)
+            items.append((rid, [(97 * step + 13 * i + j) % 500 for j in range(n)], feats))
+        if step == 0:
+            for eng in engines:
+                for rid in rids:
+                    eng.add(rid, 500)
+        for eng in engines:
+            eng.extend(items)
+        assert graphed.extend_graphs.usable(items) == (step > 0 and max(sizes) <= t)
+        for rid in rids:
+            a, b = graphed.requests[rid], eager.requests[rid]
+            assert a.kv_len == b.kv_len == graphed.kv.length(rid)
+            rel = ((a.hidden.float() - b.hidden.float()).norm() / b.hidden.float().norm()).item()
+            assert rel < 2e-2, (step, rid, rel)
+            assert abs(a.topk_p.float() - b.topk_p.float()).max().item() < 2e-2
+    same = sum(x.topk_index.tolist() == y.topk_index.tolist()
+               for x, y in zip(graphed.requests.values(), eager.requests.values(), strict=True))
+    assert same >= 2  # bf16: a near-tie may flip one
+    # the K/V both wrote: same proposals from here (chain graphs on both sides would hide a K/V difference less)
+    a, b = graphed.propose(rids), eager.propose(rids)
+    assert sum(x.tokens == y.tokens for x, y in zip(a, b, strict=True)) >= 2
+    aside = len(graphed.graphs.scratch_pages) + len(graphed.extend_graphs.scratch_pages)
+    for rid in rids:
+        graphed.release(rid)
+    assert graphed.kv.num_free_pages + aside == graphed.kv.num_total_pages
 
 
 def test_fused_kernels_match_torch_on_gpu():

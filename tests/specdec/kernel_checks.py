@@ -9,6 +9,7 @@ import torch
 
 from specdec.kernels.activation import silu_mul
 from specdec.kernels.norm import rmsnorm
+from specdec.kernels.paged_decode import paged_decode
 from specdec.kernels.rope import rope_store
 from specdec.models.layers import RotaryEmbedding
 
@@ -70,7 +71,42 @@ def main(device: str, dtype: torch.dtype) -> None:
     untouched = torch.ones(16, dtype=torch.bool, device=device)
     untouched[slots] = False
     check("other slots untouched", k_cache[untouched], torch.zeros_like(k_cache[untouched]), 0.0)
+    check_paged_decode(device, dtype, g)
     print("all kernel checks passed")
+
+
+def torch_decode(q, k_cache, v_cache, pages, n, page_size, scale):
+    """One sequence: q [H, D] over positions 0..n-1 of `pages`. # [H, D] float32"""
+    pos = torch.arange(n)
+    slots = torch.tensor(pages)[pos // page_size] * page_size + pos % page_size
+    k, v = k_cache[slots.to(q.device)].float(), v_cache[slots.to(q.device)].float()  # [n, KV, D]
+    group = q.shape[0] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [n, H, D]
+    att = torch.softmax(torch.einsum("hd,nhd->hn", q.float(), k) * scale, dim=-1)
+    return torch.einsum("hn,nhd->hd", att, v)
+
+
+def check_paged_decode(device, dtype, g):
+    """Pages out of order, lengths from 1 to past several splits, GQA groups of 1 and 4."""
+    tol = {"cpu": (1e-5, 1e-5), "cuda": (1e-4, 1e-4)}[device] if dtype == torch.float32 else (2e-2, 2e-2)
+    for heads, kv_heads, d, page_size, width in ((4, 1, 16, 4, 12), (8, 8, 32, 16, 70)):
+        num_pages = 2 * width + 3
+        k_cache = torch.randn(num_pages * page_size, kv_heads, d, generator=g).to(device, dtype)
+        v_cache = torch.randn(num_pages * page_size, kv_heads, d, generator=g).to(device, dtype)
+        lens = [1, page_size + 1, width * page_size // 2 + 3, width * page_size]
+        perm = torch.randperm(num_pages, generator=g).tolist()
+        page_lists = [perm[3 * i:][: -(-n // page_size)] for i, n in enumerate(lens)]
+        table = torch.zeros(len(lens), width, dtype=torch.int32)
+        for i, pages in enumerate(page_lists):
+            table[i, : len(pages)] = torch.tensor(pages)
+        q = torch.randn(len(lens), heads, d, generator=g).to(device, dtype)
+        scale = d ** -0.5
+        got = paged_decode(q, k_cache, v_cache, table.to(device), torch.tensor(lens, dtype=torch.int32).to(device),
+                           page_size, scale)
+        want = torch.stack([torch_decode(q[i], k_cache, v_cache, p, n, page_size, scale)
+                            for i, (p, n) in enumerate(zip(page_lists, lens, strict=True))])
+        check(f"paged_decode {heads}/{kv_heads} heads, page {page_size}, lens {lens}", got, want,
+              *tol)
 
 
 if __name__ == "__main__":

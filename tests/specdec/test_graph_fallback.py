@@ -27,7 +27,7 @@ class FailingGraphs:
         self.calls += 1
         raise GraphCaptureError("capture failed")
 
-    propose = run
+    propose = extend = run
 
     def capture_startup(self):
         raise RuntimeError("CUDA error: out of memory")
@@ -84,3 +84,21 @@ def test_draft_propose_falls_back_to_eager_when_capture_fails():
     finally:
         draft.graphs = None
         draft.release("p")
+
+
+def test_draft_extend_falls_back_to_eager_when_capture_fails():
+    draft = tiny_draft()
+    feats = torch.randn(34, draft.model.feature_size, generator=torch.Generator().manual_seed(0))
+    states = []
+    for graphs in (None, FailingGraphs()):
+        draft.extend_graphs = graphs
+        draft.add("p", 200)
+        try:
+            draft.extend([("p", list(range(100, 130)), feats[:30])])
+            draft.extend([("p", [7, 8, 9, 10], feats[30:])])
+            assert draft.requests["p"].kv_len == draft.kv.length("p") == 34
+            states.append((draft.requests["p"].topk_index.tolist(), draft.requests["p"].hidden))
+        finally:
+            draft.extend_graphs = None
+            draft.release("p")
+    assert states[0][0] == states[1][0] and torch.equal(states[0][1], states[1][1])
