@@ -24,7 +24,7 @@ from specdec.kernels import fused
 from specdec.tree import TokenTree
 
 log = logging.getLogger(__name__)
-WORKSPACE_BYTES = 256 << 20
+WORKSPACE_BYTES = 512 << 20  # flashinfer split-KV scratch: the batch-128 extend (768 tokens, 8B head) needs 316 MB
 
 
 @dataclass
