@@ -222,12 +222,13 @@ def tiny(res, args):
             prompts = [tok.encode(p)[-256:] for p in lines[:bs]]
             plain, _ = _decode_rate(target, None, prompts, 64)
             rate, tau = _decode_rate(target, draft, prompts, 64)
-            auto, _ = _decode_rate(target, draft, prompts, 64,
-                                   policy=SpeculationPolicy(budget_menu(spec.num_draft_tokens)))
+            policy = SpeculationPolicy(budget_menu(spec.num_draft_tokens))
+            auto, auto_tps = _decode_rate(target, draft, prompts, 64, policy=policy)
             rows.append({"draft": kind, "spec": f"s{spec.num_steps}k{spec.topk}d{spec.num_draft_tokens}", "bs": bs,
                          "tau": round(tau, 2), "plain_tok_s": round(plain, 1), "spec_tok_s": round(rate, 1),
                          "speedup": round(rate / plain, 2), "auto_tok_s": round(auto, 1),
-                         "auto_speedup": round(auto / plain, 2)})
+                         "auto_speedup": round(auto / plain, 2), "auto_tokens_per_step": round(auto_tps, 2),
+                         "auto_rates": policy.summary()})
             print(rows[-1], flush=True)
     res["tiny_rows"] = rows
 

@@ -3,16 +3,17 @@ recently delivered the most tokens per second at this batch size. Every budget i
 verify of empty trees, a smaller budget verifies the draft's best `budget` nodes.
 
 Throughput is measured, not modelled: each step records (batch size, budget, tokens committed, seconds) and the
-policy keeps an exponential moving average of tokens/s per (batch-size bucket, budget). The menu is ordered by
-size, and tokens/s rises then falls along it (more drafts accepted vs a longer verify), so a bucket climbs it:
-it measures budgets in order while they get faster (a bigger budget after a slower one is not tried: at large
-batch the whole tree costs several plain steps), then keeps re-measuring the neighbours of its choice (in
-turn), so a change in acceptance (a new prompt mix) or load moves the choice one budget at a time.
-Re-measuring costs (a speculative step after plain ones first extends the draft over the backlog), so the interval
-backs off: it starts at `explore_every` steps, doubles (up to `max_explore_every`) each time a re-measurement
-confirms the choice, and resets when one overturns it. Buckets are powers of two. The menu (`budget_menu`) is
-plain, about half the tree, and the whole tree: at large batch a verify is compute-bound and its cost grows with
-the tokens verified, so a shorter chain can beat both extremes.
+policy keeps an exponential moving average of tokens/s per (batch-size bucket, budget). A bucket first measures
+every budget of the menu (`min_samples` steps each), then follows the fastest and keeps re-measuring the others
+(in turn), so a change in acceptance (a new prompt mix) or load moves the choice. Tokens/s need not rise then
+fall along the menu: at small batch half the tree can lose to both plain decoding and the whole tree (the draft
+still proposes the whole chain; the verify costs about the same), so no budget is ruled out by its neighbours.
+Re-measuring costs (a speculative step after plain ones first extends the draft over the backlog; at large batch
+the whole tree costs several plain steps), so the interval backs off: it starts at `explore_every` steps,
+doubles (up to `max_explore_every`) each time a re-measurement confirms the choice, and resets when one
+overturns it. Buckets are powers of two. The menu (`budget_menu`) is plain, about half the tree, and the whole
+tree: at large batch a verify is compute-bound and its cost grows with the tokens verified, so a shorter chain
+can beat both extremes.
 """
 
 from __future__ import annotations
@@ -53,36 +54,22 @@ class SpeculationPolicy:
     def choose(self, batch_size: int) -> int:
         """The draft-token budget for this step: 0 = decode plainly, FULL = the whole tree, else a node count."""
         b = self.bucket(batch_size)
-        for i, budget in enumerate(self.budgets):
+        for budget in self.budgets:
             if self.samples.get((b, budget), 0) < self.min_samples:
-                if i >= 2 and not self._rising(b, i - 1):
-                    break  # the smaller budgets already got slower with size: the bigger ones are not tried
                 return budget
         best = self._best(b)
         since = self.since.get(b, 0) + 1
         if since >= self.intervals.get(b, self.explore_every):
-            others = self._neighbours(best)
+            others = [x for x in self.budgets if x != best]
             turn = self.turn.get(b, 0)
             self.since[b], self.challenged[b], self.turn[b] = 0, best, turn + 1
             return others[turn % len(others)]
         self.since[b] = since
         return best
 
-    def _rising(self, b: int, i: int) -> bool:
-        """Did budget i measure at least as fast as budget i - 1 (the menu is ordered by size)?"""
-        return self.rates[(b, self.budgets[i])] >= self.rates[(b, self.budgets[i - 1])]
-
-    def _neighbours(self, best: int) -> list[int]:
-        """The budgets re-measured against `best`: those next to it in the menu. Tokens/s rises then falls with
-        the budget, so a better choice shows up next to the current one first; a far one (the whole tree at a
-        batch size where plain decoding wins) is not probed at its high cost."""
-        i = self.budgets.index(best)
-        return [self.budgets[j] for j in (i - 1, i + 1) if 0 <= j < len(self.budgets)]
-
     def _best(self, b: int) -> int:
-        # measured budgets only; ties go to the budget listed last (more speculation)
-        measured = [x for x in self.budgets if self.samples.get((b, x), 0) >= self.min_samples]
-        return max(reversed(measured), key=lambda x: self.rates[(b, x)])
+        # ties go to the budget listed last (more speculation)
+        return max(reversed(self.budgets), key=lambda x: self.rates[(b, x)])
 
     def record(self, batch_size: int, budget: int, tokens: int, seconds: float) -> None:
         if seconds <= 0:
