@@ -3,13 +3,15 @@ recently delivered the most tokens per second at this batch size. Every budget i
 verify of empty trees, a smaller budget verifies the draft's best `budget` nodes.
 
 Throughput is measured, not modelled: each step records (batch size, budget, tokens committed, seconds) and the
-policy keeps an exponential moving average of tokens/s per (batch-size bucket, budget). A bucket first measures
-every budget of the menu (`min_samples` steps each), then follows the fastest and keeps re-measuring the others
+policy keeps an exponential moving average of tokens/s per (batch-size bucket, budget). A bucket measures the
+menu's budgets in order (`min_samples` steps each), then follows the fastest and keeps re-measuring its rivals
 (in turn), so a change in acceptance (a new prompt mix) or load moves the choice. Tokens/s need not rise then
-fall along the menu: at small batch half the tree can lose to both plain decoding and the whole tree (the draft
-still proposes the whole chain; the verify costs about the same), so no budget is ruled out by its neighbours.
-Re-measuring costs (a speculative step after plain ones first extends the draft over the backlog; at large batch
-the whole tree costs several plain steps), so the interval backs off: it starts at `explore_every` steps,
+fall along the menu: at small batch half the tree can lose narrowly to plain decoding while the whole tree wins
+(the draft still proposes the whole chain; the verify costs about the same). So a budget is skipped only when
+the one before it lost by more than half (at large batch a big tree can cost ten plain steps), and rivals are
+the neighbours of the choice plus any budget within half of its rate.
+Re-measuring costs (a speculative step after plain ones first extends the draft over the backlog), so the interval
+backs off: it starts at `explore_every` steps,
 doubles (up to `max_explore_every`) each time a re-measurement confirms the choice, and resets when one
 overturns it. Buckets are powers of two. The menu (`budget_menu`) is plain, about half the tree, and the whole
 tree: at large batch a verify is compute-bound and its cost grows with the tokens verified, so a shorter chain
@@ -54,22 +56,40 @@ class SpeculationPolicy:
     def choose(self, batch_size: int) -> int:
         """The draft-token budget for this step: 0 = decode plainly, FULL = the whole tree, else a node count."""
         b = self.bucket(batch_size)
-        for budget in self.budgets:
+        for i, budget in enumerate(self.budgets):
             if self.samples.get((b, budget), 0) < self.min_samples:
+                if i and self._far_behind(b, self.budgets[i - 1]):
+                    break  # the smaller budget lost by more than half: the bigger (costlier) ones are not tried
                 return budget
         best = self._best(b)
         since = self.since.get(b, 0) + 1
         if since >= self.intervals.get(b, self.explore_every):
-            others = [x for x in self.budgets if x != best]
+            others = self._rivals(b, best)
             turn = self.turn.get(b, 0)
             self.since[b], self.challenged[b], self.turn[b] = 0, best, turn + 1
             return others[turn % len(others)]
         self.since[b] = since
         return best
 
+    def _measured(self, b: int) -> list[int]:
+        return [x for x in self.budgets if self.samples.get((b, x), 0) >= self.min_samples]
+
+    def _far_behind(self, b: int, budget: int) -> bool:
+        """Did `budget` measure under half the rate of the best measured one?"""
+        return self.rates[(b, budget)] < 0.5 * max(self.rates[(b, x)] for x in self._measured(b))
+
+    def _rivals(self, b: int, best: int) -> list[int]:
+        """The budgets re-measured (in turn) against `best`: its neighbours in the menu, and any other measured
+        budget within half of its rate. A far budget that lost badly (the whole tree at a batch size where
+        plain decoding is several times faster) is not probed at its high cost; one that lost narrowly is."""
+        i = self.budgets.index(best)
+        near = {self.budgets[j] for j in (i - 1, i + 1) if 0 <= j < len(self.budgets)}
+        return [x for x in self.budgets if x != best and (x in near or x in self._measured(b)
+                                                            and not self._far_behind(b, x))]
+
     def _best(self, b: int) -> int:
-        # ties go to the budget listed last (more speculation)
-        return max(reversed(self.budgets), key=lambda x: self.rates[(b, x)])
+        # measured budgets only; ties go to the budget listed last (more speculation)
+        return max(reversed(self._measured(b)), key=lambda x: self.rates[(b, x)])
 
     def record(self, batch_size: int, budget: int, tokens: int, seconds: float) -> None:
         if seconds <= 0:

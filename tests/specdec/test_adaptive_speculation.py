@@ -172,13 +172,34 @@ def test_the_whole_tree_is_measured_even_where_half_the_tree_loses_to_plain():
         chosen.append(b)
         p.record(1, b, tokens=speed[b], seconds=1.0)
     assert chosen[10:].count(FULL) >= 35 and {0, 4} <= set(chosen[10:])
-    speed = {0: 30, 4: 20, FULL: 15}  # large batch: plain wins, the whole tree is the slowest
+    speed = {0: 30, 4: 20, FULL: 15}  # plain wins narrowly: the whole tree is tried and re-measured in turn
+    chosen = []
+    for _ in range(60):
+        b = p.choose(64)
+        chosen.append(b)
+        p.record(64, b, tokens=speed[b], seconds=1.0)
+    assert chosen[10:].count(0) >= 35 and 3 <= chosen[10:].count(FULL) <= 8
+
+
+def test_where_half_the_tree_loses_badly_the_whole_tree_is_not_probed_until_half_the_tree_wins():
+    """Large batch, compute-bound (tiny pair, 16-node trees, batch 128 on an H200: plain 12743, 8 nodes ~1700-5000,
+    16 nodes 5412 tok/s): half the tree is under half of plain's rate, so the costlier whole tree is not tried;
+    once acceptance rises and half the tree wins, the whole tree is measured next."""
+    p = SpeculationPolicy(budgets=budget_menu(8), explore_every=4, max_explore_every=4, min_samples=2)
+    speed = {0: 30, 4: 10, FULL: 8}
     chosen = []
     for _ in range(60):
         b = p.choose(128)
         chosen.append(b)
         p.record(128, b, tokens=speed[b], seconds=1.0)
-    assert chosen[10:].count(0) >= 35 and chosen[10:].count(FULL) <= 8
+    assert FULL not in chosen and chosen[10:].count(0) >= 35  # half the tree re-measured 1 in 4
+    speed = {0: 30, 4: 45, FULL: 60}  # acceptance rises
+    later = []
+    for _ in range(60):
+        b = p.choose(128)
+        later.append(b)
+        p.record(128, b, tokens=speed[b], seconds=1.0)
+    assert FULL in later and later[-20:].count(FULL) >= 14
 
 
 def test_the_policy_times_a_speculative_step_without_the_catch_up_of_earlier_plain_steps(dev_prompts, tiny_tokenizer):
