@@ -72,6 +72,7 @@ def main(device: str, dtype: torch.dtype) -> None:
     untouched[slots] = False
     check("other slots untouched", k_cache[untouched], torch.zeros_like(k_cache[untouched]), 0.0)
     check_paged_decode(device, dtype, g)
+    check_chain_step(device, dtype, g)
     print("all kernel checks passed")
 
 
@@ -107,6 +108,38 @@ def check_paged_decode(device, dtype, g):
                             for i, (p, n) in enumerate(zip(page_lists, lens, strict=True))])
         check(f"paged_decode {heads}/{kv_heads} heads, page {page_size}, lens {lens}", got, want,
               *tol)
+
+
+def check_chain_step(device, dtype, g):
+    """Step d of the captured chain proposal (`ChainStepAttention`): lengths and write slots derived on the
+    device from the page table and the committed lengths; K/V land at position base + d - 1; the attention equals
+    the reference over positions 0..base + d - 1."""
+    from specdec.attention.chain_step import ChainStepAttention
+    from specdec.kv_cache import PagedKVCache
+
+    heads, kv_heads, d, page_size = 4, 2, 16, 4
+    kv = PagedKVCache(1, kv_heads, d, 40, page_size, dtype, device)
+    kv.k.copy_(torch.randn(kv.k.shape, generator=g).to(dtype))
+    kv.v.copy_(torch.randn(kv.v.shape, generator=g).to(dtype))
+    base = [3, 8, 21]  # committed lengths (step 1 of the first two starts a new page)
+    pages = [[7, 2], [30, 11, 4], [5, 9, 13, 17, 1, 38]]
+    table = torch.zeros(3, 8, dtype=torch.int32)
+    for i, p in enumerate(pages):
+        table[i, : len(p)] = torch.tensor(p)
+    table, base_t = table.to(device), torch.tensor(base).to(device)
+    q = torch.randn(3, heads, d, generator=g).to(device, dtype)
+    k = torch.randn(3, kv_heads, d, generator=g).to(device, dtype)
+    v = torch.randn(3, kv_heads, d, generator=g).to(device, dtype)
+    tol = (1e-5, 1e-5) if dtype == torch.float32 else (2e-2, 2e-2)
+    for step in (1, 2):
+        got = ChainStepAttention(kv, table, base_t, step).forward(0, q, k, v, None, d ** -0.5)
+        for i, (p, n) in enumerate(zip(pages, base, strict=True)):
+            pos = n + step - 1
+            slot = p[pos // page_size] * page_size + pos % page_size
+            check(f"chain step {step} request {i} K/V at position {pos}", torch.cat([kv.k[0, slot], kv.v[0, slot]]),
+                  torch.cat([k[i], v[i]]), 0.0)
+            want = torch_decode(q[i], kv.k[0], kv.v[0], p, pos + 1, page_size, d ** -0.5)
+            check(f"chain step {step} request {i} attention", got[i], want, *tol)
 
 
 if __name__ == "__main__":
