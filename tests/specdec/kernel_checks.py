@@ -121,7 +121,7 @@ def check_chain_step(device, dtype, g):
     kv = PagedKVCache(1, kv_heads, d, 40, page_size, dtype, device)
     kv.k.copy_(torch.randn(kv.k.shape, generator=g).to(dtype))
     kv.v.copy_(torch.randn(kv.v.shape, generator=g).to(dtype))
-    base = [3, 8, 21]  # committed lengths (step 1 of the first two starts a new page)
+    base = [3, 8, 21]  # committed lengths (step 1 of the second and step 2 of the first start a new page)
     pages = [[7, 2], [30, 11, 4], [5, 9, 13, 17, 1, 38]]
     table = torch.zeros(3, 8, dtype=torch.int32)
     for i, p in enumerate(pages):
