@@ -160,24 +160,24 @@ def test_timings_split_admission_plain_and_speculative_steps(dev_prompts, tiny_t
     assert max(r.num_verify_steps for r in out) == timings.plain_steps + timings.spec_steps
 
 
+def _drive(p: SpeculationPolicy, batch_size: int, speed: dict[int, float], steps: int = 60) -> list[int]:
+    """The budgets `p` chooses over `steps` steps when budget x delivers speed[x] tokens/s."""
+    chosen = []
+    for _ in range(steps):
+        b = p.choose(batch_size)
+        chosen.append(b)
+        p.record(batch_size, b, tokens=speed[b], seconds=1.0)
+    return chosen
+
+
 def test_the_whole_tree_is_measured_even_where_half_the_tree_loses_to_plain():
     """Small batch: half the chain pays the whole proposal and gains little, so it loses to plain decoding, yet the
     whole chain wins (measured on the tiny pair at batch 1: plain 87, half 67, whole 96 tokens/s). The policy
-    finds it; where the whole tree loses (large batch) it is re-measured only in turn, at the backed-off interval."""
+    finds it; where the whole tree loses narrowly it is re-measured in turn, at the backed-off interval."""
     p = SpeculationPolicy(budgets=budget_menu(8), explore_every=4, max_explore_every=4, min_samples=2)
-    speed = {0: 87, 4: 67, FULL: 96}
-    chosen = []
-    for _ in range(60):
-        b = p.choose(1)
-        chosen.append(b)
-        p.record(1, b, tokens=speed[b], seconds=1.0)
+    chosen = _drive(p, 1, {0: 87, 4: 67, FULL: 96})
     assert chosen[10:].count(FULL) >= 35 and {0, 4} <= set(chosen[10:])
-    speed = {0: 30, 4: 20, FULL: 15}  # plain wins narrowly: the whole tree is tried and re-measured in turn
-    chosen = []
-    for _ in range(60):
-        b = p.choose(64)
-        chosen.append(b)
-        p.record(64, b, tokens=speed[b], seconds=1.0)
+    chosen = _drive(p, 64, {0: 30, 4: 20, FULL: 15})  # plain wins narrowly
     assert chosen[10:].count(0) >= 35 and 3 <= chosen[10:].count(FULL) <= 8
 
 
@@ -186,19 +186,9 @@ def test_where_half_the_tree_loses_badly_the_whole_tree_is_not_probed_until_half
     16 nodes 5412 tok/s): half the tree is under half of plain's rate, so the costlier whole tree is not tried;
     once acceptance rises and half the tree wins, the whole tree is measured next."""
     p = SpeculationPolicy(budgets=budget_menu(8), explore_every=4, max_explore_every=4, min_samples=2)
-    speed = {0: 30, 4: 10, FULL: 8}
-    chosen = []
-    for _ in range(60):
-        b = p.choose(128)
-        chosen.append(b)
-        p.record(128, b, tokens=speed[b], seconds=1.0)
+    chosen = _drive(p, 128, {0: 30, 4: 10, FULL: 8})
     assert FULL not in chosen and chosen[10:].count(0) >= 35  # half the tree re-measured 1 in 4
-    speed = {0: 30, 4: 45, FULL: 60}  # acceptance rises
-    later = []
-    for _ in range(60):
-        b = p.choose(128)
-        later.append(b)
-        p.record(128, b, tokens=speed[b], seconds=1.0)
+    later = _drive(p, 128, {0: 30, 4: 45, FULL: 60})  # acceptance rises
     assert FULL in later and later[-20:].count(FULL) >= 14
 
 
