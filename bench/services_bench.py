@@ -405,6 +405,9 @@ def environment() -> dict:
                 load_avg=[round(x, 2) for x in os.getloadavg()])
 
 
+MISMATCH = 3  # exit status when a speculative output differed from plain (a crash exits 1)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     BUSY_GPUS[:] = [int(i) for i in args.gpu_busy.split(",") if i]
@@ -424,7 +427,7 @@ def main(argv=None) -> int:
     else:
         print(f"total {time.perf_counter() - t0:.0f} s, load average at the end {os.getloadavg()[0]:.2f}")
     simulated = "--simulate-accept-len" in args.target_flags  # outputs differ from plain by construction
-    return 0 if simulated or all(r.match for r in rows) else 1
+    return 0 if simulated or all(r.match for r in rows) else MISMATCH
 
 
 if __name__ == "__main__":

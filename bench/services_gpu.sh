@@ -5,10 +5,12 @@
 #
 #   bash bench/services_gpu.sh                 # tau 5 and 3, all modes (~5 min on 2 x H200)
 #   TAUS=5 MODES="always" bash bench/services_gpu.sh
+#   TINY=1 bash bench/services_gpu.sh          # then also the bundled tiny pair (real acceptance, both heads)
+#   TAUS= TINY=1 bash bench/services_gpu.sh    # only the tiny pair (it needs the tiny weights on the machine)
 #
 # Each row: | setting | N | spec tok/s | plain tok/s | speed-up | tau | steps | per-step ms ... | busy {gpu: fraction}
 set -euo pipefail
-TAUS=${TAUS:-"5 3"}
+TAUS=${TAUS-"5 3"}
 MODES=${MODES:-"always|always --two-batch-overlap 32|auto --two-batch-overlap 32"}
 CONCURRENCY=${CONCURRENCY:-1,8,32,64,128}
 NEW_TOKENS=${NEW_TOKENS:-192}
@@ -24,3 +26,12 @@ for tau in $TAUS; do
       --draft-flags "$DRAFT --speculation $mode"
   done
 done
+if [ -n "${TINY:-}" ]; then
+  for mode in "${modes[@]}"; do
+    echo "== tiny pair (real acceptance), --speculation $mode"
+    python bench/services_bench.py --settings eagle1-chain,eagle3-chain --new-tokens 128 --concurrency "$CONCURRENCY" \
+      --target-process --draft-process --gpu-busy 0,1 --target-device cuda:0 --draft-device cuda:1 \
+      --engine-flags "--attention-backend flashinfer --dtype bfloat16" --draft-flags "--speculation $mode" \
+      || [ $? -eq 3 ]  # 3: an output differed from Generate (bf16 near-ties between batch kernels); go on
+  done
+fi
