@@ -16,7 +16,8 @@ of one speculative step in ms:
 
 A service in this process is timed by wrapping its engine and scheduler; a service process by scraping its
 `specdec:step_phase_seconds` metrics before and after each run.
-Speculative output is checked against plain output token for token (`match`).
+Speculative output is checked against plain output token for token (`match`); the exit status is 3 when one
+differs (never for SIMULATED runs, whose outputs differ by construction).
 
     python bench/services_bench.py [--concurrency 1,8,32] [--settings eagle1-chain,eagle3-chain,eagle1-tree]
                                    [--new-tokens 64] [--prompt-tokens 256] [--json]
