@@ -58,8 +58,8 @@ class RoundedFeatures:
     def prefill(self, inputs):
         return self._round(self.engine.prefill(inputs))
 
-    def verify(self, inputs):
-        return self._round(self.engine.verify(inputs))
+    def verify(self, inputs, **kwargs):
+        return self._round(self.engine.verify(inputs, **kwargs))
 
     def __getattr__(self, name):
         return getattr(self.engine, name)

@@ -81,7 +81,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                     ttft = time.perf_counter() - t0
                 n += len(ev.tokens)
                 if ev.from_verify:
-                    steps += 1
+                    steps += ev.num_steps
                     per_pos += [0] * max(0, ev.num_accepted_drafts - len(per_pos))
                     for i in range(ev.num_accepted_drafts):
                         per_pos[i] += 1

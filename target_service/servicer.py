@@ -8,6 +8,7 @@ import time
 from opentelemetry import trace
 
 from specdec.engine.admission import MAX_PREFILL_TOKENS
+from specdec.engine.plain_steps import check_plain_steps
 from specdec.engine.requests import RUNNING
 from specdec.engine.target_engine import TargetEngine
 from specdec.errors import SpecdecError
@@ -58,11 +59,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             return prefill_reply_bytes(out)  # encoded here: see specdec.rpc.wire
 
     async def Verify(self, request, context):
-        inputs = verify_from_proto(request)
+        inputs, plain_steps = verify_from_proto(request)
         if not inputs:
             return target_pb2.VerifyResponse()
+        check_plain_steps(inputs, plain_steps)  # a bad count fails this RPC alone, not the batch it would join
         outputs = await self.loop.call_batched(self._verify_many,
-                                               (inputs, current_trace_context(), time.perf_counter()))
+                                               (inputs, current_trace_context(), time.perf_counter(), plain_steps))
         t0 = time.perf_counter()
         reply = verify_reply_bytes(outputs)  # encoded here: see specdec.rpc.wire
         self._phase("reply", time.perf_counter() - t0)
@@ -88,30 +90,39 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                         results.append(exc)
         return results
 
-    def _verify_many(self, groups: list[tuple[list, object, float]]) -> list[list]:
-        """Several Verify RPCs that arrived together run as one forward (engine thread). Each group is
-        (inputs, the RPC's trace context or None, when the RPC was queued); a traced batch gets one
-        `target.verify_batch` span, parented to the first traced RPC and linked to the others."""
+    def _verify_many(self, groups: list[tuple[list, object, float, int]]) -> list[list]:
+        """Several Verify RPCs that arrived together run as one forward (engine thread), or one per plain-step
+        count when they ask for different ones. Each group is (inputs, the RPC's trace context or None, when the
+        RPC was queued, plain steps); a traced batch gets one `target.verify_batch` span, parented to the first
+        traced RPC and linked to the others."""
         started = time.perf_counter()
-        flat = [inp for g, _, _ in groups for inp in g]
+        flat = [inp for g in groups for inp in g[0]]
         if self.metrics is not None:
             self.metrics.observe_batch(len(flat))
-            for _, _, queued in groups:
+            for _, _, queued, _ in groups:
                 self.metrics.observe_phase("queue", started - queued)
-        parent, links = batch_parent([ctx for _, ctx, _ in groups])
+        parent, links = batch_parent([g[1] for g in groups])
         if parent is None:
-            outs = self.engine.verify(flat)
+            result = self._verify_by_steps(groups)
         else:
             attributes = {"batch_size": len(flat), "num_rpcs": len(groups),
                           "num_draft_tokens": sum(len(i.draft_tokens) for i in flat)}
             with get_tracer().start_as_current_span("target.verify_batch", parent, links=links, attributes=attributes):
-                outs = self.engine.verify(flat)
-        features_to_host(outs)  # here, not in the handler: the copy waits for the GPU
+                result = self._verify_by_steps(groups)
         self._phase("forward", time.perf_counter() - started)
-        result, start = [], 0
-        for g, _, _ in groups:
-            result.append(outs[start : start + len(g)])
-            start += len(g)
+        return result
+
+    def _verify_by_steps(self, groups: list[tuple[list, object, float, int]]) -> list[list]:
+        """Each group's outputs: the groups asking for the same plain-step count share one engine call."""
+        result: list = [None] * len(groups)
+        for steps in dict.fromkeys(g[3] for g in groups):
+            members = [i for i, g in enumerate(groups) if g[3] == steps]
+            outs = self.engine.verify([inp for i in members for inp in groups[i][0]], plain_steps=steps)
+            features_to_host(outs)  # here, not in the handler: the copy waits for the GPU
+            start = 0
+            for i in members:
+                result[i] = outs[start : start + len(groups[i][0])]
+                start += len(groups[i][0])
         return result
 
     async def Release(self, request, context):

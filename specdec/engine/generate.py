@@ -57,8 +57,8 @@ def _drive(sched: Scheduler, results: dict[str, GenerationResult]) -> None:
             if ev.error is not None:
                 raise ev.error
             res.tokens += ev.tokens
-            if ev.from_verify:
-                res.accept_lengths.append(len(ev.tokens))
+            if ev.from_verify:  # tokens committed per target step (several plain steps: one each)
+                res.accept_lengths += [len(ev.tokens)] if ev.num_steps == 1 else [1] * ev.num_steps
             res.finish_reason = ev.finish_reason
             state = states.get(ev.request_id) or sched.running.get(ev.request_id)
             if state is not None:

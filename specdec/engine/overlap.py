@@ -52,9 +52,9 @@ class TakingTurns:
         with self._lock:
             return self._target.prefill(inputs)
 
-    def verify(self, inputs):
+    def verify(self, inputs, **kwargs):
         with self._lock:
-            return self._target.verify(inputs)
+            return self._target.verify(inputs, **kwargs)
 
     def release(self, request_id):
         with self._lock:

@@ -23,6 +23,7 @@ class Event:
     num_accepted_drafts: int = 0
     from_verify: bool = False  # False for the prefill's first token and for aborts
     num_draft_tokens: int = 0  # draft tokens the step verified for this request (0: a plain step)
+    num_steps: int = 1  # target steps behind `tokens`: one per token when a call ran several plain steps
 
 
 @dataclass
@@ -52,6 +53,7 @@ class Launch:
     trace: tuple[bool, Any, list]
     started: float  # perf_counter at the start of the step
     catch_up_s: float = 0.0  # of which the draft's extend over tokens that earlier plain steps committed
+    plain_steps: int = 1  # plain decode steps the verify call runs (> 1: see specdec.engine.plain_steps)
 
     @property
     def num_draft_tokens(self) -> int:

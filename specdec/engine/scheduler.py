@@ -25,6 +25,7 @@ from specdec.engine.adaptive import FULL, SpeculationPolicy
 from specdec.engine.admission import PROMPT_EXTEND, Admission
 from specdec.engine.draft_engine import DraftEngine
 from specdec.engine.overlap import TwoBatchOverlap
+from specdec.engine.plain_steps import PLAIN_STEPS
 from specdec.engine.requests import ABORT, RUNNING, StepTimings, VerifyInput
 from specdec.engine.run_state import Event, Launch, RunState
 from specdec.errors import NotReady, SpecdecError
@@ -150,7 +151,9 @@ class Scheduler(Admission):
         catch_up_s = self._catch_up(rids, trace) if speculate else 0.0
         with self.step_spans.span("draft.propose", sampled, links, parent, batch_size=len(rids)) as span:
             trees = self._propose(rids, budget) if speculate else [_EMPTY] * len(rids)
-            launch = Launch(rids, trees, budget, speculate, trace, started, catch_up_s)
+            # a plain step of a speculative loop asks for several tokens: one call (one RPC) per PLAIN_STEPS
+            plain = PLAIN_STEPS if self.draft is not None and not speculate else 1
+            launch = Launch(rids, trees, budget, speculate, trace, started, catch_up_s, plain)
             if span is not None:
                 span.set_attribute("num_draft_tokens", launch.num_draft_tokens)
         return launch
@@ -161,8 +164,10 @@ class Scheduler(Admission):
         t0 = time.perf_counter()
         with self.step_spans.span("draft.verify", sampled, links, parent, batch_size=len(launch.rids),
                                   num_draft_tokens=launch.num_draft_tokens) as span:
-            outputs = self.target.verify([VerifyInput(rid, list(t.tokens), list(t.parents))
-                                          for rid, t in zip(launch.rids, launch.trees, strict=True)])
+            inputs = [VerifyInput(rid, list(t.tokens), list(t.parents))
+                      for rid, t in zip(launch.rids, launch.trees, strict=True)]
+            more = {"plain_steps": launch.plain_steps} if launch.plain_steps > 1 else {}
+            outputs = self.target.verify(inputs, **more)
             if span is not None:
                 span.set_attribute("accepted", sum(out.num_accepted_drafts for out in outputs))
         self.timings.verify_s += time.perf_counter() - t0
@@ -180,10 +185,11 @@ class Scheduler(Admission):
         events, extend = [], []
         for tree, out in zip(launch.trees, outputs, strict=True):
             state = self.running[out.request_id]
-            self._count(state, len(tree.tokens), out.num_accepted_drafts, out.tokens)
+            steps = len(out.tokens) if launch.plain_steps > 1 else 1  # a plain step commits one token
+            self._count(state, len(tree.tokens), out.num_accepted_drafts, out.tokens, steps)
             events.append(Event(out.request_id, out.tokens, out.finish_reason,
                                 num_accepted_drafts=out.num_accepted_drafts, from_verify=True,
-                                num_draft_tokens=len(tree.tokens)))
+                                num_draft_tokens=len(tree.tokens), num_steps=steps))
             if out.finish_reason != RUNNING:
                 self._finish(out.request_id, release_target=False)  # the target freed its pages itself
             elif self.draft is not None and launch.speculate:
@@ -198,7 +204,7 @@ class Scheduler(Admission):
             self.timings.spec_steps += 1
             self.timings.spec_s += elapsed
         else:
-            self.timings.plain_steps += 1
+            self.timings.plain_steps += max(len(out.tokens) for out in outputs) if launch.plain_steps > 1 else 1
             self.timings.plain_s += elapsed
         if self.policy is not None and self.draft is not None:
             # the catch-up is the deferred cost of earlier plain steps, paid once per switch: the policy compares
@@ -255,8 +261,8 @@ class Scheduler(Admission):
         self.timings.propose_s += time.perf_counter() - t0
         return [proposed.get(r, empty) for r in rids]
 
-    def _count(self, state: RunState, num_drafts: int, num_accepted: int, tokens: list[int]) -> None:
-        state.num_verify_steps += 1
+    def _count(self, state: RunState, num_drafts: int, num_accepted: int, tokens: list[int], steps: int) -> None:
+        state.num_verify_steps += steps
         state.num_draft_tokens += num_drafts
         state.num_generated += len(tokens)
         if len(state.accepted_per_position) < num_accepted:

@@ -14,6 +14,7 @@ from specdec.attention import AttentionBatch, SeqAttention, make_backend
 from specdec.attention.graph_backend import GraphCaptureError
 from specdec.engine.device import engine_call
 from specdec.engine.finish import cut_at_finish
+from specdec.engine.plain_steps import check_plain_steps, run_plain_steps
 from specdec.engine.requests import (
     RUNNING,
     PrefillInput,
@@ -159,8 +160,15 @@ class TargetEngine:
         return outputs
 
     @engine_call
-    def verify(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
-        """One target forward over the trees of several requests; commits the accepted paths."""
+    def verify(self, inputs: list[VerifyInput], plain_steps: int = 1) -> list[VerifyOutput]:
+        """One target forward over the trees of several requests; commits the accepted paths. With empty trees,
+        `plain_steps` > 1 runs that many plain decode steps (`specdec.engine.plain_steps`)."""
+        if plain_steps != 1:
+            check_plain_steps(inputs, plain_steps)
+            return run_plain_steps(self._verify_once, inputs, plain_steps)
+        return self._verify_once(inputs)
+
+    def _verify_once(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
         for inp in inputs:
             req = self._get(inp.request_id)
             validate_tree(inp.draft_tokens, inp.parents, self.cfg.vocab_size, self.max_draft_tokens)

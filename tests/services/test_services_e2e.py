@@ -171,6 +171,37 @@ def test_target_rpc_errors(stack):
     assert asyncio.run(_kv_free(stack))[0]
 
 
+def test_verify_plain_steps_over_grpc(stack):
+    """`VerifyRequest.plain_steps`: several plain decode steps in one call give the tokens and feature rows of as
+    many one-step calls; a bad count or a tree with drafts is INVALID_ARGUMENT and changes nothing."""
+    target, _ = stack
+
+    async def run():
+        async with make_channel(target.addr) as ch:
+            stub = target_pb2_grpc.TargetServiceStub(ch)
+            for rid in ("many", "one"):
+                await stub.Prefill(target_pb2.PrefillRequest(request_id=rid, prompt_ids=list(range(40, 90)),
+                                                             return_features=True))
+            tree = [target_pb2.TreeProposal(request_id="many")]
+            for bad in (target_pb2.VerifyRequest(trees=tree, plain_steps=65),
+                        target_pb2.VerifyRequest(trees=[target_pb2.TreeProposal(
+                            request_id="many", draft_tokens=[5], parents=[-1])], plain_steps=2)):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Verify(bad)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "plain_steps" in err.value.details()
+            many = await stub.Verify(target_pb2.VerifyRequest(trees=tree, plain_steps=3))
+            one = [await stub.Verify(target_pb2.VerifyRequest(trees=[target_pb2.TreeProposal(request_id="one")]))
+                   for _ in range(3)]
+            await stub.Release(target_pb2.ReleaseRequest(request_ids=["many", "one"]))
+        return many, one
+
+    many, one = asyncio.run(run())
+    result = many.results[0]
+    assert list(result.tokens) == [t for r in one for t in r.results[0].tokens] and len(result.tokens) == 3
+    assert result.num_accepted_drafts == 0 and result.num_feature_rows == 3 and list(many.features.shape)[0] == 3
+    assert asyncio.run(_kv_free(stack))[0]
+
+
 async def _pairs(draft_addr: str, target_addr: str, prompts, lengths: list[int], tag: str):
     """Every prompt to this draft service and to target Generate at once: (draft token lists, target token lists,
     whether the draft's KV pool is all free afterwards)."""

@@ -1,0 +1,62 @@
+"""Several plain decode steps in one verify call (`plain_steps`): the same tokens and features as single steps,
+a request that finishes stops there, and bad calls are refused before anything is committed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from core_engines import tiny_target
+
+from specdec.engine.plain_steps import MAX_PLAIN_STEPS
+from specdec.engine.requests import RUNNING, PrefillInput, VerifyInput
+from specdec.errors import InvalidInput
+from specdec.sampling_params import SamplingParams
+
+
+def _admit(target, budgets: dict[str, int]) -> None:
+    target.prefill([PrefillInput(rid, list(range(300 + 7 * i, 340 + 7 * i)),
+                                 SamplingParams(max_new_tokens=n, ignore_eos=True))
+                    for i, (rid, n) in enumerate(budgets.items())])
+
+
+def test_plain_steps_equal_single_steps_and_stop_where_a_request_finishes():
+    target = tiny_target()
+    budgets = {"long": 12, "short": 3}  # "short" finishes inside the first call of 4 steps
+    single = {rid: ([], []) for rid in budgets}
+    try:
+        _admit(target, budgets)
+        while target.requests.keys() & budgets.keys():
+            for out in target.verify([VerifyInput(r, [], []) for r in budgets if r in target.requests]):
+                single[out.request_id][0].extend(out.tokens)
+                single[out.request_id][1].append(out.features)
+        _admit(target, budgets)
+        calls = []
+        while target.requests.keys() & budgets.keys():
+            calls.append(target.verify([VerifyInput(r, [], []) for r in budgets if r in target.requests],
+                                       plain_steps=4))
+    finally:
+        for rid in budgets:
+            if rid in target.requests:
+                target.release(rid)
+    assert len(calls) == 3 and [len(c) for c in calls] == [2, 1, 1]
+    first = {o.request_id: o for o in calls[0]}
+    assert first["short"].tokens == single["short"][0] and first["short"].finish_reason != RUNNING
+    assert first["long"].num_accepted_drafts == 0 and first["long"].finish_reason == RUNNING
+    long_tokens = [t for c in calls for o in c if o.request_id == "long" for t in o.tokens]
+    assert long_tokens == single["long"][0]
+    assert first["long"].features.shape[0] == 4
+    assert torch.allclose(first["long"].features, torch.cat(single["long"][1][:4]), atol=1e-5)
+
+
+@pytest.mark.parametrize("steps,tokens,match", [(0, [], "outside"), (MAX_PLAIN_STEPS + 1, [], "outside"),
+                                                 (2, [5], "empty trees")])
+def test_bad_plain_steps_are_refused_before_anything_is_committed(steps, tokens, match):
+    target = tiny_target()
+    try:
+        _admit(target, {"r": 10})
+        before = target.requests["r"].num_generated
+        with pytest.raises(InvalidInput, match=match):
+            target.verify([VerifyInput("r", tokens, [-1] * len(tokens))], plain_steps=steps)
+        assert target.requests["r"].num_generated == before
+    finally:
+        target.release("r")
