@@ -106,10 +106,10 @@ class Probe:
             engine = build_target(*args, **kwargs)
             verify = engine.verify
 
-            def timed_verify(inputs):
+            def timed_verify(inputs, **kwargs):
                 t0 = time.perf_counter()
                 try:
-                    return verify(inputs)
+                    return verify(inputs, **kwargs)
                 finally:
                     probe.target_verify_s += time.perf_counter() - t0
                     probe.target_verify_calls += 1
