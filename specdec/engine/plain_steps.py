@@ -13,7 +13,8 @@ import torch
 from specdec.engine.requests import RUNNING, VerifyInput, VerifyOutput
 from specdec.errors import InvalidInput
 
-PLAIN_STEPS = 4  # tokens per request the scheduler asks for in one plain call (admissions wait at most this long)
+PLAIN_STEPS = 4  # tokens per request the scheduler asks for in one plain call (a request arriving meanwhile
+#                   joins after it: up to 3 more steps of waiting than with one step per call)
 MAX_PLAIN_STEPS = 64  # the most a caller may ask for in one call
 
 
