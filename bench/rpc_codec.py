@@ -4,6 +4,11 @@ trip of the same byte sizes (an echo server that does no work). 8B shapes: featu
 3 x 4096 (EAGLE-3), bf16; `--tokens` committed per request and step (tau), a chain of `--draft` tokens proposed.
 
     python bench/rpc_codec.py [--batch-sizes 1,8,32,64,128] [--tokens 5] [--draft 6] [--repeats 50]
+                              [--feature-wire fp8]
+
+`--feature-wire fp8`: the features travel as 8-bit floats with a scale per row (packed before timing: the target
+packs them on its GPU); `draft_unpack_ms` then includes unpacking them on this CPU, which a GPU draft does on its
+device instead.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from specdec.rpc.target_codec import (  # noqa: E402
     verify_reply_bytes,
     verify_to_proto,
 )
+from specdec.rpc.tensor_codec import pack_fp8_rows  # noqa: E402
 from specdec.rpc.wire import decode_with_tensor  # noqa: E402
 from specdec.v1 import target_pb2  # noqa: E402
 
@@ -70,6 +76,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=5)
     ap.add_argument("--draft", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--feature-wire", choices=["native", "fp8"], default="native")
     args = ap.parse_args()
     server, port, state = echo_server()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=channel_options())
@@ -80,12 +87,14 @@ def main() -> int:
             inputs = [VerifyInput(f"req-{i}", list(range(100, 100 + args.draft)), list(range(-1, args.draft - 1)))
                       for i in range(bs)]
             feats = torch.randn(bs * args.tokens, width).to(torch.bfloat16)
+            if args.feature_wire == "fp8":
+                feats = pack_fp8_rows(feats)
             outs = [VerifyOutput(f"req-{i}", list(range(args.tokens)), args.tokens - 1, f)
                     for i, f in enumerate(feats.split(args.tokens))]
             req = verify_to_proto(inputs).SerializeToString()
             reply = verify_reply_bytes(outs)
             state["reply"] = reply
-            row = {"head": head, "bs": bs, "request_kB": round(len(req) / 1e3, 1),
+            row = {"head": head, "bs": bs, "feature_wire": args.feature_wire, "request_kB": round(len(req) / 1e3, 1),
                    "reply_MB": round(len(reply) / 1e6, 2),
                    "draft_pack_ms": _best_ms(lambda inputs=inputs: verify_to_proto(inputs).SerializeToString(),
                                              args.repeats),

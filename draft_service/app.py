@@ -18,6 +18,7 @@ from specdec.engine.requests import StepTimings
 from specdec.engine.scheduler import Scheduler
 from specdec.errors import ConfigError, NotReady
 from specdec.rpc.service_runner import ServiceSpec, run_service
+from specdec.rpc.tensor_codec import FP8_ROWS
 from specdec.rpc.tls import TlsConfig
 from specdec.serving.engine_args import engine_options
 from specdec.serving.engine_loop import EngineLoop
@@ -42,7 +43,8 @@ def _connect(client: TargetClient, timeout_s: float):
 
 def _load(args, opts, spec: SpecConfig):
     target_cfg = ModelConfig.from_hf(args.target_model)
-    client = TargetClient(args.target, TlsConfig.from_args(args, prefix="target-"), device=opts.device)
+    client = TargetClient(args.target, TlsConfig.from_args(args, prefix="target-"), device=opts.device,
+                          feature_wire=FP8_ROWS if getattr(args, "feature_wire", "native") == "fp8" else "")
     log.info("connecting to target at %s", args.target)
     info = _connect(client, args.target_wait_seconds)
     if info.vocab_size != target_cfg.vocab_size or info.hidden_size != target_cfg.hidden_size:

@@ -27,6 +27,10 @@ def register(subparsers) -> None:
                    help="auto (default): per step, verify the whole tree, about half of it, or nothing (plain "
                         "decoding), whichever has measured the most tokens/s at the running batch size (all "
                         "lossless; seeded sampling batches keep the whole tree); always: the whole tree every step")
+    p.add_argument("--feature-wire", choices=["native", "fp8"], default="native",
+                   help="how the target sends the features: native (default: its compute dtype) or fp8 (8-bit "
+                        "floats with a float32 scale per row: half of bf16's bytes; on the tiny pair tau did not "
+                        "change, docs/benchmarks.md); output stays the target's either way")
     p.add_argument("--two-batch-overlap", type=int, default=0, metavar="N",
                    help="from N running requests, split the batch into two micro-batches that take turns, so the "
                         "draft proposes for one while the target verifies the other (pays with draft and target "

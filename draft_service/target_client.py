@@ -52,7 +52,8 @@ class TargetClient:
 
     concurrent_calls = True  # a gRPC channel takes calls from several threads (two-batch overlap)
 
-    def __init__(self, addr: str, tls: TlsConfig | None = None, timeout_s: float = 60.0, device=None):
+    def __init__(self, addr: str, tls: TlsConfig | None = None, timeout_s: float = 60.0, device=None,
+                 feature_wire: str = ""):
         opts = channel_options()
         self.channel = (grpc.secure_channel(addr, tls.channel_credentials(), options=opts) if tls
                         else grpc.insecure_channel(addr, options=opts))
@@ -61,6 +62,7 @@ class TargetClient:
         self._prefill_raw = self._raw("Prefill", target_pb2.PrefillRequest)
         self._verify_raw = self._raw("Verify", target_pb2.VerifyRequest)
         self.addr, self.timeout_s, self.device = addr, timeout_s, device
+        self.feature_wire = feature_wire  # asked of every Prefill: "" (compute dtype) or tensor_codec.FP8_ROWS
         self.feature_dim = 0  # set once the draft is built: the feature width it consumes (0: not checked)
 
     def _raw(self, name: str, request_cls):
@@ -107,7 +109,7 @@ class TargetClient:
     def prefill_each(self, inputs: list[PrefillInput]) -> list:
         """One Prefill RPC per request, all in flight at once (the target runs those that meet as one forward),
         each in its request's trace; per request its PrefillOutput or its error (SpecdecError)."""
-        started = [self._start(self._prefill_raw, prefill_to_proto(inp), inp.trace_context) for inp in inputs]
+        started = [self._start(self._prefill_raw, self._prefill_request(inp), inp.trace_context) for inp in inputs]
         answers: list = []
         for inp, call in zip(inputs, started, strict=True):
             try:
@@ -115,6 +117,12 @@ class TargetClient:
             except SpecdecError as exc:
                 answers.append(exc)
         return answers
+
+    def _prefill_request(self, inp: PrefillInput) -> target_pb2.PrefillRequest:
+        msg = prefill_to_proto(inp)
+        if self.feature_wire:
+            msg.feature_dtype = self.feature_wire
+        return msg
 
     def _prefill_output(self, inp: PrefillInput, data: bytes) -> PrefillOutput:
         try:

@@ -23,6 +23,7 @@ from specdec.rpc.target_codec import (
     verify_from_proto,
     verify_reply_bytes,
 )
+from specdec.rpc.tensor_codec import FP8_ROWS
 from specdec.serving.engine_loop import EngineLoop
 from specdec.telemetry import bind_request_id, get_tracer
 from specdec.telemetry.tracing import batch_parent, current_trace_context
@@ -80,12 +81,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         (a duplicate id, no KV pages) fails alone; its result is then its exception."""
         results = []
         for chunk in _chunks(inputs, MAX_PREFILL_TOKENS):
+            packed = {inp.request_id for inp in chunk if inp.feature_wire == FP8_ROWS}
             try:
-                results += features_to_host(self.engine.prefill(chunk))
+                results += features_to_host(self.engine.prefill(chunk), packed)
             except SpecdecError:  # the engine admitted none of the chunk
                 for inp in chunk:
                     try:
-                        results += features_to_host(self.engine.prefill([inp]))
+                        results += features_to_host(self.engine.prefill([inp]), packed)
                     except SpecdecError as exc:
                         results.append(exc)
         return results
@@ -118,13 +120,22 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         for steps in dict.fromkeys(g[3] for g in groups):
             members = [i for i, g in enumerate(groups) if g[3] == steps]
             inputs = [inp for i in members for inp in groups[i][0]]
+            packed = self._packed(inputs)
             outs = self.engine.verify(inputs, plain_steps=steps) if steps > 1 else self.engine.verify(inputs)
-            features_to_host(outs)  # here, not in the handler: the copy waits for the GPU
+            features_to_host(outs, packed)  # here, not in the handler: the copy waits for the GPU
             start = 0
             for i in members:
                 result[i] = outs[start : start + len(groups[i][0])]
                 start += len(groups[i][0])
         return result
+
+    def _packed(self, inputs: list) -> frozenset:
+        """The ids whose features travel as 8-bit floats: all of a Verify batch's when they all asked for it
+        (the reply carries one blob), else none."""
+        reqs = [self.engine.requests.get(inp.request_id) for inp in inputs]
+        if all(r is not None and r.feature_wire == FP8_ROWS for r in reqs):
+            return frozenset(inp.request_id for inp in inputs)
+        return frozenset()
 
     async def Release(self, request, context):
         ids = [check_request_id(r) for r in request.request_ids]

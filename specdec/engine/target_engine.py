@@ -40,6 +40,7 @@ class TargetRequest:
     kv_len: int  # committed tokens with K/V in the cache
     root: int  # last committed token, not yet in the cache
     num_generated: int
+    feature_wire: str = ""  # kept for the service: how its features travel (PrefillInput.feature_wire)
 
 
 class TargetEngine:
@@ -110,7 +111,7 @@ class TargetEngine:
             raise InvalidInput(f"feature layer {bad[0]} outside [0, {self.cfg.num_layers}]")
         self.kv.add(inp.request_id, self._max_tokens(len(inp.prompt_ids), inp.sampling))
         req = TargetRequest(inp.sampling, make_generator(inp.sampling), tuple(inp.feature_layers),
-                            len(inp.prompt_ids), 0, -1, 0)
+                            len(inp.prompt_ids), 0, -1, 0, inp.feature_wire)
         self.requests[inp.request_id] = req
         return req
 

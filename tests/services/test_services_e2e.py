@@ -202,6 +202,12 @@ def test_verify_plain_steps_over_grpc(stack):
     assert asyncio.run(_kv_free(stack))[0]
 
 
+async def _stream(draft_addr: str, prompt, rid: str, max_new_tokens: int = 48):
+    async with make_channel(draft_addr) as ch:
+        return await _collect(draft_pb2_grpc.DraftServiceStub(ch).Generate(draft_pb2.DraftServiceGenerateRequest(
+            request_id=rid, prompt_ids=prompt, sampling=_sampling(max_new_tokens=max_new_tokens))))
+
+
 async def _pairs(draft_addr: str, target_addr: str, prompts, lengths: list[int], tag: str):
     """Every prompt to this draft service and to target Generate at once: (draft token lists, target token lists,
     whether the draft's KV pool is all free afterwards)."""
@@ -229,6 +235,30 @@ def test_adaptive_speculation_service_is_lossless(stack, prompts):
         assert spec == plain
     finally:
         auto.stop()
+
+
+def test_fp8_features_service_is_lossless_and_refuses_unknown_feature_dtypes(stack, prompts):
+    """`--feature-wire fp8`: the target sends this draft's features as 8-bit floats with a scale per row; the
+    streams still equal target Generate and both KV pools end free. A Prefill asking for another feature dtype
+    is INVALID_ARGUMENT."""
+    target, _ = stack
+    fp8 = start_draft(target.addr, "--feature-wire", "fp8", "--speculation", "always", "--max-batch-size", "8")
+    try:
+        spec, plain, draft_free = asyncio.run(_pairs(fp8.addr, target.addr, prompts[:6], [30] * 6, "fp8"))
+        assert spec == plain and draft_free and asyncio.run(_kv_free(stack))[0]
+        _, last = asyncio.run(_stream(fp8.addr, prompts[6], "fp8-tau"))
+        assert last.final.tau > 2.0  # the 8-bit features still drive the head (garbage would give ~1)
+    finally:
+        fp8.stop()
+
+    async def bad():
+        async with make_channel(target.addr) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await target_pb2_grpc.TargetServiceStub(ch).Prefill(target_pb2.PrefillRequest(
+                    request_id="fp4", prompt_ids=[5, 6], return_features=True, feature_dtype="float4"))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "feature_dtype" in err.value.details()
+
+    asyncio.run(bad())
 
 
 def test_two_batch_overlap_service_is_lossless_and_frees_kv(stack, prompts):
