@@ -300,6 +300,7 @@ lifecycle:
     {{- if eq $v.device "cuda" }}
     - --two-batch-overlap={{ $v.draft.twoBatchOverlap }}
     {{- end }}
+    - --feature-wire={{ $v.draft.featureWire }}
     - --log-format={{ $v.logFormat }}
     - --drain-seconds={{ $v.drainSeconds }}
     {{- with include "specdec.tlsArgs" .root | trim }}{{ . | nindent 4 }}{{- end }}
