@@ -123,6 +123,8 @@ def test_default_runs_on_cpu_with_the_bundled_model():
     assert flag(draft, "target") == "localhost:50052", "draft and target share the Pod and talk over localhost"
     assert flag(draft, "device") == flag(target, "device") == "cpu"
     assert flag(draft, "two-batch-overlap") is None, "on CPU the services share the cores: no overlap"
+    assert flag(draft, "attention-backend") is None and flag(target, "attention-backend") is None  # torch on CPU
+    assert flag(draft, "feature-wire") == "native"
     assert flag(target, "model") == "/opt/specdec/models/tiny-code/target"
     assert flag(draft, "model") == "/opt/specdec/models/tiny-code/draft"
     assert flag(draft, "target-model") == flag(target, "model")
@@ -164,8 +166,10 @@ def test_gpu_pair_gives_draft_and_target_their_own_gpu():
         assert c["image"] == "ghcr.io/specdec/specdec-cuda:0.1.0"
         assert flag(c, "dtype") == "bfloat16"
         assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    # flashinfer for both on GPUs without asking (the draft's CUDA graphs need it); the example drafts a chain
     assert flag(container(pair, "target"), "attention-backend") == "flashinfer"
-    assert flag(container(pair, "draft"), "topk") == "4"
+    assert flag(container(pair, "draft"), "attention-backend") == "flashinfer"
+    assert flag(container(pair, "draft"), "topk") == "1"
     assert flag(container(pair, "draft"), "two-batch-overlap") == "32", "own GPUs: micro-batches take turns"
     assert flag(container(pair, "draft"), "model") == "/models/EAGLE3-LLaMA3.1-Instruct-8B"
     spec = pod_spec(pair)

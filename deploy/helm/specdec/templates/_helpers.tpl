@@ -272,6 +272,15 @@ lifecycle:
 {{- end }}{{ end }}
 {{- end -}}
 
+{{/* --attention-backend for a service: its value, else flashinfer on GPUs (the CUDA image has it; the CUDA graphs
+     need it), else the service default (torch). Call with (dict "value" $v.target.attentionBackend "device" $v.device) */}}
+{{- define "specdec.attentionBackend" -}}
+{{- $backend := .value | default (ternary "flashinfer" "" (eq .device "cuda")) }}
+{{- if $backend }}
+- --attention-backend={{ $backend }}
+{{- end }}
+{{- end -}}
+
 {{/* ---------- the draft and target containers (shared by pair and split modes) ---------- */}}
 
 {{/* call with (dict "root" $ "targetAddr" "localhost:50052" "extraEnv" LIST) */}}
@@ -291,6 +300,7 @@ lifecycle:
     - --metrics-port={{ $v.draft.metricsPort }}
     - --device={{ $v.device }}
     {{- with include "specdec.optionalFlag" (dict "flag" "dtype" "value" $v.draft.dtype) | trim }}{{ . | nindent 4 }}{{- end }}
+    {{- with include "specdec.attentionBackend" (dict "value" $v.draft.attentionBackend "device" $v.device) | trim }}{{ . | nindent 4 }}{{- end }}
     - --num-steps={{ $v.draft.numSteps }}
     - --topk={{ $v.draft.topk }}
     - --num-draft-tokens={{ $v.draft.numDraftTokens }}
@@ -346,7 +356,7 @@ lifecycle:
     - --metrics-port={{ $v.target.metricsPort }}
     - --device={{ $v.device }}
     {{- with include "specdec.optionalFlag" (dict "flag" "dtype" "value" $v.target.dtype) | trim }}{{ . | nindent 4 }}{{- end }}
-    {{- with include "specdec.optionalFlag" (dict "flag" "attention-backend" "value" $v.target.attentionBackend) | trim }}{{ . | nindent 4 }}{{- end }}
+    {{- with include "specdec.attentionBackend" (dict "value" $v.target.attentionBackend "device" $v.device) | trim }}{{ . | nindent 4 }}{{- end }}
     {{- with include "specdec.optionalFlag" (dict "flag" "page-size" "value" $v.target.pageSize) | trim }}{{ . | nindent 4 }}{{- end }}
     {{- with include "specdec.optionalFlag" (dict "flag" "num-pages" "value" $v.target.numPages) | trim }}{{ . | nindent 4 }}{{- end }}
     {{- with include "specdec.optionalFlag" (dict "flag" "max-batch-size" "value" $v.target.maxBatchSize) | trim }}{{ . | nindent 4 }}{{- end }}
