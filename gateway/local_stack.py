@@ -10,6 +10,7 @@ process, which then stops them in order (gateway, draft, target) with SIGTERM, a
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import signal
 import socket
@@ -56,6 +57,12 @@ class StackConfig:
         gateway, draft, target = _free_ports(3)
         return replace(cls(**kwargs), gateway_port=gateway, draft_port=draft, target_port=target)
 
+    def attention_flags(self) -> list[str]:
+        """flashinfer on a GPU when it is installed (the CUDA graphs need it), else the services' default."""
+        if self.device.startswith("cuda") and importlib.util.find_spec("flashinfer") is not None:
+            return ["--attention-backend", "flashinfer"]
+        return []
+
     def addr(self, service: str) -> str:
         return f"{self.host}:{getattr(self, f'{service}_port')}"
 
@@ -63,16 +70,17 @@ class StackConfig:
         """The `specdec serve-*` command line of each service, in start order."""
         specdec = [sys.executable, "-m", "specdec"]
         target_addr, draft_addr = self.addr("target"), self.addr("draft")
+        device = ["--device", self.device, *self.attention_flags()]
         commands = {
             "target": [
-                *specdec, "serve-target", "--model", self.target_dir, "--device", self.device,
+                *specdec, "serve-target", "--model", self.target_dir, *device,
                 "--host", self.host, "--port", str(self.target_port),
             ],
         }  # fmt: skip
         if self.draft_dir is not None:
             commands["draft"] = [
                 *specdec, "serve-draft", "--model", self.draft_dir, "--target-model", self.target_dir,
-                "--target", target_addr, "--device", self.device, "--host", self.host, "--port", str(self.draft_port),
+                "--target", target_addr, *device, "--host", self.host, "--port", str(self.draft_port),
                 "--speculation", self.speculation,
             ]  # fmt: skip
         pair = f"{draft_addr if self.draft_dir is not None else ''}={target_addr}"

@@ -237,3 +237,22 @@ def test_gateway_per_client_limit_without_keys_uses_the_peer_host(fake_model, mo
 
     code, details = run(body())
     assert code == "RESOURCE_EXHAUSTED" and "from this client" in details
+
+
+def test_a_local_gpu_stack_asks_for_flashinfer_when_it_is_installed(monkeypatch):
+    """`specdec up/generate --device cuda`: the local services attend through flashinfer (their CUDA graphs need it)
+    when it is installed; on a CPU, or without it, they keep their default."""
+    import importlib.util
+
+    from gateway.local_stack import StackConfig
+
+    real = importlib.util.find_spec
+    for installed in (True, False):
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *a, installed=installed: object() if name == "flashinfer" and installed
+                            else (None if name == "flashinfer" else real(name, *a)))
+        gpu = StackConfig(device="cuda:0").commands()
+        flags = [cmd[cmd.index("--attention-backend") + 1] if "--attention-backend" in cmd else None
+                 for cmd in (gpu["target"], gpu["draft"])]
+        assert flags == (["flashinfer"] * 2 if installed else [None, None])
+        assert "--attention-backend" not in StackConfig(device="cpu").commands()["target"]
