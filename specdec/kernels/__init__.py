@@ -33,8 +33,13 @@ def on_device(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
+def interpreted() -> bool:
+    """Whether Triton runs kernels through its CPU interpreter (TRITON_INTERPRET=1: the CPU tests)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def fused(t: torch.Tensor) -> bool:
     """Whether the fused kernels run for this tensor (CUDA, or any device under TRITON_INTERPRET=1)."""
-    if t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+    if t.is_cuda or interpreted():
         return _triton_ok()
     return False

@@ -10,13 +10,11 @@ merges the splits. The number of splits is fixed per page-table width, so the la
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from specdec.kernels import on_device
+from specdec.kernels import interpreted, on_device
 
 SPLITS = 32  # most splits a sequence's context is cut into (fewer when the page table is narrower)
 BLOCK = 32  # context positions per inner step
@@ -96,6 +94,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                 q, k_cache, v_cache, page_table, page_table.stride(0), lens, o_part, lse, sm_scale,
                 S=splits, CHUNK=chunk_pages * page_size, KV=kv, G=h // kv, GP=max(16, triton.next_power_of_2(h // kv)),
                 D=d, PS=page_size, BLOCK=BLOCK, PREC="ieee" if q.dtype == torch.float32 else "tf32",
-                DYNAMIC=os.environ.get("TRITON_INTERPRET") != "1", num_warps=4)
+                DYNAMIC=not interpreted(), num_warps=4)
             _merge_kernel[(b * h,)](o_part, lse, out, S=splits, SP=triton.next_power_of_2(splits), D=d, num_warps=4)
     return out
