@@ -91,7 +91,7 @@ class Admission:
         if self.draft is not None:
             self.draft.add(state.request_id, len(state.prompt_ids) + state.sampling.max_new_tokens)
         return PrefillInput(state.request_id, state.prompt_ids, state.sampling, self.feature_layers,
-                            self.draft is not None, state.trace_context)
+                            self.draft is not None, trace_context=state.trace_context)
 
     def _prefill_together(self, group: list[RunState]):
         """Outputs for the whole group from one target call, or None (one request, or any failure: nothing of

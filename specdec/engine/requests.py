@@ -23,9 +23,9 @@ class PrefillInput:
     sampling: SamplingParams
     feature_layers: tuple[int, ...] = ()  # () = final normed hidden (EAGLE-1), else aux layer inputs (EAGLE-3)
     return_features: bool = True
-    feature_wire: str = ""  # how a remote draft wants the features sent ("" or tensor_codec.FP8_ROWS)
     # the request's OpenTelemetry context: a remote target's Prefill RPC joins the request's trace
     trace_context: Any = field(default=None, compare=False, repr=False)
+    feature_wire: str = ""  # how a remote draft wants the features sent ("" or tensor_codec.FP8_ROWS)
 
 
 @dataclass

@@ -52,7 +52,7 @@ def prefill_from_proto(msg: target_pb2.PrefillRequest) -> PrefillInput:
     if msg.feature_dtype not in FEATURE_DTYPES:
         raise InvalidInput(f"feature_dtype {msg.feature_dtype!r} is not one of {list(FEATURE_DTYPES)}")
     return PrefillInput(check_request_id(msg.request_id), list(msg.prompt_ids), sampling,
-                        tuple(msg.feature_layer_ids), msg.return_features, msg.feature_dtype)
+                        tuple(msg.feature_layer_ids), msg.return_features, feature_wire=msg.feature_dtype)
 
 
 def prefill_output_to_proto(out: PrefillOutput) -> target_pb2.PrefillResponse:

@@ -56,3 +56,19 @@ def test_rows_of_one_tensor_stack_without_a_copy():
         assert torch.equal(got, torch.cat(parts))
     one = torch.randn(1, 4)
     assert rows_of_one([one]) is one or torch.equal(rows_of_one([one]), one)
+
+
+def test_a_traced_prefill_encodes_with_its_feature_wire():
+    """The sixth positional field of PrefillInput stays the trace context (the scheduler passes it so); the wire
+    format asked for travels as PrefillRequest.feature_dtype and back."""
+    from specdec.engine.requests import PrefillInput
+    from specdec.rpc.target_codec import prefill_from_proto, prefill_to_proto
+    from specdec.rpc.tensor_codec import FP8_ROWS
+    from specdec.sampling_params import SamplingParams
+
+    ctx = object()
+    inp = PrefillInput("r", [1, 2], SamplingParams(), (), True, ctx)
+    assert inp.trace_context is ctx and inp.feature_wire == ""
+    assert prefill_to_proto(inp).feature_dtype == ""
+    msg = prefill_to_proto(PrefillInput("r", [1, 2], SamplingParams(), trace_context=ctx, feature_wire=FP8_ROWS))
+    assert prefill_from_proto(msg).feature_wire == FP8_ROWS
