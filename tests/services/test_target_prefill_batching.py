@@ -11,7 +11,7 @@ import torch
 from repo_paths import TINY
 
 from specdec.engine.factory import EngineOptions, build_target
-from specdec.engine.requests import PrefillInput
+from specdec.engine.requests import PrefillInput, VerifyInput
 from specdec.sampling_params import SamplingParams
 from specdec.serving.engine_loop import EngineLoop
 from specdec.v1 import target_pb2
@@ -99,3 +99,24 @@ def test_a_bad_prefill_among_others_fails_alone(target):
 
 def engine_input(rid: str, prompt: list[int]) -> PrefillInput:
     return PrefillInput(rid, prompt, SamplingParams())
+
+
+def test_fp8_features_only_for_the_requests_that_asked_and_verify_batches_that_all_did(target):
+    """Prefills that meet in one forward: only the one asking for 8-bit features gets them. A Verify batch is sent in
+    8 bits only when every request in it asked (the reply is one blob); a mixed batch gets the compute dtype."""
+    from specdec.rpc.tensor_codec import FP8_ROWS
+
+    engine, _ = target
+    loop = EngineLoop(None, "target-engine")
+    servicer = TargetServicer(engine, loop, "tiny")
+    fp8 = target_pb2.PrefillRequest(request_id="q", prompt_ids=[5, 6, 7], return_features=True,
+                                    feature_dtype=FP8_ROWS)
+    try:
+        replies = asyncio.run(_together(servicer, loop, [_request("n", [5, 6, 7, 8]), fp8]))
+    finally:
+        loop.stop()
+    assert [r.features.dtype for r in replies] == ["float32", FP8_ROWS]
+    inputs = lambda *rids: [VerifyInput(r, [], []) for r in rids]  # noqa: E731
+    assert servicer._packed(inputs("q")) == {"q"} and servicer._packed(inputs("q", "n")) == frozenset()
+    for rid in ("n", "q"):
+        engine.release(rid)
