@@ -7,7 +7,8 @@ policy keeps an exponential moving average of tokens/s per (batch-size bucket, b
 menu's budgets in order (`min_samples` steps each), then follows the fastest and keeps re-measuring its rivals
 (in turn), so a change in acceptance (a new prompt mix) or load moves the choice. Tokens/s need not rise then
 fall along the menu: at small batch half the tree can lose narrowly to plain decoding while the whole tree wins
-(the draft still proposes the whole chain; the verify costs about the same). So a budget is skipped only when
+(the verify costs about the same; a captured chain proposal still runs every step, an eager chain only as many
+steps as the budget keeps). So a budget is skipped only when
 the one before it lost by more than half (at large batch a big tree can cost ten plain steps), and rivals are
 the neighbours of the choice plus any budget within half of its rate.
 Re-measuring costs (a speculative step after plain ones first extends the draft over the backlog), so the interval

@@ -186,7 +186,8 @@ class DraftEngine:
     # ---- propose ------------------------------------------------------------------------------------------
     @engine_call
     def propose(self, rids: list[str], num_draft_tokens: int | None = None) -> list[TokenTree]:
-        """A tree per request: its best `num_draft_tokens` nodes (default and maximum: the spec's)."""
+        """A tree per request: its best `num_draft_tokens` nodes (default and maximum: the spec's). A chain's best
+        n nodes are its first n levels, so an eager chain proposal runs only n steps (the captured one runs all)."""
         size = min(num_draft_tokens or self.spec.num_draft_tokens, self.spec.num_draft_tokens)
         if self.graphs is not None and self.graphs.usable(len(rids)):
             try:
@@ -195,6 +196,8 @@ class DraftEngine:
                 for rid in rids:  # logged by the graphs; undo the replay's temporary slots, then go eager
                     self.kv.resize(rid, self.requests[rid].kv_len)
         k, steps = self.spec.topk, self.spec.num_steps
+        if k == 1:  # a chain's best `size` nodes are its first `size` levels: the deeper steps are not run
+            steps = min(steps, size)
         reqs = [self.requests[r] for r in rids]
         b = len(reqs)
         state = batch_state(reqs)
