@@ -4,6 +4,7 @@ turned back into the engine's exceptions (so the scheduler handles a remote targ
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -109,7 +110,9 @@ class TargetClient:
     def prefill_each(self, inputs: list[PrefillInput]) -> list:
         """One Prefill RPC per request, all in flight at once (the target runs those that meet as one forward),
         each in its request's trace; per request its PrefillOutput or its error (SpecdecError)."""
-        started = [self._start(self._prefill_raw, self._prefill_request(inp), inp.trace_context) for inp in inputs]
+        if self.feature_wire:
+            inputs = [replace(inp, feature_wire=self.feature_wire) for inp in inputs]
+        started = [self._start(self._prefill_raw, prefill_to_proto(inp), inp.trace_context) for inp in inputs]
         answers: list = []
         for inp, call in zip(inputs, started, strict=True):
             try:
@@ -117,12 +120,6 @@ class TargetClient:
             except SpecdecError as exc:
                 answers.append(exc)
         return answers
-
-    def _prefill_request(self, inp: PrefillInput) -> target_pb2.PrefillRequest:
-        msg = prefill_to_proto(inp)
-        if self.feature_wire:
-            msg.feature_dtype = self.feature_wire
-        return msg
 
     def _prefill_output(self, inp: PrefillInput, data: bytes) -> PrefillOutput:
         try:

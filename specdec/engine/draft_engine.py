@@ -151,8 +151,8 @@ class DraftEngine:
             try:
                 state = DraftState(*self.extend_graphs.extend(items))
             except GraphCaptureError:
-                state = None  # logged by the graphs; extends run eagerly from now on
-            if state is not None:
+                pass  # logged by the graphs; extends run eagerly from now on
+            else:
                 for i, (rid, _, _) in enumerate(items):
                     self.requests[rid].state, self.requests[rid].row = state, i
                 return

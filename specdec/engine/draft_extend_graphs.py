@@ -44,8 +44,8 @@ class DraftExtendGraphs:
         self.tokens = engine.spec.num_draft_tokens + 1  # T: query rows per request
         self.scratch_pages = kv.set_aside(-(-self.tokens // kv.page_size))
         self.max_pages_per_seq = -(-(engine.max_context + 2 * self.tokens) // kv.page_size) + 1
-        self.ladder = tuple(b for b in BATCH_LADDER if b <= max_batch_size and b * self.tokens <= MAX_GRAPH_TOKENS)
-        self.ladder = self.ladder or (1,)
+        self.ladder = tuple(b for b in BATCH_LADDER
+                            if b <= max_batch_size and b * self.tokens <= MAX_GRAPH_TOKENS) or (1,)
         self.graphs: dict[int, _ExtendGraph] = {}
         self.failed = False  # a capture failed: extends run eagerly from now on
         self.pool = None
