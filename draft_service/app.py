@@ -20,7 +20,7 @@ from specdec.errors import ConfigError, NotReady
 from specdec.rpc.service_runner import ServiceSpec, run_service
 from specdec.rpc.tensor_codec import FP8_ROWS
 from specdec.rpc.tls import TlsConfig
-from specdec.serving.engine_args import engine_options
+from specdec.serving.engine_args import engine_options, plain_steps
 from specdec.serving.engine_loop import EngineLoop
 from specdec.telemetry import StepSpanSampler, TelemetryConfig
 from specdec.v1 import draft_pb2_grpc
@@ -59,6 +59,7 @@ def _load(args, opts, spec: SpecConfig):
 
 async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
     opts = engine_options(args)
+    steps = plain_steps(args)
     if args.two_batch_overlap < 0:
         raise ConfigError(f"--two-batch-overlap {args.two_batch_overlap}: a request count >= 0 (0 = off)")
     spec = SpecConfig(args.num_steps, args.topk, args.num_draft_tokens).validate()
@@ -68,7 +69,7 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
     async def load(metrics) -> str:
         client, engine, max_context, info = await asyncio.to_thread(_load, args, opts, spec)
         sched = Scheduler(client, engine, max_context, opts.max_batch_size, feature_layers_for(engine),
-                          max_queue_wait_s=args.max_queue_wait_seconds,
+                          max_queue_wait_s=args.max_queue_wait_seconds, plain_steps=steps,
                           step_spans=StepSpanSampler.from_config(TelemetryConfig.from_env()),
                           policy=SpeculationPolicy(budget_menu(spec.num_draft_tokens)) if args.speculation == "auto"
                           else None,

@@ -10,7 +10,7 @@ from specdec.engine.scheduler import Scheduler
 from specdec.rpc.service_runner import ServiceSpec, run_service
 from specdec.rpc.tls import TlsConfig
 from specdec.rpc.wire import add_servicer
-from specdec.serving.engine_args import engine_options
+from specdec.serving.engine_args import engine_options, plain_steps
 from specdec.serving.engine_loop import EngineLoop
 from specdec.v1 import target_pb2
 from target_service.servicer import TargetServicer
@@ -21,13 +21,15 @@ HEALTH_NAME = "specdec.v1.TargetService"
 
 async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
     opts = engine_options(args)
+    steps = plain_steps(args)
     servicer = TargetServicer(None, None, args.model)
     state = {}
 
     async def load(metrics) -> str:
         engine = await asyncio.to_thread(build_target, args.model, opts)
         loop = EngineLoop(Scheduler(engine, None, engine.max_context, opts.max_batch_size,
-                                    max_queue_wait_s=args.max_queue_wait_seconds), "target-engine",
+                                    max_queue_wait_s=args.max_queue_wait_seconds, plain_steps=steps),
+                          "target-engine",
                           engine.device)
         kv = engine.kv  # gauges read at scrape time: Verify and Prefill run between steps, not in them
         metrics.track(kv_pages=lambda: (kv.num_total_pages - kv.num_free_pages, kv.num_free_pages),

@@ -62,14 +62,15 @@ class TargetGraphs:
         with torch.cuda.device(self.kv.k.device):
             self._capture_ladder(1, (), True)
 
-    def run(self, ids: list[int], positions: torch.Tensor, seqs: list[SeqAttention], write_slots: torch.Tensor,
-            n: int, aux_layers: tuple[int, ...], causal: bool = False):
+    def run(self, ids: list[int] | torch.Tensor, positions: torch.Tensor, seqs: list[SeqAttention],
+            write_slots: torch.Tensor, n: int, aux_layers: tuple[int, ...], causal: bool = False, inputs_taken=None):
         """Same inputs and outputs as the eager forward (hidden [T, H], aux [T, A*H] or None), T = len(seqs) * n.
-        `causal`: no sequence has a tree mask (chains, plain decode)."""
+        `ids`: a list or a device tensor (the previous step's argmax). `causal`: no sequence has a tree mask
+        (chains, plain decode). `inputs_taken` (a CUDA event) is recorded after the inputs are copied in."""
         with torch.cuda.device(self.kv.k.device):  # capture and replay on the engine's GPU, whatever the thread's
-            return self._run(ids, positions, seqs, write_slots, n, aux_layers, causal or n == 1)
+            return self._run(ids, positions, seqs, write_slots, n, aux_layers, causal or n == 1, inputs_taken)
 
-    def _run(self, ids, positions, seqs, write_slots, n, aux_layers, causal):
+    def _run(self, ids, positions, seqs, write_slots, n, aux_layers, causal, inputs_taken):
         b = len(seqs)
         bucket = next(x for x in ladder_for(self.ladder, n) if x >= b)
         key = (bucket, n, aux_layers, causal)
@@ -84,11 +85,14 @@ class TargetGraphs:
         g.attn.plan(seqs + pad_seqs, torch.cat([write_slots, pad_slots]))
         dev = g.ids.device
         t = b * n
-        g.ids[:t].copy_(torch.tensor(ids, dtype=torch.int64), non_blocking=True)
+        g.ids[:t].copy_(ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.int64),
+                        non_blocking=True)
         g.ids[t:].zero_()
         g.positions[:t].copy_(positions, non_blocking=True)
         if pad:
             g.positions[t:].copy_(torch.arange(n, device=dev).repeat(pad))
+        if inputs_taken is not None:
+            inputs_taken.record()
         g.graph.replay()
         return g.hidden[:t], (g.aux[:t] if g.aux is not None else None)
 

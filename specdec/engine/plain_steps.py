@@ -25,18 +25,27 @@ def check_plain_steps(inputs: list[VerifyInput], steps: int) -> None:
         raise InvalidInput("plain_steps > 1 needs empty trees (no draft tokens)")
 
 
-def run_plain_steps(verify_once, inputs: list[VerifyInput], steps: int) -> list[VerifyOutput]:
-    """`steps` calls of `verify_once` (one target step over empty trees each); a request that finishes stops
-    there. Outputs in input order: the tokens of all its steps, their feature rows, the last finish reason."""
+def run_plain_steps(run_chunk, inputs: list[VerifyInput], steps: int, steps_left=None) -> list[VerifyOutput]:
+    """`steps` plain decode steps in chunks: `run_chunk(live, k)` runs k steps of the live requests (empty trees)
+    and returns one output per request; k is what is left of `steps`, no more than `steps_left(request_id)` of
+    any live request (None: chunks of one step). A request that finishes stops there. Outputs in input order:
+    the tokens of all its steps, their feature rows, the last finish reason."""
     done: dict[str, list[VerifyOutput]] = {inp.request_id: [] for inp in inputs}
-    live = list(inputs)
-    for _ in range(steps):
-        for out in verify_once(live):
+    live, left = list(inputs), steps
+    while live and left:
+        k = 1 if steps_left is None else max(1, min(left, *(steps_left(inp.request_id) for inp in live)))
+        for out in run_chunk(live, k):
             done[out.request_id].append(out)
+        left -= k
         live = [VerifyInput(rid, [], []) for rid, outs in done.items() if outs[-1].finish_reason == RUNNING]
-        if not live:
-            break
     return [_merge(done[inp.request_id]) for inp in inputs]
+
+
+def split_features(steps: list[list], request: int, rows: int):
+    """A request's feature rows from a chunk's per-step batch features (`steps[i][request]`: step i's row, or
+    None when no features), its first `rows` of them. # [rows, feature_size] or None"""
+    feats = [step[request] for step in steps[:rows]]
+    return None if any(f is None for f in feats) else torch.cat(feats)
 
 
 def _merge(outs: list[VerifyOutput]) -> VerifyOutput:

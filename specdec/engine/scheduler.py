@@ -43,8 +43,11 @@ class Scheduler(Admission):
     def __init__(self, target, draft: DraftEngine | None, max_context: int, max_batch_size: int = 64,
                  feature_layers: tuple[int, ...] = (), max_queue_wait_s: float = 0.0,
                  step_spans: StepSpanSampler | None = None, policy: SpeculationPolicy | None = None,
-                 timings: StepTimings | None = None, overlap: TwoBatchOverlap | None = None):
+                 timings: StepTimings | None = None, overlap: TwoBatchOverlap | None = None,
+                 plain_steps: int = PLAIN_STEPS):
         self.target, self.draft = target, draft
+        # tokens a plain step commits per request in one target call (one host sync; one RPC through the draft)
+        self.plain_steps = plain_steps
         # two micro-batches in turn (draft and target on separate GPUs); None: one synchronous step at a time
         self.overlap = overlap
         if overlap is not None:
@@ -151,8 +154,7 @@ class Scheduler(Admission):
         catch_up_s = self._catch_up(rids, trace) if speculate else 0.0
         with self.step_spans.span("draft.propose", sampled, links, parent, batch_size=len(rids)) as span:
             trees = self._propose(rids, budget) if speculate else [_EMPTY] * len(rids)
-            # a plain step of a speculative loop asks for several tokens: one call (one RPC) per PLAIN_STEPS
-            plain = PLAIN_STEPS if self.draft is not None and not speculate else 1
+            plain = 1 if speculate else self.plain_steps
             launch = Launch(rids, trees, budget, speculate, trace, started, catch_up_s, plain)
             if span is not None:
                 span.set_attribute("num_draft_tokens", launch.num_draft_tokens)

@@ -14,7 +14,7 @@ from specdec.attention import AttentionBatch, SeqAttention, make_backend
 from specdec.attention.graph_backend import GraphCaptureError
 from specdec.engine.device import engine_call
 from specdec.engine.finish import cut_at_finish
-from specdec.engine.plain_steps import check_plain_steps, run_plain_steps
+from specdec.engine.plain_steps import check_plain_steps, run_plain_steps, split_features
 from specdec.engine.requests import (
     RUNNING,
     PrefillInput,
@@ -164,12 +164,15 @@ class TargetEngine:
     def verify(self, inputs: list[VerifyInput], plain_steps: int = 1) -> list[VerifyOutput]:
         """One target forward over the trees of several requests; commits the accepted paths. With empty trees,
         `plain_steps` > 1 runs that many plain decode steps (`specdec.engine.plain_steps`)."""
-        if plain_steps != 1:
-            check_plain_steps(inputs, plain_steps)
-            return run_plain_steps(self._verify_once, inputs, plain_steps)
-        return self._verify_once(inputs)
+        if plain_steps == 1:
+            return self._verify_once(inputs)
+        check_plain_steps(inputs, plain_steps)
+        self._check_batch(inputs)
+        if self.simulate_accept_len or all(self.requests[i.request_id].sampling.greedy for i in inputs):
+            return run_plain_steps(self._plain_chunk, inputs, plain_steps, self._steps_left)
+        return run_plain_steps(lambda live, _k: self._verify_once(live), inputs, plain_steps)  # host draws
 
-    def _verify_once(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
+    def _check_batch(self, inputs: list[VerifyInput]) -> None:
         for inp in inputs:
             req = self._get(inp.request_id)
             validate_tree(inp.draft_tokens, inp.parents, self.cfg.vocab_size, self.max_draft_tokens)
@@ -177,6 +180,9 @@ class TargetEngine:
                 raise InvalidInput(f"tree of request {inp.request_id!r} reaches past the context length")
         if len({inp.request_id for inp in inputs}) != len(inputs):
             raise InvalidInput("a request id appears twice in one verify batch")
+
+    def _verify_once(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
+        self._check_batch(inputs)
         ids, pos, seqs, slots, rows = [], [], [], [], []
         for inp in inputs:
             req = self.requests[inp.request_id]
@@ -243,6 +249,43 @@ class TargetEngine:
             self.release(rid)
         return kept, reason
 
+    def _steps_left(self, rid: str) -> int:
+        """Tokens the request may still generate (its length limits), at least 1 while it runs."""
+        req = self.requests[rid]
+        return min(req.sampling.max_new_tokens - req.num_generated,
+                   self.max_context - req.prompt_len - req.num_generated)
+
+    def _plain_chunk(self, inputs: list[VerifyInput], k: int) -> list[VerifyOutput]:
+        """k greedy plain decode steps of every request with one host sync: each step's argmax stays on the device
+        as the next step's input, so the host plans step i + 1 while the GPU runs step i. k is at most any
+        request's `_steps_left`, so no step runs past a length limit; tokens after a stop token are dropped with
+        the request's pages when it is released."""
+        reqs = [self.requests[inp.request_id] for inp in inputs]
+        ctxs = []
+        for inp, req in zip(inputs, reqs, strict=True):
+            self.kv.resize(inp.request_id, req.kv_len + k)
+            ctxs.append(self.kv.slots(inp.request_id, 0, req.kv_len + k))
+        ids: list[int] | torch.Tensor = [req.root for req in reqs]
+        picked, feats, taken = [], [], None
+        for i in range(k):
+            seqs = [SeqAttention(ctx[: req.kv_len + i + 1], 1) for ctx, req in zip(ctxs, reqs, strict=True)]
+            write = torch.stack([ctx[req.kv_len + i] for ctx, req in zip(ctxs, reqs, strict=True)])
+            positions = torch.tensor([req.kv_len + i for req in reqs])
+            if taken is not None:
+                taken.synchronize()  # the GPU holds step i - 1's inputs: the planner's host buffers are free again
+            taken = torch.cuda.Event() if self.device.type == "cuda" else None
+            hidden, aux = self._forward(ids, positions, seqs, write, inputs, graphable=True, inputs_taken=taken)
+            ids = self.model.compute_logits(hidden).argmax(-1)
+            picked.append(ids)
+            feats.append(self._batch_features(inputs, [1] * len(inputs), [[0]] * len(inputs), hidden, aux))
+        tokens = torch.stack(picked, 1).tolist()  # the chunk's one host sync
+        outputs = []
+        for r, (inp, req) in enumerate(zip(inputs, reqs, strict=True)):
+            req.kv_len += k
+            kept, reason = self._commit_tokens(inp.request_id, req, tokens[r])
+            outputs.append(VerifyOutput(inp.request_id, kept, 0, split_features(feats, r, len(kept)), reason))
+        return outputs
+
     @torch.inference_mode()
     def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
         """Logits at every prompt position (no state kept): scoring, near-tie checks and reference tests.
@@ -268,7 +311,9 @@ class TargetEngine:
             raise UnknownRequest(f"unknown request id {rid!r}")
         return req
 
-    def _forward(self, ids, positions, seqs, write_slots, inputs, graphable: bool = False):
+    def _forward(self, ids, positions, seqs, write_slots, inputs, graphable: bool = False, inputs_taken=None):
+        """hidden [T, H] and aux {layer: [T, H]}. `ids`: a list or a device tensor. `inputs_taken` (a CUDA event)
+        is recorded once the forward's inputs and plan are on the GPU, before it runs."""
         layers = tuple(sorted({i for inp in inputs for i in self.requests[inp.request_id].feature_layers}))
         n = seqs[0].num_q
         hidden = None
@@ -277,13 +322,16 @@ class TargetEngine:
                 self.graphs.usable(len(seqs), n, layers, causal):
             try:
                 hidden, aux_cat = self.graphs.run(ids, positions.to(self.device), seqs, write_slots, n, layers,
-                                                  causal)
+                                                  causal, inputs_taken)
             except GraphCaptureError:
                 hidden = None  # logged by the graphs; this shape runs eagerly from now on
         if hidden is None:
             batch = self.backend.plan(AttentionBatch(seqs, write_slots))
-            out = self.model(torch.tensor(ids, device=self.device), positions.to(self.device), self.backend, batch,
-                             layers)
+            ids = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, device=self.device)
+            positions = positions.to(self.device)
+            if inputs_taken is not None:
+                inputs_taken.record()
+            out = self.model(ids, positions, self.backend, batch, layers)
             hidden, aux_cat = out.hidden, out.aux
         h = self.cfg.hidden_size
         aux = {layer: aux_cat[:, j * h : (j + 1) * h] for j, layer in enumerate(layers)} if layers else {}

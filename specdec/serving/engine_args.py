@@ -31,6 +31,20 @@ def add_engine_args(parser: argparse.ArgumentParser, default_port: int) -> None:
                    help="BENCHMARKING ONLY (target): accept a simulated number of draft tokens per step with this "
                         "mean tokens/step; outputs are then NOT the model's. Default off")
     e.add_argument("--disable-cuda-graph", action="store_true", help="run the GPU path eagerly (no CUDA graphs)")
+    e.add_argument("--plain-steps", type=int, default=4,
+                   help="tokens per request a plain decoding step commits (target: Generate; draft: the steps "
+                        "--speculation auto decodes plainly), 1-64, default 4: one host sync, and through the "
+                        "draft one Verify call, per that many tokens; 1 = a token per step (tokens stream one by "
+                        "one, new requests join and aborts land after every token)")
+
+
+def plain_steps(args: argparse.Namespace) -> int:
+    from specdec.engine.plain_steps import MAX_PLAIN_STEPS
+    from specdec.errors import ConfigError
+
+    if not 1 <= args.plain_steps <= MAX_PLAIN_STEPS:
+        raise ConfigError(f"--plain-steps {args.plain_steps}: between 1 and {MAX_PLAIN_STEPS}")
+    return args.plain_steps
 
 
 def engine_options(args: argparse.Namespace):

@@ -88,6 +88,34 @@ def test_cuda_graph_replay_equals_eager(num_requests):
     assert {k[1:] for k in graphed.graphs.graphs} >= {(1, (), True), (7, (), False), (5, (), True)}
 
 
+@pytest.mark.parametrize("graphs", [True, False])
+def test_plain_step_chunks_equal_single_steps_on_gpu(graphs):
+    """Greedy plain steps chained on the device (one host sync per chunk, the next step planned while the GPU runs
+    the current one) == one step per call, through captured graphs and eagerly, for a padded batch of 3."""
+    from specdec.engine.requests import PrefillInput, VerifyInput
+    from specdec.sampling_params import SamplingParams
+
+    eng = _engine("flashinfer")
+    if not graphs:
+        eng.graphs = None
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    prompts = [list(range(300 + i, 340 + 13 * i)) for i in range(3)]
+    runs = []
+    for steps in (1, 8):
+        eng.prefill([PrefillInput(f"r{i}", p, params) for i, p in enumerate(prompts)])
+        tokens, feats = {f"r{i}": [] for i in range(3)}, {f"r{i}": [] for i in range(3)}
+        while eng.requests:
+            more = {"plain_steps": steps} if steps > 1 else {}
+            for out in eng.verify([VerifyInput(rid, [], []) for rid in list(eng.requests)], **more):
+                tokens[out.request_id] += out.tokens
+                feats[out.request_id].append(out.features.float())
+        runs.append((tokens, {rid: torch.cat(f) for rid, f in feats.items()}))
+    (a, fa), (b, fb) = runs
+    assert a == b and all(len(t) == 40 for t in a.values())
+    for rid in fa:
+        assert ((fa[rid] - fb[rid]).norm() / fa[rid].norm()).item() < 1e-3
+
+
 @pytest.mark.parametrize("device_planned", [True, False])
 @pytest.mark.parametrize("kind", ["draft", "draft-eagle3"])
 def test_draft_chain_graph_equals_eager(kind, device_planned):

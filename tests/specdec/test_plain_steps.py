@@ -60,3 +60,39 @@ def test_bad_plain_steps_are_refused_before_anything_is_committed(steps, tokens,
         assert target.requests["r"].num_generated == before
     finally:
         target.release("r")
+
+
+def test_a_stop_token_inside_a_chunk_ends_the_request_there_and_frees_its_pages():
+    """Greedy plain steps run as one chunk with one host sync; a stop token met inside it keeps the tokens up to
+    it, and the pages of the steps computed past it go back with the request."""
+    target = tiny_target()
+    free = target.kv.num_free_pages
+    prompt = list(range(300, 340))
+    target.prefill([PrefillInput("ref", prompt, SamplingParams(max_new_tokens=8, ignore_eos=True))])
+    ref = target.verify([VerifyInput("ref", [], [])], plain_steps=7)[0].tokens
+    stop = next(t for t in ref[2:] if t not in ref[:2])  # first reached in the chunk's third step or later
+    cut = ref.index(stop) + 1
+    target.prefill([PrefillInput("s", prompt, SamplingParams(max_new_tokens=50, stop_token_ids=[stop]))])
+    out = target.verify([VerifyInput("s", [], [])], plain_steps=8)[0]
+    assert out.tokens == ref[:cut] and out.finish_reason == "stop" and out.features.shape[0] == cut
+    assert "s" not in target.requests and target.kv.num_free_pages == free
+
+
+def test_sampled_requests_take_one_step_at_a_time_with_the_same_draws():
+    """A batch with a sampled (non-greedy) request draws on the host each step: seeded, the tokens of one call of
+    4 steps equal those of 4 single steps."""
+    target = tiny_target()
+    params = {"g": SamplingParams(max_new_tokens=20, ignore_eos=True),
+              "t": SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=0.8, seed=7)}
+    runs = []
+    for steps in (1, 4):
+        target.prefill([PrefillInput(rid, list(range(300, 330)), p) for rid, p in params.items()])
+        tokens = {rid: [] for rid in params}
+        for _ in range(4 // steps):
+            more = {"plain_steps": steps} if steps > 1 else {}
+            for out in target.verify([VerifyInput(rid, [], []) for rid in params], **more):
+                tokens[out.request_id] += out.tokens
+        runs.append(tokens)
+        for rid in params:
+            target.release(rid)
+    assert runs[0] == runs[1] and all(len(t) == 4 for t in runs[0].values())
