@@ -9,13 +9,14 @@ import time
 from draft_service.servicer import DraftServicer
 from draft_service.target_client import TargetClient
 from specdec.config import ModelConfig
-from specdec.engine.adaptive import SpeculationPolicy, budget_menu
+from specdec.engine.adaptive import FULL, SpeculationPolicy, budget_menu
 from specdec.engine.draft_engine import SpecConfig
 from specdec.engine.factory import build_draft
 from specdec.engine.generate import feature_layers_for
 from specdec.engine.overlap import TwoBatchOverlap
 from specdec.engine.requests import StepTimings
 from specdec.engine.scheduler import Scheduler
+from specdec.engine.warmup import warm_verify_shapes
 from specdec.errors import ConfigError, NotReady
 from specdec.rpc.service_runner import ServiceSpec, run_service
 from specdec.rpc.tensor_codec import FP8_ROWS
@@ -54,6 +55,8 @@ def _load(args, opts, spec: SpecConfig):
     log.info("target %s: context length %d", info.model, max_context)
     engine = build_draft(args.model, args.target_model, spec, opts, max_context)
     client.feature_dim = info.hidden_size * max(1, len(feature_layers_for(engine)))
+    sizes = [spec.num_draft_tokens if b == FULL else b for b in budget_menu(spec.num_draft_tokens)]
+    warm_verify_shapes(client, sizes, spec.topk, feature_layers_for(engine), info.vocab_size)
     return client, engine, max_context, info
 
 
