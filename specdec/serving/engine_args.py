@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 
-def add_engine_args(parser: argparse.ArgumentParser, default_port: int) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, default_port: int, plain_steps: int = 4) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all), default 127.0.0.1")
     g.add_argument("--port", type=int, default=default_port, help=f"gRPC port, default {default_port}")
@@ -31,11 +31,11 @@ def add_engine_args(parser: argparse.ArgumentParser, default_port: int) -> None:
                    help="BENCHMARKING ONLY (target): accept a simulated number of draft tokens per step with this "
                         "mean tokens/step; outputs are then NOT the model's. Default off")
     e.add_argument("--disable-cuda-graph", action="store_true", help="run the GPU path eagerly (no CUDA graphs)")
-    e.add_argument("--plain-steps", type=int, default=4,
+    e.add_argument("--plain-steps", type=int, default=plain_steps,
                    help="tokens per request a plain decoding step commits (target: Generate; draft: the steps "
-                        "--speculation auto decodes plainly), 1-64, default 4: one host sync, and through the "
-                        "draft one Verify call, per that many tokens; 1 = a token per step (tokens stream one by "
-                        "one, new requests join and aborts land after every token)")
+                        f"--speculation auto decodes plainly), 1-64, default {plain_steps}: one host sync, and "
+                        "through the draft one Verify call, per that many tokens; 1 = a token per step (tokens "
+                        "stream one by one, new requests join and aborts land after every token)")
 
 
 def plain_steps(args: argparse.Namespace) -> int:
