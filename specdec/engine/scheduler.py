@@ -154,11 +154,18 @@ class Scheduler(Admission):
         catch_up_s = self._catch_up(rids, trace) if speculate else 0.0
         with self.step_spans.span("draft.propose", sampled, links, parent, batch_size=len(rids)) as span:
             trees = self._propose(rids, budget) if speculate else [_EMPTY] * len(rids)
-            plain = 1 if speculate else self.plain_steps
+            plain = 1 if speculate else self._plain_steps_per_call()
             launch = Launch(rids, trees, budget, speculate, trace, started, catch_up_s, plain)
             if span is not None:
                 span.set_attribute("num_draft_tokens", launch.num_draft_tokens)
         return launch
+
+    def _plain_steps_per_call(self) -> int:
+        """`plain_steps`, but no more than PLAIN_STEPS while two micro-batches take turns: a long plain call of one
+        holds the target while the other's verify waits behind it."""
+        if self.overlap is not None and len(self.running) >= self.overlap.min_batch_size:
+            return min(self.plain_steps, PLAIN_STEPS)
+        return self.plain_steps
 
     def verify(self, launch: Launch) -> list:
         """The target's verdict on a launch's trees (callable from another thread: see `TwoBatchOverlap`)."""

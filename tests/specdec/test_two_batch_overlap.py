@@ -180,3 +180,21 @@ def test_the_verify_worker_runs_beside_the_scheduler_thread(dev_prompts, tiny_to
     # (a worker's count may already see the other micro-batch landed; the scheduler thread's cannot race)
     assert sum(t.startswith("specdec-verify") for t, _ in calls) >= len(calls) // 2
     assert all(n < 2 for t, n in calls if not t.startswith("specdec-verify"))
+
+
+def test_plain_calls_are_short_while_micro_batches_take_turns():
+    """A draft asking for 16 plain steps per call asks for PLAIN_STEPS once the batch is split in two: a long plain
+    call of one micro-batch would hold the target while the other's verify waits."""
+    from specdec.engine.plain_steps import PLAIN_STEPS
+
+    class Remote:
+        concurrent_calls = True
+
+    sched = Scheduler(Remote(), None, 2048, 64, overlap=TwoBatchOverlap(4), plain_steps=16)
+    try:
+        sched.running = {f"r{i}": None for i in range(3)}
+        assert sched._plain_steps_per_call() == 16
+        sched.running["r3"] = None
+        assert sched._plain_steps_per_call() == PLAIN_STEPS
+    finally:
+        sched.close()
