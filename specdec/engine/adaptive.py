@@ -2,8 +2,13 @@
 recently delivered the most tokens per second at this batch size. Every budget is lossless: a plain step is a
 verify of empty trees, a smaller budget verifies the draft's best `budget` nodes.
 
-Throughput is measured, not modelled: each step records (batch size, budget, tokens committed, seconds) and the
-policy keeps an exponential moving average of tokens/s per (batch-size bucket, budget). A bucket measures the
+Throughput is measured, not modelled: each step records (batch size, budget, tokens committed, seconds), and per
+(batch-size bucket, budget) the policy keeps two averages whose ratio is the budget's tokens/s: seconds per
+request-step (an exponential moving average, weight `ema`: a step's time varies little), and tokens per
+request-step (the acceptance; a running mean that turns into a moving average in which each request of a step
+weighs `yield_ema`). Tokens per step vary a lot from step to step (0 to all draft tokens accepted), and a moving
+average of per-step rates kept that noise: at batch 1 its estimate wandered ~25% around the truth, which on the
+H200 made the tiny pair's policy pick plain steps (1374 tok/s) over the chain (1688 tok/s). A bucket measures the
 menu's budgets in order (`min_samples` steps each), then follows the fastest and keeps re-measuring its rivals
 (in turn), so a change in acceptance (a new prompt mix) or load moves the choice. Tokens/s need not rise then
 fall along the menu: at small batch half the tree can lose narrowly to plain decoding while the whole tree wins
@@ -41,9 +46,13 @@ class SpeculationPolicy:
     budgets: tuple[int, ...] = (0, FULL)
     explore_every: int = 16  # first interval (in steps) between re-measurements of the budgets not chosen
     max_explore_every: int = 256
-    ema: float = 0.3  # weight of the newest measurement
+    ema: float = 0.3  # weight of the newest step in the seconds-per-step averages
+    yield_ema: float = 0.03  # weight of one request of the newest step in the tokens-per-step averages
     min_samples: int = 3  # steps of each budget before the averages decide (the first one only warms up)
     rates: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, budget) -> tokens/s
+    seconds: dict[tuple[int, int], float] = field(default_factory=dict)  # -> seconds per request-step
+    tokens: dict[tuple[int, int], float] = field(default_factory=dict)  # -> tokens per request-step
+    counted: dict[tuple[int, int], int] = field(default_factory=dict)  # -> request-steps behind `tokens`
     samples: dict[tuple[int, int], int] = field(default_factory=dict)
     intervals: dict[int, int] = field(default_factory=dict)  # bucket -> current re-measurement interval
     since: dict[int, int] = field(default_factory=dict)  # bucket -> steps since the last re-measurement
@@ -93,13 +102,19 @@ class SpeculationPolicy:
         return max(reversed(self._measured(b)), key=lambda x: self.rates[(b, x)])
 
     def record(self, batch_size: int, budget: int, tokens: int, seconds: float) -> None:
-        if seconds <= 0:
+        if seconds <= 0 or batch_size < 1:
             return
         key = (self.bucket(batch_size), budget)
-        rate = tokens / seconds
-        old = self.rates.get(key)
-        first_real = self.samples.get(key, 0) == 1  # sample 0 (lazy inits, graph capture) is overwritten
-        self.rates[key] = rate if old is None or first_real else (1 - self.ema) * old + self.ema * rate
+        step_s, step_tokens = seconds / batch_size, tokens / batch_size
+        if self.samples.get(key, 0) <= 1:  # sample 0 (lazy inits, graph capture) is overwritten by sample 1
+            self.seconds[key], self.tokens[key], self.counted[key] = step_s, step_tokens, batch_size
+        else:
+            self.seconds[key] += self.ema * (step_s - self.seconds[key])
+            n = self.counted[key]
+            weight = max(batch_size / (n + batch_size), 1 - (1 - self.yield_ema) ** batch_size)
+            self.tokens[key] += weight * (step_tokens - self.tokens[key])
+            self.counted[key] = n + batch_size
+        self.rates[key] = self.tokens[key] / self.seconds[key]
         self.samples[key] = self.samples.get(key, 0) + 1
         b = key[0]
         if b in self.challenged and budget != self.challenged[b]:  # the re-measurement came back

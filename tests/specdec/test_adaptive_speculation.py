@@ -106,12 +106,45 @@ def test_policy_backs_off_re_measuring_while_the_choice_holds_and_resets_when_it
         p.record(1, mode, tokens=30 if mode else 10, seconds=1.0)
     gaps = [b - a for a, b in zip(explores, explores[1:], strict=False)]
     assert gaps[:3] == [8, 16, 16], explores  # 4 -> 8 -> 16 (capped)
-    # the next re-measurement finds plain much faster: the choice flips and the interval starts over
-    while p.choose(1):
-        p.record(1, FULL, tokens=30, seconds=1.0)
-    p.record(1, 0, tokens=100, seconds=1.0)
-    assert p.intervals[1] == 4
+    # plain steps turn 10x faster: the re-measurements pull plain's average up until the choice flips, and the
+    # interval starts over
+    for _ in range(100):
+        mode = p.choose(1)
+        p.record(1, mode, tokens=30 if mode else 10, seconds=1.0 if mode else 0.1)
+        if p._best(1) == 0:
+            break
+    assert p._best(1) == 0 and p.intervals[1] == 4
     assert [p.choose(1) for _ in range(3)] == [0, 0, 0]
+
+
+def test_noisy_acceptance_averages_out_where_per_step_rates_did_not():
+    """Batch 1, chain tokens per step 1-6 (mean 3.15, the tiny pair's), step time fixed: a speculative step is 1.23x
+    faster than plain on average (the H200 in-process ratio). The policy's estimate of the chain's rate strays
+    under 8% on average after its warm-up, less than half of what a moving average of per-step rates (weight 0.3,
+    the previous rule) strays, and the policy follows the chain on most steps."""
+    import random
+
+    draws = [1, 1, 2, 3, 4, 5, 6, 3, 4, 2, 4, 3, 3, 3, 5, 1, 6, 2, 2, 3]  # mean 3.15
+    plain_rate, spec_rate = 1374.0, 1688.0
+    for seed in range(3):
+        rng = random.Random(seed)
+        p = SpeculationPolicy(budgets=(0, FULL))
+        chosen, errors, old_errors, old = [], [], [], None
+        for i in range(400):
+            mode = p.choose(1)
+            chosen.append(mode)
+            if mode == 0:
+                p.record(1, 0, tokens=4, seconds=4 / plain_rate)
+                continue
+            tokens = rng.choice(draws)
+            p.record(1, FULL, tokens=tokens, seconds=3.15 / spec_rate)
+            rate = tokens * spec_rate / 3.15
+            old = rate if old is None else 0.7 * old + 0.3 * rate
+            if i > 40:
+                errors.append(abs(p.rates[(1, FULL)] / spec_rate - 1))
+                old_errors.append(abs(old / spec_rate - 1))
+        mean, old_mean = sum(errors) / len(errors), sum(old_errors) / len(old_errors)
+        assert mean < 0.08 and mean < old_mean / 2 and chosen[40:].count(FULL) >= 300, (seed, mean, old_mean)
 
 
 def _paths(tree) -> set[tuple[int, ...]]:
