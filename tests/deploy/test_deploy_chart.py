@@ -125,6 +125,7 @@ def test_default_runs_on_cpu_with_the_bundled_model():
     assert flag(draft, "two-batch-overlap") is None, "on CPU the services share the cores: no overlap"
     assert flag(draft, "attention-backend") is None and flag(target, "attention-backend") is None  # torch on CPU
     assert flag(draft, "feature-wire") == "native"
+    assert flag(draft, "plain-steps") is None and flag(target, "plain-steps") is None  # the services' defaults
     assert flag(target, "model") == "/opt/specdec/models/tiny-code/target"
     assert flag(draft, "model") == "/opt/specdec/models/tiny-code/draft"
     assert flag(draft, "target-model") == flag(target, "model")
@@ -135,6 +136,15 @@ def test_default_runs_on_cpu_with_the_bundled_model():
     host = f"{FULL}-pair-0.{FULL}-pair.{NAMESPACE}.svc.cluster.local"
     assert flags(gateway, "pair") == [f"{host}:50051={host}:50052"]
     assert flag(gateway, "model") == flag(target, "model"), "the gateway reads the target's tokenizer"
+
+
+def test_plain_steps_reach_both_services_when_set():
+    pair = one(render("default", "--set", "draft.plainSteps=8", "--set", "target.plainSteps=2"), "StatefulSet",
+               f"{FULL}-pair")
+    assert flag(container(pair, "draft"), "plain-steps") == "8"
+    assert flag(container(pair, "target"), "plain-steps") == "2"
+    proc = run_helm(*template_args("default", "--set", "draft.plainSteps=65"), check=False)
+    assert proc.returncode != 0 and "plainSteps" in proc.stderr
 
 
 def test_pairs_have_headless_services_for_stable_names():

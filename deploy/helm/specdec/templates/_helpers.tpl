@@ -311,6 +311,7 @@ lifecycle:
     - --two-batch-overlap={{ $v.draft.twoBatchOverlap }}
     {{- end }}
     - --feature-wire={{ $v.draft.featureWire }}
+    {{- with include "specdec.optionalFlag" (dict "flag" "plain-steps" "value" $v.draft.plainSteps) | trim }}{{ . | nindent 4 }}{{- end }}
     - --log-format={{ $v.logFormat }}
     - --drain-seconds={{ $v.drainSeconds }}
     {{- with include "specdec.tlsArgs" .root | trim }}{{ . | nindent 4 }}{{- end }}
@@ -360,6 +361,7 @@ lifecycle:
     {{- with include "specdec.optionalFlag" (dict "flag" "page-size" "value" $v.target.pageSize) | trim }}{{ . | nindent 4 }}{{- end }}
     {{- with include "specdec.optionalFlag" (dict "flag" "num-pages" "value" $v.target.numPages) | trim }}{{ . | nindent 4 }}{{- end }}
     {{- with include "specdec.optionalFlag" (dict "flag" "max-batch-size" "value" $v.target.maxBatchSize) | trim }}{{ . | nindent 4 }}{{- end }}
+    {{- with include "specdec.optionalFlag" (dict "flag" "plain-steps" "value" $v.target.plainSteps) | trim }}{{ . | nindent 4 }}{{- end }}
     {{- if and (eq $v.device "cuda") (not $v.target.cudaGraph) }}
     - --disable-cuda-graph
     {{- end }}
