@@ -11,6 +11,7 @@ from specdec.engine.admission import MAX_PREFILL_TOKENS
 from specdec.engine.plain_steps import check_plain_steps
 from specdec.engine.requests import RUNNING
 from specdec.engine.target_engine import TargetEngine
+from specdec.engine.warmup import is_warmup
 from specdec.errors import SpecdecError
 from specdec.rpc.errors import map_servicer_errors
 from specdec.rpc.sampling_codec import sampling_from_proto
@@ -43,6 +44,11 @@ def _chunks(inputs: list, max_tokens: int) -> list[list]:
     return chunks
 
 
+def _warmup(inputs: list) -> bool:
+    """A draft's start-up warm-up (`specdec.engine.warmup`): served, but not the traffic the metrics describe."""
+    return all(is_warmup(inp.request_id) for inp in inputs)
+
+
 @map_servicer_errors
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def __init__(self, engine: TargetEngine, loop: EngineLoop, model_name: str, metrics=None):
@@ -68,7 +74,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                                (inputs, current_trace_context(), time.perf_counter(), plain_steps))
         t0 = time.perf_counter()
         reply = verify_reply_bytes(outputs)  # encoded here: see specdec.rpc.wire
-        self._phase("reply", time.perf_counter() - t0)
+        if not _warmup(inputs):
+            self._phase("reply", time.perf_counter() - t0)
         return reply
 
     def _phase(self, phase: str, seconds: float) -> None:
@@ -99,7 +106,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         traced RPC and linked to the others."""
         started = time.perf_counter()
         flat = [inp for g in groups for inp in g[0]]
-        if self.metrics is not None:
+        counted = self.metrics is not None and not _warmup(flat)
+        if counted:
             self.metrics.observe_batch(len(flat))
             for _, _, queued, _ in groups:
                 self.metrics.observe_phase("queue", started - queued)
@@ -111,7 +119,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                           "num_draft_tokens": sum(len(i.draft_tokens) for i in flat)}
             with get_tracer().start_as_current_span("target.verify_batch", parent, links=links, attributes=attributes):
                 result = self._verify_by_steps(groups)
-        self._phase("forward", time.perf_counter() - started)
+        if counted:
+            self._phase("forward", time.perf_counter() - started)
         return result
 
     def _verify_by_steps(self, groups: list[tuple[list, object, float, int]]) -> list[list]:

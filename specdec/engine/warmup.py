@@ -14,12 +14,20 @@ import logging
 import time
 import uuid
 
+from opentelemetry import context as otel_context
+
 from specdec.engine.requests import PrefillInput, VerifyInput
 from specdec.errors import SpecdecError
 from specdec.sampling_params import SamplingParams
+from specdec.telemetry.tracing import attached, untraced_context
 
 log = logging.getLogger(__name__)
 WARMUP_PROMPT_LEN = 16
+WARMUP_PREFIX = "__warmup-"  # request ids of warm-up traffic: served like any other, left out of the metrics
+
+
+def is_warmup(request_id: str) -> bool:
+    return request_id.startswith(WARMUP_PREFIX)
 
 
 def warmup_trees(sizes: list[int], topk: int) -> list[list[int]]:
@@ -36,15 +44,22 @@ def warmup_trees(sizes: list[int], topk: int) -> list[list[int]]:
 
 def warm_verify_shapes(target, sizes: list[int], topk: int, feature_layers: tuple[int, ...], vocab_size: int) -> None:
     """Verify each of `warmup_trees(sizes, topk)` once on `target` (an engine or a remote client) for a throw-away
-    request. A failure is logged, not raised: the service still starts, and its first steps pay the captures."""
+    request, sampled out of tracing (no trace of it reaches the collector). A failure is logged, not raised: the
+    service still starts, and its first steps pay the captures."""
+    with attached(untraced_context()):
+        _warm(target, sizes, topk, feature_layers, vocab_size)
+
+
+def _warm(target, sizes: list[int], topk: int, feature_layers: tuple[int, ...], vocab_size: int) -> None:
     trees = warmup_trees(sizes, topk)
-    rid = f"__warmup-{uuid.uuid4().hex[:12]}"
+    rid = f"{WARMUP_PREFIX}{uuid.uuid4().hex[:12]}"
     prompt = [i % vocab_size for i in range(WARMUP_PROMPT_LEN)]
     budget = sum(len(p) + 1 for p in trees) + 1  # every verify commits at most its tree plus one token
     t0 = time.perf_counter()
     try:
         target.prefill([PrefillInput(rid, prompt, SamplingParams(max_new_tokens=budget, ignore_eos=True),
-                                     feature_layers, return_features=False)])
+                                     feature_layers, return_features=False,
+                                     trace_context=otel_context.get_current())])
     except SpecdecError as exc:
         log.warning("verify warm-up skipped (prefill failed: %s); the first steps may pay CUDA-graph captures", exc)
         return

@@ -194,6 +194,14 @@ def batch_parent(
     return parent, links
 
 
+def untraced_context() -> otel_context.Context:
+    """A context under a sampled-out span: calls made in it pass the "not sampled" flag on (W3C traceparent), so
+    neither side records spans for them (start-up warm-up traffic, not a user's request)."""
+    span = trace.NonRecordingSpan(trace.SpanContext(random.getrandbits(128) or 1, random.getrandbits(64) or 1,
+                                                    is_remote=False, trace_flags=trace.TraceFlags(0)))
+    return trace.set_span_in_context(span)
+
+
 @contextlib.contextmanager
 def attached(ctx: otel_context.Context | None) -> Iterator[None]:
     """Make `ctx` current inside the block (e.g. a request's context on the engine thread); None: no-op."""
