@@ -3,6 +3,7 @@ acceptance speedups, the tiny pair's real tau and speed, and transformers' gener
 
     python bench/gpu_bench.py --out results.json            # on a CUDA machine
     python bench/gpu_bench.py --sections floors,plain8b     # a subset
+    python bench/gpu_bench.py --sections floors,plain8b,plain --batch-sizes 1,8,64,128   # plain decode per batch
 
 Every section is timed with CUDA events after warm-up; each writes its results even if a later one fails.
 Simulated-acceptance rows are labelled SIMULATED: their outputs are not the target's.
@@ -205,6 +206,19 @@ def simulated(res, args, target):
     res["SIMULATED_acceptance_rows"] = rows
 
 
+def plain_batches(res, args, target):
+    """Plain decoding tokens/s at each batch size (8B shape, 256-token prompts): the baseline of `simulated`
+    alone, e.g. to compare two settings of the target in two runs."""
+    rows = []
+    for bs in args.batch_sizes:
+        prompts = [list(range(1000 + i, 1256 + i)) for i in range(bs)]
+        timings = StepTimings()
+        rate, _ = _decode_rate(target, None, prompts, args.new_tokens, timings=timings)
+        rows.append({"bs": bs, "plain_tok_s": round(rate, 1), "plain_split": _split(timings)})
+        print("PLAIN", rows[-1], flush=True)
+    res["plain_rows"] = rows
+
+
 def tiny(res, args):
     opts = _opts(args.backend, max_batch_size=max(args.batch_sizes), num_pages=8192)
     target = build_target(str(TINY / "target"), opts)
@@ -288,6 +302,8 @@ def main() -> int:
                 draft8b(res, args, target)
             elif name == "simulated" and target is not None:
                 simulated(res, args, target)
+            elif name == "plain" and target is not None:
+                plain_batches(res, args, target)
             elif name == "hf":
                 if target is not None:
                     del target

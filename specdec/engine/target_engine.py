@@ -41,6 +41,7 @@ class TargetRequest:
     root: int  # last committed token, not yet in the cache
     num_generated: int
     feature_wire: str = ""  # kept for the service: how its features travel (PrefillInput.feature_wire)
+    features: bool = True  # its verify outputs carry features (False: plain Generate, no draft reads them)
 
 
 class TargetEngine:
@@ -111,7 +112,7 @@ class TargetEngine:
             raise InvalidInput(f"feature layer {bad[0]} outside [0, {self.cfg.num_layers}]")
         self.kv.add(inp.request_id, self._max_tokens(len(inp.prompt_ids), inp.sampling))
         req = TargetRequest(inp.sampling, make_generator(inp.sampling), tuple(inp.feature_layers),
-                            len(inp.prompt_ids), 0, -1, 0, inp.feature_wire)
+                            len(inp.prompt_ids), 0, -1, 0, inp.feature_wire, inp.return_features)
         self.requests[inp.request_id] = req
         return req
 
@@ -220,8 +221,18 @@ class TargetEngine:
         return verify_stochastic(tokens, parents, _host_probs(logits, req.sampling), req.generator)
 
     def _batch_features(self, inputs, rows: list[int], committed: list[list[int]], hidden, aux) -> list:
-        """Each request's features at its committed rows: one gather when the batch shares its feature layers."""
+        """Each request's features at its committed rows: one gather when the batch shares its feature layers
+        (None for requests admitted without features: no gather at all when none wants them)."""
         reqs = [self.requests[inp.request_id] for inp in inputs]
+        if not all(r.features for r in reqs):
+            if not any(r.features for r in reqs):
+                return [None] * len(inputs)
+            feats = self._batch_features_of(reqs, rows, committed, hidden, aux)
+            return [f if r.features else None for r, f in zip(reqs, feats, strict=True)]
+        return self._batch_features_of(reqs, rows, committed, hidden, aux)
+
+    def _batch_features_of(self, reqs: list[TargetRequest], rows: list[int], committed: list[list[int]], hidden,
+                           aux) -> list:
         starts = [0, *itertools.accumulate(rows)][:-1]
         if len({r.feature_layers for r in reqs}) > 1:
             return [self._features(r, hidden, aux, s + torch.tensor(c)) for r, s, c in zip(reqs, starts, committed,
@@ -237,7 +248,7 @@ class TargetEngine:
         self.kv.resize(rid, req.kv_len)  # frees the slots of rejected nodes
         kept, reason = self._commit_tokens(rid, req, new_tokens)
         num_acc = min(len(verdict.accepted), len(kept))
-        return VerifyOutput(rid, kept, num_acc, feats[: len(kept)], reason)
+        return VerifyOutput(rid, kept, num_acc, None if feats is None else feats[: len(kept)], reason)
 
     def _commit_tokens(self, rid: str, req: TargetRequest, new_tokens: list[int]) -> tuple[list[int], str]:
         total = req.prompt_len + req.num_generated

@@ -96,3 +96,23 @@ def test_sampled_requests_take_one_step_at_a_time_with_the_same_draws():
         for rid in params:
             target.release(rid)
     assert runs[0] == runs[1] and all(len(t) == 4 for t in runs[0].values())
+
+
+def test_requests_admitted_without_features_get_none_and_the_same_tokens():
+    """Plain Generate admits its requests without features (no draft reads them): verify and plain-step chunks
+    gather none for them, next to a request that wants them, and decode the same tokens."""
+    target = tiny_target()
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    prompt = list(range(300, 340))
+    target.prefill([PrefillInput("with", prompt, params), PrefillInput("without", prompt, params, (), False)])
+    outs = target.verify([VerifyInput(r, [], []) for r in ("with", "without")], plain_steps=4)
+    outs += target.verify([VerifyInput(r, [5, 6], [-1, 0]) for r in ("with", "without")])
+    by = {}
+    for out in outs:
+        by.setdefault(out.request_id, []).append(out)
+    assert all(o.features is None for o in by["without"]) and all(o.features is not None for o in by["with"])
+    assert [o.tokens for o in by["with"]] == [o.tokens for o in by["without"]]
+    target.prefill([PrefillInput("alone", prompt, params, (), False)])
+    assert target.verify([VerifyInput("alone", [], [])], plain_steps=3)[0].features is None
+    for rid in ("with", "without", "alone"):
+        target.release(rid)
