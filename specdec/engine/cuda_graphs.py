@@ -5,17 +5,11 @@ Graphs are captured for a ladder of batch sizes the first time a (n, aux layers,
 first, sharing one memory pool (causal: every request's new tokens are a chain, so no tree mask is packed or
 applied); a batch is padded to the next captured size with requests that live in scratch pages.
 Replay feeds the same inputs as an eager forward; `tests/gpu` checks replay == eager.
-
-Plain decode (n = 1) attends through the plan-free Triton decode kernel (`ChainStepAttention`, as the draft's
-chain steps do) when Triton is there: the host writes the page table and positions, with no flashinfer plan per
-step, and the kernel costs about half of flashinfer's prefill kernel for a one-token query. `SPECDEC_PLANFREE_DECODE=0`
-keeps flashinfer for it (benchmarking).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 
@@ -23,7 +17,6 @@ import torch
 
 from specdec.attention.batch import SeqAttention
 from specdec.attention.graph_backend import GraphAttention, capture_graph, capture_or_go_eager, scratch_slots
-from specdec.kernels import fused
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +40,6 @@ class _Graph:
     positions: torch.Tensor  # [B * n] int64
     hidden: torch.Tensor  # [B * n, hidden]
     aux: torch.Tensor | None  # [B * n, len(aux) * hidden]
-    table: torch.Tensor | None = None  # [B, max_pages] int32: plan-free decode's page table (attn reads it)
 
 
 class TargetGraphs:
@@ -60,8 +52,6 @@ class TargetGraphs:
         self.failed: set[tuple[int, tuple[int, ...], bool]] = set()  # (n, aux, causal) whose capture failed: eager
         self.pool = None
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=kv.k.device)
-        # plain decode through the Triton decode kernel (no host plan per step)
-        self.planfree = fused(kv.k) and os.environ.get("SPECDEC_PLANFREE_DECODE", "1") != "0"
 
     def usable(self, num_seqs: int, n: int, aux_layers: tuple[int, ...] = (), causal: bool = False) -> bool:
         return (num_seqs <= ladder_for(self.ladder, n)[-1] and n <= len(self.scratch_pages) * self.kv.page_size
@@ -90,18 +80,9 @@ class TargetGraphs:
                                 lambda: self._forget(n, aux_layers, causal))
         g = self.graphs[key]
         pad = bucket - b
-        if g.table is not None:  # plan-free: the page tables; each query's slot and length follow its position
-            ps = self.kv.page_size
-            pages = [s.ctx_slots[::ps] // ps for s in seqs] + [torch.tensor(self.scratch_pages)] * pad
-            width = max(len(p) for p in pages)
-            table = torch.zeros(bucket, width, dtype=torch.int32)
-            for i, p in enumerate(pages):
-                table[i, : len(p)] = p
-            g.table[:, :width].copy_(table, non_blocking=True)
-        else:
-            pad_seqs = [self._scratch_seq(n, causal) for _ in range(pad)]
-            pad_slots = self._scratch_slots(n).repeat(pad)
-            g.attn.plan(seqs + pad_seqs, torch.cat([write_slots, pad_slots]))
+        pad_seqs = [self._scratch_seq(n, causal) for _ in range(pad)]
+        pad_slots = self._scratch_slots(n).repeat(pad)
+        g.attn.plan(seqs + pad_seqs, torch.cat([write_slots, pad_slots]))
         dev = g.ids.device
         t = b * n
         g.ids[:t].copy_(ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.int64),
@@ -141,22 +122,12 @@ class TargetGraphs:
     @torch.inference_mode()
     def _capture(self, bucket: int, n: int, aux_layers: tuple[int, ...], causal: bool) -> _Graph:
         dev = self.kv.k.device
+        attn = GraphAttention(self.kv, self.model.cfg.num_heads, bucket, n, self.max_pages_per_seq, self.workspace,
+                              causal)
         ids = torch.zeros(bucket * n, dtype=torch.int64, device=dev)
         positions = torch.arange(n, device=dev).repeat(bucket)
-        table = None
-        if n == 1 and self.planfree:
-            from specdec.attention.chain_step import ChainStepAttention  # imports Triton
-
-            # a one-token query at position p sees positions 0..p and writes its K/V at p: a chain step over a
-            # committed length p (the positions buffer is that length)
-            table = torch.full((bucket, self.max_pages_per_seq), self.scratch_pages[0], dtype=torch.int32,
-                               device=dev)
-            attn = ChainStepAttention(self.kv, table, positions, 1)
-        else:
-            attn = GraphAttention(self.kv, self.model.cfg.num_heads, bucket, n, self.max_pages_per_seq,
-                                  self.workspace, causal)
-            attn.plan([self._scratch_seq(n, causal) for _ in range(bucket)], self._scratch_slots(n).repeat(bucket))
+        attn.plan([self._scratch_seq(n, causal) for _ in range(bucket)], self._scratch_slots(n).repeat(bucket))
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph, out = capture_graph(lambda: self.model(ids, positions, attn, None, aux_layers), self.pool)
-        return _Graph(graph, attn, ids, positions, out.hidden, out.aux, table)
+        return _Graph(graph, attn, ids, positions, out.hidden, out.aux)

@@ -57,9 +57,9 @@ def _warm(target, sizes: list[int], topk: int, feature_layers: tuple[int, ...], 
     budget = sum(len(p) + 1 for p in trees) + 1  # every verify commits at most its tree plus one token
     t0 = time.perf_counter()
     try:
+        # with features, as the draft's requests: its client checks that every verify result carries them
         target.prefill([PrefillInput(rid, prompt, SamplingParams(max_new_tokens=budget, ignore_eos=True),
-                                     feature_layers, return_features=False,
-                                     trace_context=otel_context.get_current())])
+                                     feature_layers, trace_context=otel_context.get_current())])
     except SpecdecError as exc:
         log.warning("verify warm-up skipped (prefill failed: %s); the first steps may pay CUDA-graph captures", exc)
         return

@@ -86,8 +86,6 @@ def test_cuda_graph_replay_equals_eager(num_requests):
                 assert rel < 2e-2, (parents, rel)
     assert graphed.graphs.graphs, "no graph was captured"
     assert {k[1:] for k in graphed.graphs.graphs} >= {(1, (), True), (7, (), False), (5, (), True)}
-    # plain decode replays through the plan-free Triton decode kernel (no flashinfer plan per step)
-    assert all((g.table is not None) == (k[1] == 1) for k, g in graphed.graphs.graphs.items())
 
 
 @pytest.mark.parametrize("graphs", [True, False])

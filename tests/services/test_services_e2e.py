@@ -273,3 +273,26 @@ def test_two_batch_overlap_service_is_lossless_and_frees_kv(stack, prompts):
         assert draft_free and asyncio.run(_kv_free(stack))[0]
     finally:
         overlapped.stop()
+
+
+def test_the_drafts_warm_up_runs_every_shape_through_the_real_client(stack, caplog):
+    """The start-up warm-up against a target service through the draft's own client (which checks every reply):
+    every shape verified, no warning, nothing left admitted on the target."""
+    from draft_service.target_client import TargetClient
+    from specdec.engine.warmup import warm_verify_shapes, warmup_trees
+
+    target, _ = stack
+    client = TargetClient(target.addr)
+    sent = []
+    verify = client.verify
+    client.verify = lambda inputs, **kw: (sent.append(inputs[0].parents), verify(inputs, **kw))[1]
+    try:
+        info = client.model_info()
+        before = info.kv.pages_free
+        with caplog.at_level("INFO", logger="specdec.engine.warmup"):
+            warm_verify_shapes(client, [3, 6], 2, (), info.vocab_size)
+        assert sent == warmup_trees([3, 6], 2)
+        assert "warm-up:" in caplog.text and "stopped" not in caplog.text and "skipped" not in caplog.text
+        assert client.model_info().kv.pages_free == before
+    finally:
+        client.close()
