@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 DEFAULT_PORT = 50051
-# the draft's plain steps each pay a Verify round trip (~1.5-2 ms on an H200 host), so it asks for more tokens per
-# call than the target's own Generate steps (4): through the services the tiny pair's plain decoding at 1 request
-# ran at ~0.7x of Generate with 4 per call
-DRAFT_PLAIN_STEPS = 16
+# the draft's plain steps each pay a Verify round trip (~1.5-2 ms on an H200 host), so on a GPU it asks for more
+# tokens per call than the target's own Generate steps (4): through the services the tiny pair's plain decoding at
+# 1 request ran at ~0.7x of Generate with 4 per call. On a CPU a forward dwarfs the round trip and 4 already beat
+# Generate (docs/benchmarks.md); longer calls would only make auto's first measurements of plain decoding costly
+# (3 samples of 16 tokens: most of a short request)
+DRAFT_GPU_PLAIN_STEPS = 16
 
 
 def register(subparsers) -> None:
@@ -25,7 +27,7 @@ def register(subparsers) -> None:
     p.add_argument("--target", required=True, help="target service address HOST:PORT")
     p.add_argument("--target-wait-seconds", type=float, default=600.0,
                    help="how long to wait at start-up for the target to be ready, default 600")
-    add_engine_args(p, DEFAULT_PORT, plain_steps=DRAFT_PLAIN_STEPS)
+    add_engine_args(p, DEFAULT_PORT, gpu_plain_steps=DRAFT_GPU_PLAIN_STEPS)
     add_spec_args(p)
     p.add_argument("--speculation", choices=["auto", "always"], default="auto",
                    help="auto (default): per step, verify the whole tree, about half of it, or nothing (plain "

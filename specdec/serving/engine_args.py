@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 
 
-def add_engine_args(parser: argparse.ArgumentParser, default_port: int, plain_steps: int = 4) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, default_port: int, gpu_plain_steps: int = 4) -> None:
+    """`gpu_plain_steps`: the service's --plain-steps default on a GPU (on a CPU it is 4)."""
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all), default 127.0.0.1")
     g.add_argument("--port", type=int, default=default_port, help=f"gRPC port, default {default_port}")
@@ -31,20 +32,24 @@ def add_engine_args(parser: argparse.ArgumentParser, default_port: int, plain_st
                    help="BENCHMARKING ONLY (target): accept a simulated number of draft tokens per step with this "
                         "mean tokens/step; outputs are then NOT the model's. Default off")
     e.add_argument("--disable-cuda-graph", action="store_true", help="run the GPU path eagerly (no CUDA graphs)")
-    e.add_argument("--plain-steps", type=int, default=plain_steps,
+    e.add_argument("--plain-steps", type=int, default=None,
                    help="tokens per request a plain decoding step commits (target: Generate; draft: the steps "
-                        f"--speculation auto decodes plainly), 1-64, default {plain_steps}: one host sync, and "
-                        "through the draft one Verify call, per that many tokens; 1 = a token per step (tokens "
-                        "stream one by one, new requests join and aborts land after every token)")
+                        "--speculation auto decodes plainly), 1-64: one host sync, and through the draft one Verify "
+                        f"call, per that many tokens; default {gpu_plain_steps} on a GPU, 4 on a CPU; 1 = a token "
+                        "per step (tokens stream one by one, new requests join and aborts land after every token)")
+    parser.set_defaults(gpu_plain_steps=gpu_plain_steps)
 
 
 def plain_steps(args: argparse.Namespace) -> int:
-    from specdec.engine.plain_steps import MAX_PLAIN_STEPS
+    from specdec.engine.plain_steps import MAX_PLAIN_STEPS, PLAIN_STEPS
     from specdec.errors import ConfigError
 
-    if not 1 <= args.plain_steps <= MAX_PLAIN_STEPS:
-        raise ConfigError(f"--plain-steps {args.plain_steps}: between 1 and {MAX_PLAIN_STEPS}")
-    return args.plain_steps
+    steps = args.plain_steps
+    if steps is None:
+        steps = getattr(args, "gpu_plain_steps", PLAIN_STEPS) if args.device.startswith("cuda") else PLAIN_STEPS
+    if not 1 <= steps <= MAX_PLAIN_STEPS:
+        raise ConfigError(f"--plain-steps {steps}: between 1 and {MAX_PLAIN_STEPS}")
+    return steps
 
 
 def engine_options(args: argparse.Namespace):

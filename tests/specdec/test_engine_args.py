@@ -16,12 +16,14 @@ def _parse(*argv, **defaults):
     return p.parse_args(list(argv))
 
 
-def test_plain_steps_default_per_service_and_bounds():
-    from draft_service.cli import DRAFT_PLAIN_STEPS
+def test_plain_steps_default_per_service_and_device_and_bounds():
+    from draft_service.cli import DRAFT_GPU_PLAIN_STEPS
 
-    assert plain_steps(_parse()) == 4  # the target's Generate
-    assert plain_steps(_parse(plain_steps=DRAFT_PLAIN_STEPS)) == 16
-    assert plain_steps(_parse("--plain-steps", "1")) == 1
+    assert plain_steps(_parse()) == 4 and plain_steps(_parse("--device", "cuda:1")) == 4  # the target's Generate
+    draft = {"gpu_plain_steps": DRAFT_GPU_PLAIN_STEPS}
+    assert plain_steps(_parse("--device", "cuda", **draft)) == 16  # each plain call pays a round trip
+    assert plain_steps(_parse(**draft)) == 4  # on a CPU the forward dwarfs it
+    assert plain_steps(_parse("--plain-steps", "1", "--device", "cuda", **draft)) == 1
     for bad in ("0", "65"):
         with pytest.raises(ConfigError, match="--plain-steps"):
             plain_steps(_parse("--plain-steps", bad))
