@@ -7,10 +7,11 @@ Throughput is measured, not modelled: each step records (batch size, budget, tok
 request-step (an exponential moving average, weight `ema`: a step's time varies little), and tokens per
 request-step (the acceptance; a running mean that turns into a moving average in which each request of a step
 weighs `yield_ema`). Tokens per step vary a lot from step to step (0 to all draft tokens accepted), and a moving
-average of per-step rates kept that noise: at batch 1 its estimate wandered ~25% around the truth, which on the
-H200 made the tiny pair's policy pick plain steps (1374 tok/s) over the chain (1688 tok/s). A bucket measures the
-menu's budgets in order (`min_samples` steps each), then follows the fastest and keeps re-measuring its rivals
-(in turn), so a change in acceptance (a new prompt mix) or load moves the choice. Tokens/s need not rise then
+average of per-step rates kept that noise: simulating the tiny pair at batch 1, its estimate strayed 15-18% on
+average (up to 60%), the averages above 4-7% (a test), enough to flip a choice between rates 1.2x apart (the
+tiny pair's in-process policy on an H200 once picked plain steps, 1374 tok/s, over the chain, 1688). A bucket
+measures the menu's budgets in order (`min_samples` steps each), then follows the fastest and keeps re-measuring
+its rivals (in turn), so a change in acceptance (a new prompt mix) or load moves the choice. Tokens/s need not rise then
 fall along the menu: at small batch half the tree can lose narrowly to plain decoding while the whole tree wins
 (the verify costs about the same; a captured chain proposal still runs every step, an eager chain only as many
 steps as the budget keeps). So a budget is skipped only when
