@@ -171,7 +171,7 @@ class TargetEngine:
         self._check_batch(inputs)
         if self.simulate_accept_len or all(self.requests[i.request_id].sampling.greedy for i in inputs):
             return run_plain_steps(self._plain_chunk, inputs, plain_steps, self._steps_left)
-        return run_plain_steps(lambda live, _k: self._verify_once(live), inputs, plain_steps)  # host draws
+        return run_plain_steps(lambda live, _k: self._verify_checked(live), inputs, plain_steps)  # host draws
 
     def _check_batch(self, inputs: list[VerifyInput]) -> None:
         for inp in inputs:
@@ -184,6 +184,10 @@ class TargetEngine:
 
     def _verify_once(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
         self._check_batch(inputs)
+        return self._verify_checked(inputs)
+
+    def _verify_checked(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
+        """One forward over inputs that `_check_batch` accepted (a live subset of them stays accepted)."""
         ids, pos, seqs, slots, rows = [], [], [], [], []
         for inp in inputs:
             req = self.requests[inp.request_id]
