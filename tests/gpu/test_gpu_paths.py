@@ -38,27 +38,30 @@ def test_flashinfer_matches_torch_backend_prefill_and_tree():
 
 
 @pytest.mark.parametrize("graphs", [False, True])
-def test_flashinfer_plain_decode_matches_torch_backend(graphs):
-    """One-token decode steps (what plain decoding runs) through flashinfer, eagerly and from CUDA graphs, == the
-    torch backend on the same GPU, bf16. The prompt is one where the torch backend's next token leads the
-    runner-up by 0.6 logits (CPU, float32 and bfloat16 alike): a flip there is not bf16 rounding. (Session 6 saw
-    flashinfer's path give another token than a Triton decode kernel at exactly this step; see the notes.)"""
+def test_flashinfer_plain_decode_follows_the_model(graphs):
+    """One-token decode steps (what plain decoding runs) through flashinfer, eagerly and from CUDA graphs: every
+    token is the float32 model's argmax on the sequence so far, or within a bf16 near-tie (0.15 logits) of it.
+    The float32 torch backend on the same GPU judges, teacher-forced on flashinfer's own tokens, so one
+    legitimate near-tie flip does not fail every later step. (Session 6 saw flashinfer give another token than a
+    Triton decode kernel at the first step after this prompt, where the float32 margin is 0.22.)"""
     from specdec.engine.requests import PrefillInput, VerifyInput
     from specdec.sampling_params import SamplingParams
 
-    ref, fi = _engine("torch"), _engine("flashinfer")
+    judge, fi = _engine("torch", "float32"), _engine("flashinfer")
     if not graphs:
         fi.graphs = None
     prompt = list(range(300, 340))
-    outs = []
-    for eng in (ref, fi):
-        eng.prefill([PrefillInput("r", prompt, SamplingParams(max_new_tokens=12, ignore_eos=True))])
-        steps = [eng.verify([VerifyInput("r", [], [])])[0] for _ in range(8)]
-        outs.append(([t for o in steps for t in o.tokens], torch.cat([o.features.float() for o in steps])))
-        eng.release("r")
-    (ref_tokens, ref_feats), (fi_tokens, fi_feats) = outs
-    assert fi_tokens == ref_tokens
-    assert ((fi_feats - ref_feats).norm() / ref_feats.norm()).item() < 2e-2
+    first = fi.prefill([PrefillInput("r", prompt, SamplingParams(max_new_tokens=40, ignore_eos=True))])[0]
+    tokens = [first.first_token]
+    for _ in range(32):
+        tokens += fi.verify([VerifyInput("r", [], [])])[0].tokens
+    fi.release("r")
+    logits = judge.prompt_logits(prompt + tokens)[len(prompt) - 1:-1]  # the logits each token was chosen from
+    chosen = logits.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0]
+    gaps = (logits.max(-1).values - chosen).tolist()
+    print("tokens", tokens, "gaps to the fp32 argmax", [round(g, 3) for g in gaps])
+    assert max(gaps) < 0.15, gaps
+    assert sum(g > 0 for g in gaps) <= 2, gaps  # near-ties are rare; a systematic error would flip many
 
 
 @pytest.mark.parametrize("kind", ["draft", "draft-eagle3"])
