@@ -28,6 +28,7 @@ from specdec.engine.adaptive import SpeculationPolicy, budget_menu  # noqa: E402
 from specdec.engine.draft_engine import SpecConfig  # noqa: E402
 from specdec.engine.factory import EngineOptions, build_draft, build_target  # noqa: E402
 from specdec.engine.generate import generate  # noqa: E402
+from specdec.engine.plain_steps import PLAIN_STEPS  # noqa: E402
 from specdec.engine.requests import StepTimings, VerifyInput  # noqa: E402
 from specdec.sampling_params import SamplingParams  # noqa: E402
 
@@ -69,13 +70,14 @@ def _opts(backend, **kw):
                          attention_backend=backend, **kw)
 
 
-def _decode_rate(target, draft, prompts, new_tokens, policy=None, timings=None, overlap=None, busy=None, **sp):
+def _decode_rate(target, draft, prompts, new_tokens, policy=None, timings=None, overlap=None, busy=None,
+                 plain_steps=PLAIN_STEPS, **sp):
     """(tokens/s, tokens per target step) of the second of two identical runs (the first warms up; with a
     `policy` it also trains it, so the timed run shows the policy's settled choice). `timings` (a StepTimings)
     collects where the timed run's time went; `busy` (a GpuBusy) is entered around the timed run."""
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, **sp)
     run = partial(generate, target, draft, prompts, params, max_batch_size=len(prompts), policy=policy,
-                  overlap=overlap)
+                  overlap=overlap, plain_steps=plain_steps)
     run()
     with busy if busy is not None else contextlib.nullcontext():
         t, out = _sync_time(partial(run, timings=timings))
@@ -111,6 +113,9 @@ def plain8b(res, args, bw):
     rate, _ = _decode_rate(target, None, prompt, args.new_tokens)
     res["plain_tokens_per_s_bs1"] = round(rate, 1)
     res["plain_fraction_of_floor"] = round(rate * floor_s, 3)
+    for steps in (1, 16):  # tokens per call (one host sync each; the default is PLAIN_STEPS): the boundary's cost
+        rate, _ = _decode_rate(target, None, prompt, args.new_tokens, plain_steps=steps)
+        res[f"plain_tokens_per_s_bs1_{steps}_per_call"] = round(rate, 1)
     res["cuda_graphs"] = target.graphs is not None
     try:
         _verify_times(res, target, prompt, floor_s)

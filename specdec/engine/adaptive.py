@@ -17,7 +17,11 @@ fall along the menu: at small batch half the tree can lose narrowly to plain dec
 steps as the budget keeps). So a budget is skipped only when
 the one before it lost by more than half (at large batch a big tree can cost ten plain steps), and rivals are
 the neighbours of the choice plus any budget within half of its rate.
-Re-measuring costs (a speculative step after plain ones first extends the draft over the backlog), so the interval
+A speculative step after plain ones first extends the draft over their tokens (the catch-up). Every plain token
+is caught up on once speculation resumes (any re-measurement resumes it), so that time is plain decoding's cost:
+the speculative step's time leaves it out and plain's rate includes it, per token (`record_catch_up`). Leaving it
+to no budget made plain look 33% faster than it ran at 128 requests on the H200 (session 6).
+Re-measuring costs (the catch-up above; a rival's slower step), so the interval
 backs off: it starts at `explore_every` steps,
 doubles (up to `max_explore_every`) each time a re-measurement confirms the choice, and resets when one
 overturns it. Buckets are powers of two. The menu (`budget_menu`) is plain, about half the tree, and the whole
@@ -59,6 +63,7 @@ class SpeculationPolicy:
     since: dict[int, int] = field(default_factory=dict)  # bucket -> steps since the last re-measurement
     challenged: dict[int, int] = field(default_factory=dict)  # bucket -> the choice a pending re-measurement tests
     turn: dict[int, int] = field(default_factory=dict)  # bucket -> which other budget is re-measured next
+    catch_up: dict[int, float] = field(default_factory=dict)  # bucket -> seconds per caught-up request-token
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -115,13 +120,30 @@ class SpeculationPolicy:
             weight = max(batch_size / (n + batch_size), 1 - (1 - self.yield_ema) ** batch_size)
             self.tokens[key] += weight * (step_tokens - self.tokens[key])
             self.counted[key] = n + batch_size
-        self.rates[key] = self.tokens[key] / self.seconds[key]
+        self._rate(key)
         self.samples[key] = self.samples.get(key, 0) + 1
         b = key[0]
         if b in self.challenged and budget != self.challenged[b]:  # the re-measurement came back
             held = self._best(b) == self.challenged.pop(b)
             interval = self.intervals.get(b, self.explore_every)
             self.intervals[b] = min(2 * interval, self.max_explore_every) if held else self.explore_every
+
+    def record_catch_up(self, batch_size: int, tokens: int, seconds: float) -> None:
+        """The draft's extend over `tokens` (all requests together) that plain steps committed, which took
+        `seconds` at this batch size: charged to plain decoding's rate, per token (a moving average, `ema`)."""
+        if tokens <= 0 or seconds <= 0 or batch_size < 1:
+            return
+        b, per_token = self.bucket(batch_size), seconds / tokens
+        old = self.catch_up.get(b)
+        self.catch_up[b] = per_token if old is None else old + self.ema * (per_token - old)
+        if (b, 0) in self.seconds:
+            self._rate((b, 0))
+
+    def _rate(self, key: tuple[int, int]) -> None:
+        """tokens/s of (bucket, budget): tokens per request-step over seconds per request-step, plus (plain) the
+        catch-up its tokens cost the draft later."""
+        later = self.tokens[key] * self.catch_up.get(key[0], 0.0) if key[1] == 0 else 0.0
+        self.rates[key] = self.tokens[key] / (self.seconds[key] + later)
 
     def summary(self) -> dict[str, float]:
         return {f"bs{b}-{budget_name(x)}": round(r, 1) for (b, x), r in sorted(self.rates.items())}

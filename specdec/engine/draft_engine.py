@@ -142,6 +142,12 @@ class DraftEngine:
     def length(self, rid: str) -> int:
         return self.requests[rid].kv_len
 
+    def settle(self) -> None:
+        """Wait until the GPU has run everything queued on this draft's device (its extends run asynchronously:
+        timing one to its end, or starting a step's timer without inheriting it, needs this)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     # ---- extend -------------------------------------------------------------------------------------------
     @engine_call
     def extend(self, items: list[tuple[str, list[int], torch.Tensor]]) -> None:

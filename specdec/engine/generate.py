@@ -5,6 +5,7 @@ from __future__ import annotations
 from specdec.engine.adaptive import SpeculationPolicy
 from specdec.engine.draft_engine import DraftEngine
 from specdec.engine.overlap import TwoBatchOverlap
+from specdec.engine.plain_steps import PLAIN_STEPS
 from specdec.engine.requests import RUNNING, GenerationResult, StepTimings
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.target_engine import TargetEngine
@@ -27,14 +28,16 @@ def generate(
     policy: SpeculationPolicy | None = None,
     timings: StepTimings | None = None,
     overlap: TwoBatchOverlap | None = None,
+    plain_steps: int = PLAIN_STEPS,
 ) -> list[GenerationResult]:
     """Generate for every prompt; speculative when `draft` is given, plain decoding otherwise. With a `policy`
     (`--speculation auto`), each step speculates or decodes plainly, whichever measured faster. `timings`, if
     given, accumulates where the time went (admission, plain and speculative steps). With `overlap`, large
-    batches run as two micro-batches in turn (worth it with draft and target on separate GPUs)."""
+    batches run as two micro-batches in turn (worth it with draft and target on separate GPUs). `plain_steps`: tokens
+    per request of a plain call (one host sync; see `specdec.engine.plain_steps`)."""
     params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
     sched = Scheduler(target, draft, target.max_context, max_batch_size, feature_layers_for(draft), policy=policy,
-                      timings=timings, overlap=overlap)
+                      timings=timings, overlap=overlap, plain_steps=plain_steps)
     results: dict[str, GenerationResult] = {}
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         rid = f"gen-{i}"

@@ -63,6 +63,7 @@ class Scheduler(Admission):
         self.running: dict[str, RunState] = {}
         self._aborts: set[str] = set()
         self.timings = timings if timings is not None else StepTimings()
+        self._last_budget: int | None = None  # the budget of the latest launch (a switch settles the draft first)
 
     # ---- queue ----------------------------------------------------------------------------------------------
     def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, trace_context=None) -> RunState:
@@ -126,6 +127,8 @@ class Scheduler(Admission):
         t0 = time.perf_counter()
         with self.step_spans.span(name, sampled, links, parent, batch_size=len(extend)):
             self.draft.extend(extend)
+            if name != "draft.extend":  # admission's and a catch-up's extends are timed to their end on the GPU
+                self.draft.settle()
         if name == PROMPT_EXTEND:
             self.timings.prompt_extend_s += time.perf_counter() - t0
         else:
@@ -149,6 +152,12 @@ class Scheduler(Admission):
         """Everything of a step before its verify: the budget, the draft's catch-up and trees."""
         started = time.perf_counter()
         budget = self._budget(rids)
+        if self.policy is not None and self.draft is not None and budget != self._last_budget:
+            # the previous budget's queued draft work (its extend) is not this step's: the policy compares the
+            # budgets' own rates (one wait per switch)
+            self.draft.settle()
+            started = time.perf_counter()
+        self._last_budget = budget
         speculate = self.draft is not None and budget != 0
         trace = sampled, parent, links = self._step_trace([self.running[rid] for rid in rids])
         catch_up_s = self._catch_up(rids, trace) if speculate else 0.0
@@ -256,7 +265,10 @@ class Scheduler(Admission):
             return 0.0
         t0 = time.perf_counter()
         self._extend(items, trace, "draft.catch_up")
-        return time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        if self.policy is not None:  # every plain token is caught up on once speculation resumes: plain's cost
+            self.policy.record_catch_up(len(rids), sum(len(tokens) for _, tokens, _ in items), seconds)
+        return seconds
 
     def _propose(self, rids: list[str], budget: int = FULL) -> list:
         empty = _EMPTY

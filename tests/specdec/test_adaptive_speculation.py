@@ -247,3 +247,42 @@ def test_the_policy_times_a_speculative_step_without_the_catch_up_of_earlier_pla
     after_plain = [s for (b, s), (prev, _) in zip(recorded[1:], recorded, strict=False) if b == FULL and prev == 0]
     assert after_plain and max(after_plain) < 0.3
     assert sched.timings.spec_s > 0.3 * len(after_plain)
+
+
+def test_the_catch_up_is_charged_to_plain_decoding_per_token():
+    """Plain steps that look faster than the chain only because their tokens' catch-up is paid later lose once
+    the catch-up is charged to them: here plain 10 tokens/s before, 10 / (1 + 10 * 0.05) = 6.7 after."""
+    p = SpeculationPolicy(min_samples=2)
+    for budget, tokens in ((0, 10), (0, 10), (FULL, 8), (FULL, 8)):
+        p.record(1, budget, tokens=tokens, seconds=1.0)
+    assert p.choose(1) == 0 and p.rates[(1, 0)] == 10.0
+    p.record_catch_up(1, tokens=100, seconds=5.0)  # 0.05 s per caught-up token
+    assert abs(p.rates[(1, 0)] - 10 / 1.5) < 1e-9 and p.choose(1) == FULL
+    p.record(1, 0, tokens=10, seconds=1.0)  # later plain steps keep paying it
+    assert abs(p.rates[(1, 0)] - 10 / 1.5) < 1e-9
+    p.record_catch_up(1, tokens=0, seconds=1.0)  # nothing caught up: no change
+    assert p.catch_up == {1: 0.05}
+
+
+def test_the_scheduler_reports_each_catch_up_with_its_tokens(dev_prompts, tiny_tokenizer):
+    """Each catch-up reaches the policy with the number of plain tokens it extended the draft over: tokens that
+    plain steps committed and nothing else."""
+    target, draft = tiny_target(), tiny_draft()
+    caught, plain_tokens = [], []
+
+    class Recording(AlternatingPolicy):
+        def record(self, batch_size, budget, tokens, seconds):
+            if budget == 0:
+                plain_tokens.append(tokens)
+
+        def record_catch_up(self, batch_size, tokens, seconds):
+            caught.append((tokens, seconds))
+
+    sched = Scheduler(target, draft, target.max_context, 4, feature_layers_for(draft), policy=Recording(),
+                      plain_steps=1)
+    prompts = [tiny_tokenizer.encode(p)[-60:] for p in dev_prompts[44:46]]
+    _run(sched, prompts, [SamplingParams(max_new_tokens=48, ignore_eos=True)] * 2)
+    assert caught and all(s > 0 for _, s in caught)
+    # plain tokens after a request's last speculative step are never caught up on: at most one step's (1 token)
+    # per request, as the policy never runs two plain steps in a row
+    assert sum(plain_tokens) - 2 <= sum(t for t, _ in caught) <= sum(plain_tokens)
