@@ -197,7 +197,7 @@ def simulated(res, args, target):
             target.simulate_accept_len = tau
             spec_t = StepTimings()
             spec, measured_tau = _decode_rate(target, draft, prompts, args.new_tokens, timings=spec_t)
-            policy, auto_t = SpeculationPolicy(budget_menu(draft.spec.num_draft_tokens)), StepTimings()
+            policy, auto_t = SpeculationPolicy(budget_menu(draft.spec.num_draft_tokens), history=[]), StepTimings()
             auto, auto_tps = _decode_rate(target, draft, prompts, args.new_tokens, policy=policy, timings=auto_t)
             rows.append({"bs": bs, "simulated_tau": tau, "measured_tau": round(measured_tau, 2),
                          "plain_tok_s": round(plain, 1), "spec_tok_s": round(spec, 1),
@@ -207,6 +207,7 @@ def simulated(res, args, target):
                          "spec_split": _split(spec_t),
                          "auto_split": _split(auto_t)})
             print("SIMULATED", rows[-1], flush=True)
+            rows[-1]["auto_history"] = policy.history  # (kind, batch size, budget, tokens, seconds) per record
     target.simulate_accept_len = 0.0
     res["SIMULATED_acceptance_rows"] = rows
 

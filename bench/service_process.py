@@ -90,8 +90,11 @@ class ServiceProcess:
             raise
 
     def scrape(self) -> Scrape:
+        return Scrape.parse(self.metrics_text())
+
+    def metrics_text(self) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as reply:
-            return Scrape.parse(reply.read().decode())
+            return reply.read().decode()
 
     def stop(self) -> None:
         self.proc.terminate()

@@ -33,6 +33,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -329,6 +330,7 @@ def run(args) -> list[Row]:
                     rows.append(measure_spec(snapshot, draft.addr, prompts[:n], args.new_tokens, name, plain[n],
                                              args.repeats))
                     log_row(rows[-1], args.json)
+                    log_policy(draft)
             finally:
                 draft.stop()
     finally:
@@ -350,6 +352,22 @@ def format_row(r: Row) -> str:
 
 def log_row(row: Row, quiet: bool) -> None:
     print(format_row(row), file=sys.stderr if quiet else sys.stdout, flush=True)
+
+
+def log_policy(draft) -> None:
+    """`--speculation auto`'s measured rates so far (a draft in its own process: from its /metrics), to stderr."""
+    if not hasattr(draft, "metrics_text"):
+        return
+    out = []
+    for line in draft.metrics_text().splitlines():
+        if line.startswith("specdec:speculation_policy"):
+            bucket = re.search(r'batch_bucket="(\d+)"', line).group(1)
+            budget = re.search(r'budget="([^"]+)"', line)
+            what = budget.group(1) if budget else "catch-up us/token"
+            value = float(line.rsplit(" ", 1)[1]) * (1 if budget else 1e6)
+            out.append(f"bs{bucket} {what} {value:.1f}")
+    if out:
+        print("policy:", "; ".join(out), file=sys.stderr, flush=True)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -71,11 +71,12 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
 
     async def load(metrics) -> str:
         client, engine, max_context, info = await asyncio.to_thread(_load, args, opts, spec)
+        policy = SpeculationPolicy(budget_menu(spec.num_draft_tokens)) if args.speculation == "auto" else None
+        if policy is not None:
+            metrics.track_policy(policy)
         sched = Scheduler(client, engine, max_context, opts.max_batch_size, feature_layers_for(engine),
                           max_queue_wait_s=args.max_queue_wait_seconds, plain_steps=steps,
-                          step_spans=StepSpanSampler.from_config(TelemetryConfig.from_env()),
-                          policy=SpeculationPolicy(budget_menu(spec.num_draft_tokens)) if args.speculation == "auto"
-                          else None,
+                          step_spans=StepSpanSampler.from_config(TelemetryConfig.from_env()), policy=policy,
                           overlap=TwoBatchOverlap(args.two_batch_overlap, engine.device) if args.two_batch_overlap
                           else None)
         loop = EngineLoop(sched, "draft-engine", engine.device)

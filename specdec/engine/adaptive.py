@@ -64,6 +64,7 @@ class SpeculationPolicy:
     challenged: dict[int, int] = field(default_factory=dict)  # bucket -> the choice a pending re-measurement tests
     turn: dict[int, int] = field(default_factory=dict)  # bucket -> which other budget is re-measured next
     catch_up: dict[int, float] = field(default_factory=dict)  # bucket -> seconds per caught-up request-token
+    history: list | None = None  # a list: every record and catch-up is appended to it (benchmarks' diagnosis)
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -111,6 +112,8 @@ class SpeculationPolicy:
         if seconds <= 0 or batch_size < 1:
             return
         key = (self.bucket(batch_size), budget)
+        if self.history is not None:
+            self.history.append(("step", batch_size, budget, tokens, round(seconds, 6)))
         step_s, step_tokens = seconds / batch_size, tokens / batch_size
         if self.samples.get(key, 0) <= 1:  # sample 0 (lazy inits, graph capture) is overwritten by sample 1
             self.seconds[key], self.tokens[key], self.counted[key] = step_s, step_tokens, batch_size
@@ -134,6 +137,8 @@ class SpeculationPolicy:
         if tokens <= 0 or seconds <= 0 or batch_size < 1:
             return
         b, per_token = self.bucket(batch_size), seconds / tokens
+        if self.history is not None:
+            self.history.append(("catch_up", batch_size, 0, tokens, round(seconds, 6)))
         old = self.catch_up.get(b)
         self.catch_up[b] = per_token if old is None else old + self.ema * (per_token - old)
         if (b, 0) in self.seconds:

@@ -204,6 +204,12 @@ class ServiceMetrics:
         if waiting is not None:
             self._waiting.set_function(waiting)
 
+    def track_policy(self, policy) -> None:
+        """Expose `--speculation auto`'s measured rates when scraped: `speculation_policy_tokens_per_second
+        {batch_bucket, budget}` (what each budget delivered lately at that batch size, the numbers it chooses
+        by) and `speculation_policy_catch_up_seconds_per_token{batch_bucket}` (charged to plain decoding)."""
+        self.registry.register(_PolicyCollector(policy, self._base))
+
     def observe_batch(self, n: int) -> None:
         self._batch.observe(n)
 
@@ -229,3 +235,30 @@ class ServiceMetrics:
         for child, count in zip(children, accepted_per_pos, strict=False):
             if count:
                 child.inc(count)
+
+
+class _PolicyCollector:
+    """Reads a `SpeculationPolicy` at scrape time (its dicts are copied whole: the engine thread updates them)."""
+
+    def __init__(self, policy, base: tuple[str, str]) -> None:
+        self.policy, self.base = policy, base
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        from specdec.engine.adaptive import budget_name
+
+        rates = GaugeMetricFamily(PREFIX + "speculation_policy_tokens_per_second",
+                                  "--speculation auto: tokens/s each budget measured at a batch-size bucket.",
+                                  labels=(*BASE_LABELS, "batch_bucket", "budget"))
+        for (bucket, budget), rate in sorted(dict(self.policy.rates).items()):
+            rates.add_metric((*self.base, str(bucket), budget_name(budget)), rate)
+        catch_up = GaugeMetricFamily(PREFIX + "speculation_policy_catch_up_seconds_per_token",
+                                     "--speculation auto: the draft's catch-up per plain token (charged to plain).",
+                                     labels=(*BASE_LABELS, "batch_bucket"))
+        for bucket, seconds in sorted(dict(self.policy.catch_up).items()):
+            catch_up.add_metric((*self.base, str(bucket)), seconds)
+        return [rates, catch_up]
+
+    def describe(self):
+        return []  # registered without a description: collected only when scraped

@@ -118,3 +118,25 @@ def test_draft_counts_only_requests_that_had_a_draft():
                Event("b", [4], from_verify=True, num_draft_tokens=4), Event("c", [], "abort")]
     _observe(m, engine, partial)
     assert m.batches == [2, 2] and m.steps == [(2, 8, [1, 1, 0, 0])]
+
+
+def test_auto_policy_rates_are_read_when_scraped(scrape):
+    """`--speculation auto`'s measured rates and catch-up charge, current at each scrape."""
+    from specdec.engine.adaptive import FULL, SpeculationPolicy
+
+    metrics, samples = scrape
+    policy = SpeculationPolicy(min_samples=1)
+    metrics.track_policy(policy)
+    assert not [k for k in samples() if k[0].startswith("specdec:speculation_policy")]  # nothing measured yet
+    policy.record(8, 0, tokens=8, seconds=1.0)
+    policy.record(8, 0, tokens=16, seconds=1.0)  # the first sample only warms up
+    policy.record(8, FULL, tokens=4, seconds=1.0)
+    policy.record(8, FULL, tokens=40, seconds=1.0)
+    got = samples()
+    rate = "specdec:speculation_policy_tokens_per_second"
+    assert got[(rate, labels(batch_bucket="8", budget="plain"))] == 16.0
+    assert got[(rate, labels(batch_bucket="8", budget="full"))] == 40.0
+    policy.record_catch_up(8, tokens=16, seconds=0.5)  # 1/32 s per token, 2 tokens per request-step
+    got = samples()
+    assert got[("specdec:speculation_policy_catch_up_seconds_per_token", labels(batch_bucket="8"))] == 1 / 32
+    assert got[(rate, labels(batch_bucket="8", budget="plain"))] == 2 / (1 / 8 + 2 / 32)
