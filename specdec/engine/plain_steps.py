@@ -48,6 +48,22 @@ def split_features(steps: list[list], request: int, rows: int):
     return None if any(f is None for f in feats) else torch.cat(feats)
 
 
+def step_features_into(chunk, step: int, steps: int, layers: tuple[int, ...], hidden, aux: dict, batch: int):
+    """Copy one plain step's features (row r of the step is request r's: the final hidden state, or the
+    concatenated inputs of the draft's `layers`) into `chunk[:, step]`, allocating `chunk` [batch, steps,
+    feature_size] at the first step. One copy per layer per step, no gather: the step's outputs may be a CUDA
+    graph's buffers, which the next step overwrites. Returns `chunk`."""
+    parts = [hidden[:batch]] if not layers else [aux[i][:batch] for i in layers]
+    if chunk is None:
+        width = sum(p.shape[-1] for p in parts)
+        chunk = torch.empty(batch, steps, width, dtype=parts[0].dtype, device=parts[0].device)
+    start = 0
+    for part in parts:
+        chunk[:, step, start : start + part.shape[-1]].copy_(part)
+        start += part.shape[-1]
+    return chunk
+
+
 def _merge(outs: list[VerifyOutput]) -> VerifyOutput:
     if len(outs) == 1:
         return outs[0]

@@ -218,17 +218,18 @@ class Scheduler(Admission):
         if extend:
             self._extend(extend, launch.trace)
         elapsed = time.perf_counter() - since
+        steps = max(len(out.tokens) for out in outputs) if launch.plain_steps > 1 else 1  # target steps run
         if launch.speculate:
             self.timings.spec_steps += 1
             self.timings.spec_s += elapsed
         else:
-            self.timings.plain_steps += max(len(out.tokens) for out in outputs) if launch.plain_steps > 1 else 1
+            self.timings.plain_steps += steps
             self.timings.plain_s += elapsed
         if self.policy is not None and self.draft is not None:
-            # the catch-up is the deferred cost of earlier plain steps, paid once per switch: the policy compares
-            # the budgets' steady rates (else a re-measurement after plain steps always reads slow)
-            self.policy.record(len(rids), launch.budget, sum(len(e.tokens) for e in events),
-                               elapsed - launch.catch_up_s)
+            # the catch-up is plain decoding's cost (`record_catch_up`), not this step's
+            going = [e for e in events if e.finish_reason == RUNNING]
+            self.policy.record(len(rids), launch.budget, sum(len(e.tokens) for e in going),
+                               elapsed - launch.catch_up_s, steps, len(going))
         return events
 
     def fail_running(self, error: SpecdecError) -> list[Event]:

@@ -14,7 +14,7 @@ from specdec.attention import AttentionBatch, SeqAttention, make_backend
 from specdec.attention.graph_backend import GraphCaptureError
 from specdec.engine.device import engine_call
 from specdec.engine.finish import cut_at_finish
-from specdec.engine.plain_steps import check_plain_steps, run_plain_steps, split_features
+from specdec.engine.plain_steps import check_plain_steps, run_plain_steps, split_features, step_features_into
 from specdec.engine.requests import (
     RUNNING,
     PrefillInput,
@@ -281,7 +281,8 @@ class TargetEngine:
             self.kv.resize(inp.request_id, req.kv_len + k)
             ctxs.append(self.kv.slots(inp.request_id, 0, req.kv_len + k))
         ids: list[int] | torch.Tensor = [req.root for req in reqs]
-        picked, feats, taken = [], [], None
+        picked, feats, taken, chunk = [], [], None, None
+        uniform = all(r.features for r in reqs) and len({r.feature_layers for r in reqs}) == 1
         for i in range(k):
             seqs = [SeqAttention(ctx[: req.kv_len + i + 1], 1) for ctx, req in zip(ctxs, reqs, strict=True)]
             write = torch.stack([ctx[req.kv_len + i] for ctx, req in zip(ctxs, reqs, strict=True)])
@@ -292,13 +293,17 @@ class TargetEngine:
             hidden, aux = self._forward(ids, positions, seqs, write, inputs, graphable=True, inputs_taken=taken)
             ids = self.model.compute_logits(hidden).argmax(-1)
             picked.append(ids)
-            feats.append(self._batch_features(inputs, [1] * len(inputs), [[0]] * len(inputs), hidden, aux))
+            if uniform:  # row r of the step is request r's: one copy per step into the chunk's [B, k, F]
+                chunk = step_features_into(chunk, i, k, reqs[0].feature_layers, hidden, aux, len(reqs))
+            else:  # none wants features (plain Generate: Nones), or the batch mixes feature layers
+                feats.append(self._batch_features(inputs, [1] * len(inputs), [[0]] * len(inputs), hidden, aux))
         tokens = torch.stack(picked, 1).tolist()  # the chunk's one host sync
         outputs = []
         for r, (inp, req) in enumerate(zip(inputs, reqs, strict=True)):
             req.kv_len += k
             kept, reason = self._commit_tokens(inp.request_id, req, tokens[r])
-            outputs.append(VerifyOutput(inp.request_id, kept, 0, split_features(feats, r, len(kept)), reason))
+            rows = chunk[r, : len(kept)] if chunk is not None else split_features(feats, r, len(kept))
+            outputs.append(VerifyOutput(inp.request_id, kept, 0, rows, reason))
         return outputs
 
     @torch.inference_mode()

@@ -232,7 +232,7 @@ def test_the_policy_times_a_speculative_step_without_the_catch_up_of_earlier_pla
     recorded = []
 
     class Recording(AlternatingPolicy):
-        def record(self, batch_size, budget, tokens, seconds):
+        def record(self, batch_size, budget, tokens, seconds, steps=1, yielding=None):
             recorded.append((budget, seconds))
 
     class SlowCatchUp(Scheduler):
@@ -271,7 +271,7 @@ def test_the_scheduler_reports_each_catch_up_with_its_tokens(dev_prompts, tiny_t
     caught, plain_tokens = [], []
 
     class Recording(AlternatingPolicy):
-        def record(self, batch_size, budget, tokens, seconds):
+        def record(self, batch_size, budget, tokens, seconds, steps=1, yielding=None):
             if budget == 0:
                 plain_tokens.append(tokens)
 
@@ -286,3 +286,22 @@ def test_the_scheduler_reports_each_catch_up_with_its_tokens(dev_prompts, tiny_t
     # plain tokens after a request's last speculative step are never caught up on: at most one step's (1 token)
     # per request, as the policy never runs two plain steps in a row
     assert sum(plain_tokens) - 2 <= sum(t for t, _ in caught) <= sum(plain_tokens)
+
+
+def test_a_plain_call_that_ends_requests_is_not_read_as_a_low_yield():
+    """Seen on the H200 at 128 requests: the last plain call of a batch (72 requests left, most finishing inside
+    it) yielded 2.6 tokens per request against 4 per call before; weighted by its 72 requests it pulled plain's
+    tokens-per-step average down to 2.7 and plain's rate from 9176 to 5743 tok/s, so `auto` speculated where
+    plain decoding was faster. Finished requests are left out of the yield and a call counts per target step."""
+    p = SpeculationPolicy(min_samples=2)
+    for _ in range(3):
+        p.record(128, 0, tokens=512, seconds=0.045, steps=4)
+    before = p.rates[(128, 0)]
+    assert abs(before - 512 / 0.045) < 1e-6 and abs(p.tokens[(128, 0)] - 1.0) < 1e-12  # per request-step
+    p.record(72, 0, tokens=120, seconds=0.041, steps=4, yielding=30)  # 42 requests finished in the call
+    assert p.tokens[(128, 0)] == 1.0 and p.rates[(128, 0)] > 0.8 * before  # the time per request-step rose a bit
+    p.record(64, 0, tokens=0, seconds=0.03, steps=2, yielding=0)  # every request finished: time only
+    assert p.tokens[(128, 0)] == 1.0
+    q = SpeculationPolicy()
+    q.record(8, 0, tokens=0, seconds=0.01, yielding=0)  # nothing to read a yield from, nothing before: ignored
+    assert q.rates == {} and q.samples == {}

@@ -116,3 +116,32 @@ def test_requests_admitted_without_features_get_none_and_the_same_tokens():
     assert target.verify([VerifyInput("alone", [], [])], plain_steps=3)[0].features is None
     for rid in ("with", "without", "alone"):
         target.release(rid)
+
+
+@pytest.mark.parametrize("layers", [[(1, 2), (1, 2)], [(1, 2), ()]])  # one layer set (one copy per step); mixed
+def test_chunk_features_of_aux_layers_equal_single_steps(layers):
+    """EAGLE-3 drafts read the inputs of some target layers: a chunk's feature rows == those of single steps,
+    when the batch shares its feature layers and when it mixes them (an EAGLE-1 and an EAGLE-3 draft)."""
+    target = tiny_target()
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    rids = [f"r{i}" for i in range(len(layers))]
+
+    def admit():
+        target.prefill([PrefillInput(rid, list(range(300 + 5 * i, 330 + 5 * i)), params, lay)
+                        for i, (rid, lay) in enumerate(zip(rids, layers, strict=True))])
+
+    admit()
+    single = {rid: [] for rid in rids}
+    for _ in range(4):
+        for out in target.verify([VerifyInput(r, [], []) for r in rids]):
+            single[out.request_id].append(out)
+    for rid in rids:
+        target.release(rid)
+    admit()
+    chunk = {o.request_id: o for o in target.verify([VerifyInput(r, [], []) for r in rids], plain_steps=4)}
+    for rid, lay in zip(rids, layers, strict=True):
+        ref = torch.cat([o.features for o in single[rid]])
+        assert chunk[rid].tokens == [t for o in single[rid] for t in o.tokens]
+        assert chunk[rid].features.shape == ref.shape == (4, target.cfg.hidden_size * max(1, len(lay)))
+        assert torch.allclose(chunk[rid].features, ref, atol=1e-5)
+        target.release(rid)
