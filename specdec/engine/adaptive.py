@@ -10,7 +10,8 @@ weighs `yield_ema`). Tokens per step vary a lot from step to step (0 to all draf
 average of per-step rates kept that noise: simulating the tiny pair at batch 1, its estimate strayed 15-18% on
 average (up to 60%), the averages above 4-7% (a test), enough to flip a choice between rates 1.2x apart (the
 tiny pair's in-process policy on an H200 once picked plain steps, 1374 tok/s, over the chain, 1688). A bucket
-measures the menu's budgets in order (`min_samples` steps each), then follows the fastest and keeps re-measuring
+measures the menu's budgets in order (`min_samples` steps each, and `min_request_steps` request-steps for a
+speculative one), then follows the fastest and keeps re-measuring
 its rivals (in turn), so a change in acceptance (a new prompt mix) or load moves the choice. Tokens/s need not rise then
 fall along the menu: at small batch half the tree can lose narrowly to plain decoding while the whole tree wins
 (the verify costs about the same; a captured chain proposal still runs every step, an eager chain only as many
@@ -54,6 +55,9 @@ class SpeculationPolicy:
     ema: float = 0.3  # weight of the newest step in the seconds-per-step averages
     yield_ema: float = 0.03  # weight of one request of the newest step in the tokens-per-step averages
     min_samples: int = 3  # steps of each budget before the averages decide (the first one only warms up)
+    # and request-steps behind a speculative budget's yield: at batch 1 it is 1 to 7 tokens a step, and three
+    # samples (two after the warm-up) once read the whole chain at tau 3.3 instead of 4.8 (H200, session 7)
+    min_request_steps: int = 8
     rates: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, budget) -> tokens/s
     seconds: dict[tuple[int, int], float] = field(default_factory=dict)  # -> seconds per request-step
     tokens: dict[tuple[int, int], float] = field(default_factory=dict)  # -> tokens per request-step
@@ -74,7 +78,7 @@ class SpeculationPolicy:
         """The draft-token budget for this step: 0 = decode plainly, FULL = the whole tree, else a node count."""
         b = self.bucket(batch_size)
         for i, budget in enumerate(self.budgets):
-            if self.samples.get((b, budget), 0) < self.min_samples:
+            if not self._is_measured(b, budget):
                 if i and self._far_behind(b, self.budgets[i - 1]):
                     break  # the smaller budget lost by more than half: the bigger (costlier) ones are not tried
                 return budget
@@ -89,7 +93,12 @@ class SpeculationPolicy:
         return best
 
     def _measured(self, b: int) -> list[int]:
-        return [x for x in self.budgets if self.samples.get((b, x), 0) >= self.min_samples]
+        return [x for x in self.budgets if self._is_measured(b, x)]
+
+    def _is_measured(self, b: int, budget: int) -> bool:
+        key = (b, budget)
+        return self.samples.get(key, 0) >= self.min_samples and (
+            budget == 0 or self.counted.get(key, 0) >= self.min_request_steps)  # a plain step yields 1 per step
 
     def _far_behind(self, b: int, budget: int) -> bool:
         """Did `budget` measure under half the rate of the best measured one?"""

@@ -14,7 +14,7 @@ from specdec.sampling_params import SamplingParams
 
 
 def test_policy_measures_both_modes_then_follows_the_faster_and_keeps_exploring():
-    p = SpeculationPolicy(explore_every=8, max_explore_every=8, min_samples=2)
+    p = SpeculationPolicy(explore_every=8, max_explore_every=8, min_samples=2, min_request_steps=1)
     seen = []
     for i in range(4):  # each budget is tried min_samples times first; its first (warm-up) sample is discarded
         mode = p.choose(4)
@@ -252,7 +252,7 @@ def test_the_policy_times_a_speculative_step_without_the_catch_up_of_earlier_pla
 def test_the_catch_up_is_charged_to_plain_decoding_per_token():
     """Plain steps that look faster than the chain only because their tokens' catch-up is paid later lose once
     the catch-up is charged to them: here plain 10 tokens/s before, 10 / (1 + 10 * 0.05) = 6.7 after."""
-    p = SpeculationPolicy(min_samples=2)
+    p = SpeculationPolicy(min_samples=2, min_request_steps=1)
     for budget, tokens in ((0, 10), (0, 10), (FULL, 8), (FULL, 8)):
         p.record(1, budget, tokens=tokens, seconds=1.0)
     assert p.choose(1) == 0 and p.rates[(1, 0)] == 10.0
@@ -305,3 +305,23 @@ def test_a_plain_call_that_ends_requests_is_not_read_as_a_low_yield():
     q = SpeculationPolicy()
     q.record(8, 0, tokens=0, seconds=0.01, yielding=0)  # nothing to read a yield from, nothing before: ignored
     assert q.rates == {} and q.samples == {}
+
+
+def test_at_batch_1_a_speculative_budget_is_measured_over_enough_steps_to_average_its_acceptance():
+    """At batch 1 a step accepts 1 to 7 tokens: a speculative budget is measured over `min_request_steps`
+    request-steps before the policy compares it; plain decoding (one token a step) over `min_samples` steps."""
+    p = SpeculationPolicy(min_samples=3, min_request_steps=8)
+    chosen = []
+    for i in range(40):
+        budget = p.choose(1)
+        chosen.append(budget)
+        p.record(1, budget, tokens=(7, 2, 5, 6, 3)[i % 5] if budget else 1, seconds=0.01)
+    first = chosen[:12]  # plain 3 steps, then the chain 9 (the first only warms up)
+    assert first == [0] * 3 + [FULL] * 9
+    assert p.counted[(1, FULL)] >= 8 and p.choose(1) == FULL
+    big = SpeculationPolicy(min_samples=3, min_request_steps=8)
+    seen = []
+    for _ in range(6):  # at batch 16 a step holds 16 request-steps: three steps of each budget, as before
+        seen.append(big.choose(16))
+        big.record(16, seen[-1], tokens=40 if seen[-1] else 16, seconds=0.01)
+    assert seen == [0, 0, 0, FULL, FULL, FULL] and big._measured(16) == [0, FULL]
