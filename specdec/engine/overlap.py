@@ -115,7 +115,7 @@ class TwoBatchOverlap:
         if self._pool is None:
             init = (lambda: torch.cuda.set_device(self.device)) if self.device and self.device.type == "cuda" else None
             self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="specdec-verify", initializer=init)
-        launch = sched.launch(rids)
+        launch = sched.launch(rids, pipelined=bool(self.inflight))  # alone in flight: nothing to hide behind
         self.inflight.append((launch, self._pool.submit(contextvars.copy_context().run, sched.verify, launch)))
 
     def _land_oldest(self, sched: Scheduler) -> list[Event]:

@@ -148,8 +148,10 @@ class Scheduler(Admission):
             outputs, error = None, exc
         return self.land(launch, outputs, error, launch.started)
 
-    def launch(self, rids: list[str]) -> Launch:
-        """Everything of a step before its verify: the budget, the draft's catch-up and trees."""
+    def launch(self, rids: list[str], pipelined: bool = False) -> Launch:
+        """Everything of a step before its verify: the budget, the draft's catch-up and trees. `pipelined`: the
+        target is verifying another micro-batch meanwhile (`TwoBatchOverlap`), so a catch-up here mostly hides
+        behind that verify and is not charged to plain decoding."""
         started = time.perf_counter()
         budget = self._budget(rids)
         if self.policy is not None and self.draft is not None and budget != self._last_budget:
@@ -160,7 +162,7 @@ class Scheduler(Admission):
         self._last_budget = budget
         speculate = self.draft is not None and budget != 0
         trace = sampled, parent, links = self._step_trace([self.running[rid] for rid in rids])
-        catch_up_s = self._catch_up(rids, trace) if speculate else 0.0
+        catch_up_s = self._catch_up(rids, trace, charge=not pipelined) if speculate else 0.0
         with self.step_spans.span("draft.propose", sampled, links, parent, batch_size=len(rids)) as span:
             trees = self._propose(rids, budget) if speculate else [_EMPTY] * len(rids)
             plain = 1 if speculate else self._plain_steps_per_call()
@@ -228,8 +230,11 @@ class Scheduler(Admission):
         if self.policy is not None and self.draft is not None:
             # the catch-up is plain decoding's cost (`record_catch_up`), not this step's
             going = [e for e in events if e.finish_reason == RUNNING]
-            self.policy.record(len(rids), launch.budget, sum(len(e.tokens) for e in going),
-                               elapsed - launch.catch_up_s, steps, len(going))
+            # a catch-up inside the timed span (a synchronous step) is left out; one before it (a micro-batch timed
+            # from the other's landing) was never in it
+            catch_up = launch.catch_up_s if since <= launch.started else 0.0
+            self.policy.record(len(rids), launch.budget, sum(len(e.tokens) for e in going), elapsed - catch_up,
+                               steps, len(going))
         return events
 
     def fail_running(self, error: SpecdecError) -> list[Event]:
@@ -253,9 +258,9 @@ class Scheduler(Admission):
             return FULL
         return self.policy.choose(len(rids))
 
-    def _catch_up(self, rids: list[str], trace) -> float:
+    def _catch_up(self, rids: list[str], trace, charge: bool = True) -> float:
         """Extend the draft over tokens that plain steps committed, so its state is current before proposing.
-        Returns the seconds it took."""
+        Returns the seconds it took; `charge`: they count against plain decoding's rate (the policy)."""
         items = []
         for rid in rids:
             state = self.running[rid]
@@ -267,7 +272,7 @@ class Scheduler(Admission):
         t0 = time.perf_counter()
         self._extend(items, trace, "draft.catch_up")
         seconds = time.perf_counter() - t0
-        if self.policy is not None:  # every plain token is caught up on once speculation resumes: plain's cost
+        if self.policy is not None and charge:  # plain tokens are caught up on once speculation resumes: plain's cost
             self.policy.record_catch_up(len(rids), sum(len(tokens) for _, tokens, _ in items), seconds)
         return seconds
 

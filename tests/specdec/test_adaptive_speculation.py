@@ -325,3 +325,45 @@ def test_at_batch_1_a_speculative_budget_is_measured_over_enough_steps_to_averag
         seen.append(big.choose(16))
         big.record(16, seen[-1], tokens=40 if seen[-1] else 16, seconds=0.01)
     assert seen == [0, 0, 0, FULL, FULL, FULL] and big._measured(16) == [0, FULL]
+
+
+def test_a_catch_up_hidden_behind_the_other_micro_batch_is_neither_charged_nor_left_out(dev_prompts,
+                                                                                       tiny_tokenizer):
+    """With two micro-batches in turn, a catch-up runs while the target verifies the other micro-batch and the
+    step is timed from that one's landing: its seconds are not in the step's time (nothing to leave out) and it
+    holds nothing up by itself (not charged to plain). A synchronous step's catch-up is both."""
+    from specdec.engine.overlap import TwoBatchOverlap
+
+    target, draft = tiny_target(), tiny_draft()
+    caught, steps = [], []
+
+    class Recording(AlternatingPolicy):
+        def record(self, batch_size, budget, tokens, seconds, steps_=1, yielding=None):
+            steps.append((budget, seconds))
+
+        def record_catch_up(self, batch_size, tokens, seconds):
+            caught.append(batch_size)
+
+    class SlowCatchUp(Scheduler):
+        pipelined = False
+
+        def _extend(self, extend, trace, name="draft.extend"):
+            if name == "draft.catch_up":
+                done.append(self.pipelined)
+                time.sleep(0.2)
+            super()._extend(extend, trace, name)
+
+        def launch(self, rids, pipelined=False):
+            self.pipelined = pipelined
+            return super().launch(rids, pipelined)
+
+    done: list[bool] = []  # per catch-up: was its launch pipelined?
+    sched = SlowCatchUp(target, draft, target.max_context, 8, feature_layers_for(draft), policy=Recording(),
+                        overlap=TwoBatchOverlap(min_batch_size=4), plain_steps=1)
+    prompts = [tiny_tokenizer.encode(p)[-40:] for p in dev_prompts[50:56]]
+    _run(sched, prompts, [SamplingParams(max_new_tokens=24, ignore_eos=True)] * 6)
+    assert True in done and False in done  # catch-ups both in pipelined and in synchronous launches
+    assert len(caught) == done.count(False)  # only the synchronous ones were charged
+    # a pipelined step was timed from the other micro-batch's landing, after its 0.2 s catch-up: nothing of it
+    # to leave out (taking it out anyway gave negative times)
+    assert all(s > 0 for _, s in steps)
