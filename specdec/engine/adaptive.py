@@ -118,18 +118,21 @@ class SpeculationPolicy:
         return max(reversed(self._measured(b)), key=lambda x: self.rates[(b, x)])
 
     def record(self, batch_size: int, budget: int, tokens: int, seconds: float, steps: int = 1,
-               yielding: int | None = None) -> None:
+               yielding: int | None = None, chosen_at: int | None = None) -> None:
         """One call of `batch_size` requests with `budget`: `seconds` for `steps` target steps (a plain call runs
         several; each is one request-step per request), in which `yielding` of the requests (default: all) that
         did not finish in the call committed `tokens`. A request's last call is cut short by its length limit or
         stop token: counted in the yield it read as low acceptance (one plain call at the end of a batch of
-        requests once halved plain's rate at 128 requests on the H200); it still counts in the time."""
+        requests once halved plain's rate at 128 requests on the H200); it still counts in the time.
+        `chosen_at`: the batch size whose bucket chose the budget (default `batch_size`): under two-batch overlap
+        a micro-batch's choice of plain decoding runs the whole batch plainly."""
         yielding = batch_size if yielding is None else yielding
-        key = (self.bucket(batch_size), budget)
+        key = (self.bucket(chosen_at or batch_size), budget)
         if seconds <= 0 or batch_size < 1 or (yielding < 1 and key not in self.tokens):
             return
         if self.history is not None:
-            self.history.append(("step", batch_size, budget, tokens, round(seconds, 6), steps, yielding))
+            self.history.append(("step", batch_size, budget, tokens, round(seconds, 6), steps, yielding,
+                                 chosen_at or batch_size))
         steps = max(1, steps)
         step_s = seconds / (batch_size * steps)
         first = self.samples.get(key, 0) <= 1  # sample 0 (lazy inits, graph capture) is overwritten by sample 1

@@ -139,21 +139,23 @@ class Scheduler(Admission):
             return self.overlap.decode(self)
         return self.decode_now(list(self.running))
 
-    def decode_now(self, rids: list[str]) -> list[Event]:
-        """One synchronous step of `rids`: propose, verify, extend."""
-        launch = self.launch(rids)
+    def decode_now(self, rids: list[str], budget: int | None = None, chosen_at: int | None = None) -> list[Event]:
+        """One synchronous step of `rids`: propose, verify, extend (`budget`, `chosen_at`: see `launch`)."""
+        launch = self.launch(rids, budget=budget, chosen_at=chosen_at)
         try:
             outputs, error = self.verify(launch), None
         except SpecdecError as exc:
             outputs, error = None, exc
         return self.land(launch, outputs, error, launch.started)
 
-    def launch(self, rids: list[str], pipelined: bool = False) -> Launch:
+    def launch(self, rids: list[str], pipelined: bool = False, budget: int | None = None,
+               chosen_at: int | None = None) -> Launch:
         """Everything of a step before its verify: the budget, the draft's catch-up and trees. `pipelined`: the
         target is verifying another micro-batch meanwhile (`TwoBatchOverlap`), so a catch-up here mostly hides
-        behind that verify and is not charged to plain decoding."""
+        behind that verify and is not charged to plain decoding. `budget`: already chosen (`choose_budget`), for
+        a batch of `chosen_at` requests (default: these)."""
         started = time.perf_counter()
-        budget = self._budget(rids)
+        budget = self.choose_budget(rids) if budget is None else budget
         if self.policy is not None and self.draft is not None and budget != self._last_budget:
             # the previous budget's queued draft work (its extend) is not this step's: the policy compares the
             # budgets' own rates (one wait per switch)
@@ -166,14 +168,17 @@ class Scheduler(Admission):
         with self.step_spans.span("draft.propose", sampled, links, parent, batch_size=len(rids)) as span:
             trees = self._propose(rids, budget) if speculate else [_EMPTY] * len(rids)
             plain = 1 if speculate else self._plain_steps_per_call()
-            launch = Launch(rids, trees, budget, speculate, trace, started, catch_up_s, plain)
+            launch = Launch(rids, trees, budget, speculate, trace, started, catch_up_s, plain, chosen_at)
             if span is not None:
                 span.set_attribute("num_draft_tokens", launch.num_draft_tokens)
         return launch
 
     def _plain_steps_per_call(self) -> int:
-        """`plain_steps`, but no more than PLAIN_STEPS while two micro-batches take turns: a long plain call of one
-        holds the target while the other's verify waits behind it."""
+        """`plain_steps`, but no more than PLAIN_STEPS (the target's own `Generate`) where the batch is large
+        enough for two micro-batches: a plain call there decodes the whole batch (`TwoBatchOverlap`), each of its
+        steps is long, and a long call would hold back admissions and streams (a round trip is a small share of a
+        large batch's step). Measured before plain calls took the whole batch: a 16-step call of one micro-batch
+        held the other's verify 8-12 ms a step."""
         if self.overlap is not None and len(self.running) >= self.overlap.min_batch_size:
             return min(self.plain_steps, PLAIN_STEPS)
         return self.plain_steps
@@ -234,7 +239,7 @@ class Scheduler(Admission):
             # from the other's landing) was never in it
             catch_up = launch.catch_up_s if since <= launch.started else 0.0
             self.policy.record(len(rids), launch.budget, sum(len(e.tokens) for e in going), elapsed - catch_up,
-                               steps, len(going))
+                               steps, len(going), launch.chosen_at)
         return events
 
     def fail_running(self, error: SpecdecError) -> list[Event]:
@@ -247,7 +252,7 @@ class Scheduler(Admission):
             self._finish(rid, release_target=True)
         return [Event(rid, [], ABORT, error=error) for rid in rids]
 
-    def _budget(self, rids: list[str]) -> int:
+    def choose_budget(self, rids: list[str]) -> int:
         """Draft tokens to verify this step (0: plain decoding, FULL: the whole tree)."""
         if self.draft is None:
             return 0

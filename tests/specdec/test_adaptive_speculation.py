@@ -232,7 +232,7 @@ def test_the_policy_times_a_speculative_step_without_the_catch_up_of_earlier_pla
     recorded = []
 
     class Recording(AlternatingPolicy):
-        def record(self, batch_size, budget, tokens, seconds, steps=1, yielding=None):
+        def record(self, batch_size, budget, tokens, seconds, steps=1, yielding=None, chosen_at=None):
             recorded.append((budget, seconds))
 
     class SlowCatchUp(Scheduler):
@@ -271,7 +271,7 @@ def test_the_scheduler_reports_each_catch_up_with_its_tokens(dev_prompts, tiny_t
     caught, plain_tokens = [], []
 
     class Recording(AlternatingPolicy):
-        def record(self, batch_size, budget, tokens, seconds, steps=1, yielding=None):
+        def record(self, batch_size, budget, tokens, seconds, steps=1, yielding=None, chosen_at=None):
             if budget == 0:
                 plain_tokens.append(tokens)
 
@@ -338,7 +338,7 @@ def test_a_catch_up_hidden_behind_the_other_micro_batch_is_neither_charged_nor_l
     caught, steps = [], []
 
     class Recording(AlternatingPolicy):
-        def record(self, batch_size, budget, tokens, seconds, steps_=1, yielding=None):
+        def record(self, batch_size, budget, tokens, seconds, steps_=1, yielding=None, chosen_at=None):
             steps.append((budget, seconds))
 
         def record_catch_up(self, batch_size, tokens, seconds):
@@ -353,9 +353,9 @@ def test_a_catch_up_hidden_behind_the_other_micro_batch_is_neither_charged_nor_l
                 time.sleep(0.2)
             super()._extend(extend, trace, name)
 
-        def launch(self, rids, pipelined=False):
+        def launch(self, rids, pipelined=False, **kwargs):
             self.pipelined = pipelined
-            return super().launch(rids, pipelined)
+            return super().launch(rids, pipelined, **kwargs)
 
     done: list[bool] = []  # per catch-up: was its launch pipelined?
     sched = SlowCatchUp(target, draft, target.max_context, 8, feature_layers_for(draft), policy=Recording(),

@@ -198,3 +198,41 @@ def test_plain_calls_are_short_while_micro_batches_take_turns():
         assert sched._plain_steps_per_call() == PLAIN_STEPS
     finally:
         sched.close()
+
+
+def test_a_plain_choice_decodes_the_whole_batch_in_one_call(dev_prompts, tiny_tokenizer):
+    """When a micro-batch's budget comes out plain, what is in flight lands and the whole running batch decodes
+    plainly in one call of PLAIN_STEPS (two half-batches cost the target more, and the draft has nothing to
+    overlap); the policy files those steps under the micro-batch's bucket. Speculative choices still go out as
+    micro-batches, and the tokens are plain decoding's."""
+    from specdec.engine.adaptive import FULL, SpeculationPolicy
+    from specdec.engine.plain_steps import PLAIN_STEPS
+
+    engine = tiny_target()
+    prompts = _prompts(dev_prompts, tiny_tokenizer, 8)
+    params = [SamplingParams(max_new_tokens=24, ignore_eos=True)] * 8
+    plain = _run(Scheduler(engine, None, engine.max_context, 8), prompts, params)
+
+    class Target(SlowTarget):
+        def verify(self, inputs, plain_steps=1):
+            self.verifies.append((0.0, 0.0, len(inputs), plain_steps, bool(inputs[0].draft_tokens)))
+            return self.engine.verify(inputs, plain_steps=plain_steps)
+
+    class Policy(SpeculationPolicy):
+        def choose(self, batch_size):
+            self.turn[0] = self.turn.get(0, 0) + 1
+            return (FULL, FULL, 0)[self.turn[0] % 3]
+
+    draft, target, policy = tiny_draft(), Target(engine, 0.0), Policy(history=[])
+    sched = Scheduler(target, draft, engine.max_context, 8, feature_layers_for(draft), policy=policy,
+                      overlap=TwoBatchOverlap(min_batch_size=4), plain_steps=8)
+    assert _run(sched, prompts, params) == plain
+    assert _all_free(engine, draft)
+    plain_calls = [(n, k) for _, _, n, k, drafted in target.verifies if not drafted and k > 1]
+    spec_calls = [n for _, _, n, _, drafted in target.verifies if drafted]
+    assert plain_calls and spec_calls
+    assert all(k == PLAIN_STEPS for _, k in plain_calls)  # a large batch's call: as the target's Generate
+    assert max(n for n, _ in plain_calls) == 8 and max(spec_calls) < 8  # whole batch vs micro-batches
+    whole = [h for h in policy.history if h[0] == "step" and h[2] == 0 and h[1] == 8]  # plain, all 8 requests
+    assert whole and all(h[7] < 8 for h in whole)  # chosen for a micro-batch ...
+    assert {(policy.bucket(h[7]), 0) for h in whole} <= policy.rates.keys()  # ... and filed under its bucket
