@@ -58,6 +58,7 @@ class SpeculationPolicy:
     # and request-steps behind a speculative budget's yield: at batch 1 it is 1 to 7 tokens a step, and three
     # samples (two after the warm-up) once read the whole chain at tau 3.3 instead of 4.8 (H200, session 7)
     min_request_steps: int = 8
+    max_step_ratio: float = 2.0  # a step's seconds enter the average clipped to this multiple of it
     rates: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, budget) -> tokens/s
     seconds: dict[tuple[int, int], float] = field(default_factory=dict)  # -> seconds per request-step
     tokens: dict[tuple[int, int], float] = field(default_factory=dict)  # -> tokens per request-step
@@ -136,6 +137,8 @@ class SpeculationPolicy:
         steps = max(1, steps)
         step_s = seconds / (batch_size * steps)
         first = self.samples.get(key, 0) <= 1  # sample 0 (lazy inits, graph capture) is overwritten by sample 1
+        if not first:  # a one-off stall (a 200 ms pause among 40 ms steps on the H200) moves it at most this far
+            step_s = min(step_s, self.max_step_ratio * self.seconds[key])
         self.seconds[key] = step_s if first else self.seconds[key] + self.ema * (step_s - self.seconds[key])
         if yielding:
             step_tokens = tokens / (yielding * steps)
