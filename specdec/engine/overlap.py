@@ -132,9 +132,10 @@ class TwoBatchOverlap:
         return [len(sched.running[r].prompt_ids) + sched.running[r].num_generated + tree for r in rids]
 
     def _send(self, sched: Scheduler, rids: list[str]) -> bool:
-        """Launch `rids` and send their verify; False (nothing sent) when their budget is plain decoding."""
+        """Launch `rids` and send their verify; False (nothing sent) when their budget is plain decoding and the
+        whole batch may decode plainly (no seeded sampling in it: see `Scheduler.seeded`)."""
         budget = sched.choose_budget(rids)
-        if budget == 0:
+        if budget == 0 and not sched.seeded(list(sched.running)):
             return False
         if self._pool is None:
             init = (lambda: torch.cuda.set_device(self.device)) if self.device and self.device.type == "cuda" else None

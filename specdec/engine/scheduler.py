@@ -258,10 +258,14 @@ class Scheduler(Admission):
             return 0
         if self.policy is None:
             return FULL
-        # seeded sampling draws differently with other trees: keep such batches on the whole tree (reproducible)
-        if any(self.running[r].sampling.seed is not None and not self.running[r].sampling.greedy for r in rids):
+        if self.seeded(rids):
             return FULL
         return self.policy.choose(len(rids))
+
+    def seeded(self, rids: list[str]) -> bool:
+        """Does any of these requests sample with a seed? It draws differently with other trees, so its steps stay
+        on the whole tree (reproducible)."""
+        return any(self.running[r].sampling.seed is not None and not self.running[r].sampling.greedy for r in rids)
 
     def _catch_up(self, rids: list[str], trace, charge: bool = True) -> float:
         """Extend the draft over tokens that plain steps committed, so its state is current before proposing.

@@ -236,3 +236,26 @@ def test_a_plain_choice_decodes_the_whole_batch_in_one_call(dev_prompts, tiny_to
     whole = [h for h in policy.history if h[0] == "step" and h[2] == 0 and h[1] == 8]  # plain, all 8 requests
     assert whole and all(h[7] < 8 for h in whole)  # chosen for a micro-batch ...
     assert {(policy.bucket(h[7]), 0) for h in whole} <= policy.rates.keys()  # ... and filed under its bucket
+
+
+def test_seeded_requests_keep_their_draws_when_the_rest_of_the_batch_decodes_plainly(dev_prompts, tiny_tokenizer):
+    """Seeded sampling stays on the whole tree (its draws depend on the trees). A micro-batch without seeded
+    requests whose budget comes out plain must not pull the seeded ones of the other into a whole-batch plain
+    call: their tokens are those of speculation every step."""
+    from specdec.engine.adaptive import SpeculationPolicy
+
+    class Plain(SpeculationPolicy):
+        def choose(self, batch_size):
+            return 0
+
+    engine = tiny_target()
+    prompts = _prompts(dev_prompts, tiny_tokenizer, 6)
+    params = [SamplingParams(max_new_tokens=20, temperature=0.8, seed=7 + i) if i >= 4 else
+              SamplingParams(max_new_tokens=20) for i in range(6)]
+    runs = []
+    for policy, overlap in ((None, None), (Plain(), TwoBatchOverlap(min_batch_size=2))):
+        draft = tiny_draft()
+        runs.append(_run(Scheduler(engine, draft, engine.max_context, 8, feature_layers_for(draft), policy=policy,
+                                   overlap=overlap), prompts, params))
+        assert _all_free(engine, draft)
+    assert runs[0] == runs[1]
