@@ -2,32 +2,35 @@
 recently delivered the most tokens per second at this batch size. Every budget is lossless: a plain step is a
 verify of empty trees, a smaller budget verifies the draft's best `budget` nodes.
 
-Throughput is measured, not modelled: each step records (batch size, budget, tokens committed, seconds), and per
-(batch-size bucket, budget) the policy keeps two averages whose ratio is the budget's tokens/s: seconds per
-request-step (an exponential moving average, weight `ema`: a step's time varies little), and tokens per
-request-step (the acceptance; a running mean that turns into a moving average in which each request of a step
-weighs `yield_ema`). Tokens per step vary a lot from step to step (0 to all draft tokens accepted), and a moving
-average of per-step rates kept that noise: simulating the tiny pair at batch 1, its estimate strayed 15-18% on
-average (up to 60%), the averages above 4-7% (a test), enough to flip a choice between rates 1.2x apart (the
-tiny pair's in-process policy on an H200 once picked plain steps, 1374 tok/s, over the chain, 1688). A bucket
-measures the menu's budgets in order (`min_samples` steps each, and `min_request_steps` request-steps for a
-speculative one), then follows the fastest and keeps re-measuring
-its rivals (in turn), so a change in acceptance (a new prompt mix) or load moves the choice. Tokens/s need not rise then
-fall along the menu: at small batch half the tree can lose narrowly to plain decoding while the whole tree wins
-(the verify costs about the same; a captured chain proposal still runs every step, an eager chain only as many
-steps as the budget keeps). So a budget is skipped only when
-the one before it lost by more than half (at large batch a big tree can cost ten plain steps), and rivals are
-the neighbours of the choice plus any budget within half of its rate.
-A speculative step after plain ones first extends the draft over their tokens (the catch-up). Every plain token
-is caught up on once speculation resumes (any re-measurement resumes it), so that time is plain decoding's cost:
-the speculative step's time leaves it out and plain's rate includes it, per token (`record_catch_up`). Leaving it
-to no budget made plain look 33% faster than it ran at 128 requests on the H200 (session 6).
-Re-measuring costs (the catch-up above; a rival's slower step), so the interval
-backs off: it starts at `explore_every` steps,
-doubles (up to `max_explore_every`) each time a re-measurement confirms the choice, and resets when one
-overturns it. Buckets are powers of two. The menu (`budget_menu`) is plain, about half the tree, and the whole
-tree: at large batch a verify is compute-bound and its cost grows with the tokens verified, so a shorter chain
-can beat both extremes.
+Throughput is measured, not modelled: each call records (batch size, budget, tokens committed, seconds, target
+steps), and per (batch-size bucket, budget) the policy keeps two averages whose ratio is the budget's tokens/s:
+seconds per request-step (an exponential moving average, weight `ema`: a step's time varies little; a step enters
+clipped to `max_step_ratio` times the average, so a one-off stall does not halve a rate until its next
+re-measurement), and tokens per request-step (the acceptance; a running mean that turns into a moving average in
+which each request of a step weighs `yield_ema`). A plain call of k steps is k request-steps per request, and
+the yield counts only requests that did not finish in the call (a last call is cut short by a length limit: one
+such call at 128 requests once halved plain's rate). Tokens per step vary a lot from step to step (0 to all draft
+tokens accepted), and a moving average of per-step rates kept that noise: simulating the tiny pair at batch 1, its
+estimate strayed 15-18% on average (up to 60%), the averages above 4-7% (a test).
+
+A bucket measures the menu's budgets in order (`min_samples` steps each, and `min_request_steps` request-steps of
+a speculative one: at batch 1, three steps read tau 4.8 as 3.3), then follows the fastest and keeps re-measuring
+its rivals (in turn), so a change in acceptance (a new prompt mix) or load moves the choice. Tokens/s need not
+rise then fall along the menu: at small batch half the tree can lose narrowly to plain decoding while the whole
+tree wins (the verify costs about the same; a captured chain proposal still runs every step, an eager chain only
+as many steps as the budget keeps). So a budget is skipped only when the one before it lost by more than half (at
+large batch a big tree can cost ten plain steps), and rivals are the neighbours of the choice plus any budget
+within half of its rate.
+
+A speculative step after plain ones first extends the draft over their tokens (the catch-up). Plain tokens are
+caught up on once speculation resumes, so that time is plain decoding's cost: the speculative step's time leaves
+it out and plain's rate includes it, per token (`record_catch_up`; the scheduler does not charge the catch-up
+after a single re-measuring plain call, mostly fixed cost over few tokens, nor one hidden behind another
+micro-batch's verify). Re-measuring costs (a catch-up; a rival's slower step), so the interval backs off: it
+starts at `explore_every` steps, doubles (up to `max_explore_every`) each time a re-measurement confirms the
+choice, and resets when one overturns it. Buckets are powers of two. The menu (`budget_menu`) is plain, about half
+the tree, and the whole tree: at large batch a verify is compute-bound and its cost grows with the tokens
+verified, so a shorter chain can beat both extremes.
 """
 
 from __future__ import annotations

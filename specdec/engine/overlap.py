@@ -13,7 +13,7 @@ next launch; a request in flight is aborted once its verify has landed.
 
 Plain decoding does not split: when the budget chosen for a micro-batch is plain (`--speculation auto`), what is
 in flight lands and the whole batch decodes plainly in one call (the draft has nothing to overlap, and two
-half-batches cost the target ~40% more than the whole one at 128 requests on the H200).
+half-batches cost the target 37-55% more than the whole one at 128 requests on the H200).
 
 Below `min_batch_size` running requests the scheduler steps synchronously (one verify in flight): with small
 batches the target's step is short and mostly fixed cost, so halving the batch doubles the steps for little
