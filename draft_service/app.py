@@ -43,9 +43,11 @@ def _connect(client: TargetClient, timeout_s: float):
 
 
 def _load(args, opts, spec: SpecConfig):
+    off = args.speculation == "off"  # plain decoding through Verify: no features asked, none checked
     target_cfg = ModelConfig.from_hf(args.target_model)
     client = TargetClient(args.target, TlsConfig.from_args(args, prefix="target-"), device=opts.device,
-                          feature_wire=FP8_ROWS if getattr(args, "feature_wire", "native") == "fp8" else "")
+                          feature_wire=FP8_ROWS if getattr(args, "feature_wire", "native") == "fp8" else "",
+                          features=not off)
     log.info("connecting to target at %s", args.target)
     info = _connect(client, args.target_wait_seconds)
     if info.vocab_size != target_cfg.vocab_size or info.hidden_size != target_cfg.hidden_size:
@@ -55,8 +57,8 @@ def _load(args, opts, spec: SpecConfig):
     log.info("target %s: context length %d", info.model, max_context)
     engine = build_draft(args.model, args.target_model, spec, opts, max_context)
     client.feature_dim = info.hidden_size * max(1, len(feature_layers_for(engine)))
-    sizes = [spec.num_draft_tokens if b == FULL else b for b in budget_menu(spec.num_draft_tokens)]
-    warm_verify_shapes(client, sizes, spec.topk, feature_layers_for(engine), info.vocab_size)
+    sizes = [] if off else [spec.num_draft_tokens if b == FULL else b for b in budget_menu(spec.num_draft_tokens)]
+    warm_verify_shapes(client, sizes, spec.topk, feature_layers_for(engine), info.vocab_size, features=not off)
     return client, engine, max_context, info
 
 
@@ -74,23 +76,27 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
         policy = SpeculationPolicy(budget_menu(spec.num_draft_tokens)) if args.speculation == "auto" else None
         if policy is not None:
             metrics.track_policy(policy)
-        sched = Scheduler(client, engine, max_context, opts.max_batch_size, feature_layers_for(engine),
+        off = args.speculation == "off"  # the scheduler without a draft: plain steps through Verify
+        sched = Scheduler(client, None if off else engine, max_context, opts.max_batch_size,
+                          () if off else feature_layers_for(engine),
                           max_queue_wait_s=args.max_queue_wait_seconds, plain_steps=steps,
                           step_spans=StepSpanSampler.from_config(TelemetryConfig.from_env()), policy=policy,
-                          overlap=TwoBatchOverlap(args.two_batch_overlap, engine.device) if args.two_batch_overlap
-                          else None)
+                          overlap=TwoBatchOverlap(args.two_batch_overlap, engine.device)
+                          if args.two_batch_overlap and not off else None)
         loop = EngineLoop(sched, "draft-engine", engine.device)
         phases = StepPhases(sched.timings)
         loop.on_step = lambda events: (_observe(metrics, engine, events), phases.observe(metrics))
         kv = engine.kv
         metrics.track(kv_pages=lambda: (kv.num_total_pages - kv.num_free_pages, kv.num_free_pages),
-                      running=lambda: len(engine.requests), waiting=lambda: len(sched.waiting))
+                      running=lambda: len(sched.running), waiting=lambda: len(sched.waiting))
         loop.start()
         servicer.engine, servicer.loop, servicer.metrics = engine, loop, metrics
+        servicer.num_running = lambda: len(sched.running)
         servicer.max_context, servicer.vocab_size = max_context, info.vocab_size
         state.update(loop=loop, client=client)
         return (f"model {args.model} ({engine.model.cfg.architecture}, steps {spec.num_steps} topk {spec.topk} "
-                f"draft tokens {spec.num_draft_tokens}) for target {info.model} at {args.target}")
+                f"draft tokens {spec.num_draft_tokens}, speculation {args.speculation}) for target {info.model} "
+                f"at {args.target}")
 
     async def close() -> None:
         if "loop" in state:

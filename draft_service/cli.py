@@ -29,10 +29,12 @@ def register(subparsers) -> None:
                    help="how long to wait at start-up for the target to be ready, default 600")
     add_engine_args(p, DEFAULT_PORT, gpu_plain_steps=DRAFT_GPU_PLAIN_STEPS)
     add_spec_args(p)
-    p.add_argument("--speculation", choices=["auto", "always"], default="auto",
+    p.add_argument("--speculation", choices=["auto", "always", "off"], default="auto",
                    help="auto (default): per step, verify the whole tree, about half of it, or nothing (plain "
                         "decoding), whichever has measured the most tokens/s at the running batch size (all "
-                        "lossless; seeded sampling batches keep the whole tree); always: the whole tree every step")
+                        "lossless; seeded sampling batches keep the whole tree); always: the whole tree every "
+                        "step; off: never speculate: the same service decodes plainly through the target's Verify "
+                        "(--plain-steps tokens per call, no features; an A/B baseline or a kill switch)")
     p.add_argument("--feature-wire", choices=["native", "fp8"], default="native",
                    help="how the target sends the features: native (default: its compute dtype) or fp8 (8-bit "
                         "floats with a float32 scale per row: half of bf16's bytes; on the tiny pair tau did not "

@@ -24,6 +24,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def __init__(self, model_name: str, target_addr: str):
         self.model_name, self.target_addr = model_name, target_addr
         self.engine: DraftEngine | None = None
+        self.num_running = lambda: 0  # requests in the running batch (set with the scheduler)
         self.loop: EngineLoop | None = None
         self.max_context = 0
         self.vocab_size = 0
@@ -117,5 +118,5 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             spec=common_pb2.SpecParams(num_steps=spec.num_steps, topk=spec.topk,
                                        num_draft_tokens=spec.num_draft_tokens),
             kv=common_pb2.KVStats(page_size=page_size, pages_total=pages_total, pages_free=pages_free),
-            num_running=len(self.engine.requests),
+            num_running=self.num_running(),
         )

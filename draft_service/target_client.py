@@ -54,7 +54,7 @@ class TargetClient:
     concurrent_calls = True  # a gRPC channel takes calls from several threads (two-batch overlap)
 
     def __init__(self, addr: str, tls: TlsConfig | None = None, timeout_s: float = 60.0, device=None,
-                 feature_wire: str = ""):
+                 feature_wire: str = "", features: bool = True):
         opts = channel_options()
         self.channel = (grpc.secure_channel(addr, tls.channel_credentials(), options=opts) if tls
                         else grpc.insecure_channel(addr, options=opts))
@@ -65,6 +65,7 @@ class TargetClient:
         self.addr, self.timeout_s, self.device = addr, timeout_s, device
         self.feature_wire = feature_wire  # asked of every Prefill: "" (compute dtype) or tensor_codec.FP8_ROWS
         self.feature_dim = 0  # set once the draft is built: the feature width it consumes (0: not checked)
+        self.features = features  # its requests ask for features (False: `--speculation off`, none come back)
 
     def _raw(self, name: str, request_cls):
         return self.channel.unary_unary(TARGET_SERVICE_PATH + name, request_serializer=request_cls.SerializeToString,
@@ -142,7 +143,8 @@ class TargetClient:
         most = max(plain_steps, 1 + max((len(i.draft_tokens) for i in inputs), default=0))  # most tokens a result holds
         for r in msg.results:
             running = r.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
-            if not r.tokens or r.num_feature_rows != (len(r.tokens) if running else 0) or len(r.tokens) > most:
+            rows = len(r.tokens) if running and self.features else 0
+            if not r.tokens or r.num_feature_rows != rows or len(r.tokens) > most:
                 raise MalformedReply(f"target: Verify result for {r.request_id!r} has {len(r.tokens)} tokens "
                                      f"and {r.num_feature_rows} feature rows")
         return self._checked(verify_outputs_from_proto, msg, feats)

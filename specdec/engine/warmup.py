@@ -42,24 +42,27 @@ def warmup_trees(sizes: list[int], topk: int) -> list[list[int]]:
     return trees
 
 
-def warm_verify_shapes(target, sizes: list[int], topk: int, feature_layers: tuple[int, ...], vocab_size: int) -> None:
+def warm_verify_shapes(target, sizes: list[int], topk: int, feature_layers: tuple[int, ...], vocab_size: int,
+                       features: bool = True) -> None:
     """Verify each of `warmup_trees(sizes, topk)` once on `target` (an engine or a remote client) for a throw-away
-    request, sampled out of tracing (no trace of it reaches the collector). A failure is logged, not raised: the
-    service still starts, and its first steps pay the captures."""
+    request, sampled out of tracing (no trace of it reaches the collector); `features`: as the draft's requests
+    (False: `--speculation off`). A failure is logged, not raised: the service still starts, and its first steps
+    pay the captures."""
     with attached(untraced_context()):
-        _warm(target, sizes, topk, feature_layers, vocab_size)
+        _warm(target, sizes, topk, feature_layers, vocab_size, features)
 
 
-def _warm(target, sizes: list[int], topk: int, feature_layers: tuple[int, ...], vocab_size: int) -> None:
+def _warm(target, sizes: list[int], topk: int, feature_layers: tuple[int, ...], vocab_size: int,
+          features: bool = True) -> None:
     trees = warmup_trees(sizes, topk)
     rid = f"{WARMUP_PREFIX}{uuid.uuid4().hex[:12]}"
     prompt = [i % vocab_size for i in range(WARMUP_PROMPT_LEN)]
     budget = sum(len(p) + 1 for p in trees) + 1  # every verify commits at most its tree plus one token
     t0 = time.perf_counter()
     try:
-        # with features, as the draft's requests: its client checks that every verify result carries them
+        # with features as the draft's requests ask: its client checks that every verify result carries them
         target.prefill([PrefillInput(rid, prompt, SamplingParams(max_new_tokens=budget, ignore_eos=True),
-                                     feature_layers, trace_context=otel_context.get_current())])
+                                     feature_layers, features, trace_context=otel_context.get_current())])
     except SpecdecError as exc:
         log.warning("verify warm-up skipped (prefill failed: %s); the first steps may pay CUDA-graph captures", exc)
         return

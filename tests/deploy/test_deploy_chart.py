@@ -125,6 +125,7 @@ def test_default_runs_on_cpu_with_the_bundled_model():
     assert flag(draft, "two-batch-overlap") is None, "on CPU the services share the cores: no overlap"
     assert flag(draft, "attention-backend") is None and flag(target, "attention-backend") is None  # torch on CPU
     assert flag(draft, "feature-wire") == "native"
+    assert flag(draft, "speculation") == "auto"
     assert flag(draft, "plain-steps") is None and flag(target, "plain-steps") is None  # the services' defaults
     assert flag(target, "model") == "/opt/specdec/models/tiny-code/target"
     assert flag(draft, "model") == "/opt/specdec/models/tiny-code/draft"
@@ -145,6 +146,13 @@ def test_plain_steps_reach_both_services_when_set():
     assert flag(container(pair, "target"), "plain-steps") == "2"
     proc = run_helm(*template_args("default", "--set", "draft.plainSteps=65"), check=False)
     assert proc.returncode != 0 and "plainSteps" in proc.stderr
+
+
+def test_speculation_can_be_switched_off_and_other_modes_are_refused():
+    pair = one(render("default", "--set", "draft.speculation=off"), "StatefulSet", f"{FULL}-pair")
+    assert flag(container(pair, "draft"), "speculation") == "off"
+    proc = run_helm(*template_args("default", "--set", "draft.speculation=sometimes"), check=False)
+    assert proc.returncode != 0 and "speculation" in proc.stderr
 
 
 def test_pairs_have_headless_services_for_stable_names():

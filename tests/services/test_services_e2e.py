@@ -237,6 +237,22 @@ def test_adaptive_speculation_service_is_lossless(stack, prompts):
         auto.stop()
 
 
+def test_speculation_off_decodes_plainly_through_verify_without_features(stack, prompts):
+    """`--speculation off`: the draft service keeps serving (same API, same streams) but never speculates: it
+    decodes plainly through the target's Verify, several tokens per call, and asks for no features (its client
+    refuses a Verify reply whose feature rows it did not ask for, so equal streams also say none came). Streams
+    equal target Generate, tau is 1, both KV pools end free."""
+    target, _ = stack
+    off = start_draft(target.addr, "--speculation", "off", "--max-batch-size", "8", "--plain-steps", "4")
+    try:
+        spec, plain, draft_free = asyncio.run(_pairs(off.addr, target.addr, prompts[:6], [20] * 6, "off"))
+        assert spec == plain and draft_free and asyncio.run(_kv_free(stack))[0]
+        _, last = asyncio.run(_stream(off.addr, prompts[6], "off-tau", max_new_tokens=16))
+        assert last.final.tau == 1.0 and last.final.completion_tokens == 16
+    finally:
+        off.stop()
+
+
 def test_fp8_features_service_is_lossless_and_refuses_unknown_feature_dtypes(stack, prompts):
     """`--feature-wire fp8`: the target sends this draft's features as 8-bit floats with a scale per row; the
     streams still equal target Generate and both KV pools end free. A Prefill asking for another feature dtype
