@@ -4,6 +4,13 @@ sees, the target's queue / forward / reply phases (scraped from its metrics), an
 protobuf work, the hand-offs between each service's event loop and engine thread).
 
     python bench/verify_rtt.py [--calls 200] [--chain 5] [--batch 1]
+    python bench/verify_rtt.py --batch 128 --plain-steps 4 [--no-features] [--client-device cuda:1] \
+        --target-flags "--load-format dummy --config llama3-8b --device cuda:0 --attention-backend flashinfer ..."
+
+`--plain-steps K`: each call is K plain decode steps of empty trees (what `--speculation auto` and `off` send
+when they decode plainly) instead of a chain; `--no-features`: the requests ask for no features (as `off` does),
+so the difference between the two runs is what the features cost a plain call; `--client-device`: where the
+client puts the features it receives (a draft's GPU).
 """
 
 from __future__ import annotations
@@ -30,6 +37,9 @@ def main(argv=None) -> int:
     p.add_argument("--chain", type=int, default=5)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--target-flags", default="", help="more flags for serve-target")
+    p.add_argument("--plain-steps", type=int, default=0, help="K > 0: calls of K plain steps instead of a chain")
+    p.add_argument("--no-features", action="store_true", help="requests ask for no features")
+    p.add_argument("--client-device", default=None, help="where received features go (e.g. cuda:1)")
     args = p.parse_args(argv)
 
     from draft_service.target_client import TargetClient
@@ -38,20 +48,24 @@ def main(argv=None) -> int:
 
     target = ServiceProcess(["serve-target", "--model", str(TINY / "target"), "--log-level", "WARNING",
                              *args.target_flags.split()], "specdec.v1.TargetService")
-    client = TargetClient(target.addr)
+    features = not args.no_features
+    client = TargetClient(target.addr, device=args.client_device, features=features)
     try:
         rids = [f"r{i}" for i in range(args.batch)]
         sampling = SamplingParams(max_new_tokens=100000, ignore_eos=True)
-        client.prefill([PrefillInput(rid, list(range(100, 164)), sampling) for rid in rids])
-        chain = list(range(-1, args.chain - 1))
-        tree = [VerifyInput(rid, [200 + i for i in range(args.chain)], chain) for rid in rids]
+        client.prefill([PrefillInput(rid, list(range(100, 164)), sampling, (), features) for rid in rids])
+        if args.plain_steps:
+            tree, more = [VerifyInput(rid, [], []) for rid in rids], {"plain_steps": args.plain_steps}
+        else:
+            chain = list(range(-1, args.chain - 1))
+            tree, more = [VerifyInput(rid, [200 + i for i in range(args.chain)], chain) for rid in rids], {}
         for _ in range(10):  # warm-up
-            client.verify(tree)
+            client.verify(tree, **more)
         before = target.scrape()
         rtts = []
         for _ in range(args.calls):
             t0 = time.perf_counter()
-            client.verify(tree)
+            client.verify(tree, **more)
             rtts.append(time.perf_counter() - t0)
         after = target.scrape()
     finally:
@@ -59,7 +73,8 @@ def main(argv=None) -> int:
         target.stop()
     ms = lambda s: round(1000 * s / args.calls, 3)  # noqa: E731
     side = {ph: after.phase_sum(ph) - before.phase_sum(ph) for ph in ("queue", "forward", "reply")}
-    row = dict(batch=args.batch, chain=args.chain, calls=args.calls, rtt_mean_ms=ms(sum(rtts)),
+    row = dict(batch=args.batch, chain=0 if args.plain_steps else args.chain, plain_steps=args.plain_steps,
+               features=features, calls=args.calls, rtt_mean_ms=ms(sum(rtts)),
                rtt_median_ms=round(1000 * statistics.median(rtts), 3), **{f"{k}_ms": ms(v) for k, v in side.items()},
                rest_ms=ms(sum(rtts) - sum(side.values())))
     print(json.dumps(row))
