@@ -285,7 +285,6 @@ class Scheduler(Admission):
         # plain tokens are caught up on once speculation resumes: plain decoding's cost, charged to it. Not after a
         # single plain call (a re-measurement of plain while speculation leads): that catch-up is mostly its fixed
         # per-request cost over a few tokens, while plain as the choice runs for many calls before the next one
-        # (charged per token, it once made plain look ~40% slower through the services than it ran)
         if self.policy is not None and charge and calls > 1:
             self.policy.record_catch_up(len(rids), sum(len(tokens) for _, tokens, _ in items), seconds)
         return seconds
