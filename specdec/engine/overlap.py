@@ -116,7 +116,7 @@ class TwoBatchOverlap:
     def _whole_plain(self, sched: Scheduler, chosen_at: int) -> list[Event]:
         """A micro-batch's budget came out plain: the draft has nothing to overlap, and two half-batches cost
         the target more than the whole one (8B shape, H200: 2 x 8.5 ms vs 12.3 ms a step at 64 / 128 requests).
-        Land what is in flight, then decode the whole batch plainly in one call of `plain_steps`; the policy files
+        Land what is in flight, then decode the whole batch plainly in one call; the policy files
         its rate under the micro-batch's bucket, where plain decoding is weighed against speculation."""
         events = []
         while self.inflight:
