@@ -37,6 +37,9 @@ __all__ = ["Event", "Launch", "RunState", "Scheduler"]
 
 log = logging.getLogger(__name__)
 _EMPTY = TokenTree((), ())  # a plain decode step: verify of the root alone
+# plain-step tokens a request may hold before the draft catches up on them without waiting for speculation to
+# resume: their features stay on the draft's device until then (8B, 128 requests: 128 MB, EAGLE-3 three times that)
+MAX_BACKLOG = 128
 
 
 class Scheduler(Admission):
@@ -240,6 +243,10 @@ class Scheduler(Admission):
             catch_up = launch.catch_up_s if since <= launch.started else 0.0
             self.policy.record(len(rids), launch.budget, sum(len(e.tokens) for e in going), elapsed - catch_up,
                                steps, len(going), launch.chosen_at)
+        if not launch.speculate and self.draft is not None:
+            long = [rid for rid in rids if rid in self.running and len(self.running[rid].backlog_tokens) >= MAX_BACKLOG]
+            if long:  # bounded feature memory: catch these up now (plain's cost, outside any step's time)
+                self._catch_up(long, launch.trace)
         return events
 
     def fail_running(self, error: SpecdecError) -> list[Event]:

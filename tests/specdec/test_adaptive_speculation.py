@@ -397,3 +397,37 @@ def test_a_one_off_stall_moves_a_budgets_time_a_bounded_step():
     for _ in range(8):  # a real slow-down to 0.2 s a step
         p.record(128, FULL, tokens=640, seconds=0.2)
     assert p.seconds[(128, FULL)] * 128 > 0.18
+
+
+def test_a_long_plain_stretch_catches_up_before_its_backlog_grows_past_the_bound(dev_prompts, tiny_tokenizer,
+                                                                                  monkeypatch):
+    """Plain steps leave their tokens and features for the draft to catch up on when speculation resumes; a long
+    plain stretch catches up once a request holds MAX_BACKLOG of them (bounded feature memory), charged to plain
+    decoding, and the tokens stay plain decoding's."""
+    import specdec.engine.scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "MAX_BACKLOG", 12)
+    target, draft = tiny_target(), tiny_draft()
+    caught, worst = [], [0]
+
+    class Plain(SpeculationPolicy):
+        def choose(self, batch_size):
+            return 0
+
+        def record_catch_up(self, batch_size, tokens, seconds):
+            caught.append(tokens)
+
+    prompts = [tiny_tokenizer.encode(p)[-40:] for p in dev_prompts[30:33]]
+    params = [SamplingParams(max_new_tokens=40, ignore_eos=True)] * 3
+    plain = _run(Scheduler(target, None, target.max_context, 4), prompts, params)
+    sched = Scheduler(target, draft, target.max_context, 4, feature_layers_for(draft), policy=Plain(), plain_steps=4)
+    out = {f"r{i}": [] for i in range(3)}
+    for i, (p, s) in enumerate(zip(prompts, params, strict=True)):
+        sched.add(f"r{i}", p, s)
+    while sched.has_work:
+        for ev in sched.step():
+            out[ev.request_id] += ev.tokens
+        worst[0] = max([worst[0]] + [len(s.backlog_tokens) for s in sched.running.values()])
+    assert out == plain
+    assert caught and all(t == 3 * 12 for t in caught)  # three requests, 12 tokens each, at every bound
+    assert worst[0] < 12  # checked after each step: never left at the bound
