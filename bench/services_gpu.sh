@@ -7,6 +7,8 @@
 #   TAUS=5 MODES="always" bash bench/services_gpu.sh
 #   TINY=1 bash bench/services_gpu.sh          # then also the bundled tiny pair (real acceptance, both heads)
 #   TAUS= TINY=1 bash bench/services_gpu.sh    # only the tiny pair (it needs the tiny weights on the machine)
+#   REPEATS=2 MODES="auto --two-batch-overlap 32" bash bench/services_gpu.sh   # best of 2 (a trained policy)
+#   MODES="off" bash bench/services_gpu.sh     # plain decoding through the draft service vs target Generate
 #
 # Each row: | setting | N | spec tok/s | plain tok/s | speed-up | tau | steps | per-step ms ... | busy {gpu: fraction}
 set -euo pipefail
@@ -14,13 +16,14 @@ TAUS=${TAUS-"5 3"}
 MODES=${MODES:-"always|always --two-batch-overlap 32|auto --two-batch-overlap 32"}
 CONCURRENCY=${CONCURRENCY:-1,8,32,64,128}
 NEW_TOKENS=${NEW_TOKENS:-192}
+REPEATS=${REPEATS:-1}  # best of N runs per row (2: the second with the policy the first trained)
 DRAFT="--load-format dummy --config llama3-8b-eagle1 --target-model llama3-8b"
 IFS='|' read -r -a modes <<< "$MODES"
 for tau in $TAUS; do
   for mode in "${modes[@]}"; do
     echo "== SIMULATED tau $tau, --speculation $mode"
     python bench/services_bench.py --settings eagle1-chain --new-tokens "$NEW_TOKENS" --concurrency "$CONCURRENCY" \
-      --target-process --draft-process --gpu-busy 0,1 --target-device cuda:0 --draft-device cuda:1 \
+      --repeats "$REPEATS" --target-process --draft-process --gpu-busy 0,1 --target-device cuda:0 --draft-device cuda:1 \
       --engine-flags "--attention-backend flashinfer --dtype bfloat16" \
       --target-flags "--load-format dummy --config llama3-8b --simulate-accept-len $tau" \
       --draft-flags "$DRAFT --speculation $mode"
