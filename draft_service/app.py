@@ -42,8 +42,8 @@ def _connect(client: TargetClient, timeout_s: float):
             time.sleep(0.5)
 
 
-def _load(args, opts, spec: SpecConfig):
-    off = args.speculation == "off"  # plain decoding through Verify: no features asked, none checked
+def _load(args, opts, spec: SpecConfig, off: bool):
+    """`off` (`--speculation off`): plain decoding through Verify, no features asked and none accepted."""
     target_cfg = ModelConfig.from_hf(args.target_model)
     client = TargetClient(args.target, TlsConfig.from_args(args, prefix="target-"), device=opts.device,
                           feature_wire=FP8_ROWS if getattr(args, "feature_wire", "native") == "fp8" else "",
@@ -65,6 +65,7 @@ def _load(args, opts, spec: SpecConfig):
 async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
     opts = engine_options(args)
     steps = plain_steps(args)
+    off = args.speculation == "off"  # the scheduler runs without the draft engine: plain steps through Verify
     if args.two_batch_overlap < 0:
         raise ConfigError(f"--two-batch-overlap {args.two_batch_overlap}: a request count >= 0 (0 = off)")
     spec = SpecConfig(args.num_steps, args.topk, args.num_draft_tokens).validate()
@@ -72,11 +73,10 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
     state = {}
 
     async def load(metrics) -> str:
-        client, engine, max_context, info = await asyncio.to_thread(_load, args, opts, spec)
+        client, engine, max_context, info = await asyncio.to_thread(_load, args, opts, spec, off)
         policy = SpeculationPolicy(budget_menu(spec.num_draft_tokens)) if args.speculation == "auto" else None
         if policy is not None:
             metrics.track_policy(policy)
-        off = args.speculation == "off"  # the scheduler without a draft: plain steps through Verify
         sched = Scheduler(client, None if off else engine, max_context, opts.max_batch_size,
                           () if off else feature_layers_for(engine),
                           max_queue_wait_s=args.max_queue_wait_seconds, plain_steps=steps,

@@ -131,12 +131,12 @@ class SpeculationPolicy:
         `chosen_at`: the batch size whose bucket chose the budget (default `batch_size`): under two-batch overlap
         a micro-batch's choice of plain decoding runs the whole batch plainly."""
         yielding = batch_size if yielding is None else yielding
-        key = (self.bucket(chosen_at or batch_size), budget)
+        chosen_at = chosen_at or batch_size
+        key = (self.bucket(chosen_at), budget)
         if seconds <= 0 or batch_size < 1 or (yielding < 1 and key not in self.tokens):
             return
         if self.history is not None:
-            self.history.append(("step", batch_size, budget, tokens, round(seconds, 6), steps, yielding,
-                                 chosen_at or batch_size))
+            self.history.append(("step", batch_size, budget, tokens, round(seconds, 6), steps, yielding, chosen_at))
         steps = max(1, steps)
         step_s = seconds / (batch_size * steps)
         first = self.samples.get(key, 0) <= 1  # sample 0 (lazy inits, graph capture) is overwritten by sample 1

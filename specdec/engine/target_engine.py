@@ -282,7 +282,8 @@ class TargetEngine:
             ctxs.append(self.kv.slots(inp.request_id, 0, req.kv_len + k))
         ids: list[int] | torch.Tensor = [req.root for req in reqs]
         picked, feats, taken, chunk = [], [], None, None
-        uniform = all(r.features for r in reqs) and len({r.feature_layers for r in reqs}) == 1
+        wanted = any(r.features for r in reqs)  # plain Generate: none, and no per-step feature work at all
+        uniform = wanted and all(r.features for r in reqs) and len({r.feature_layers for r in reqs}) == 1
         for i in range(k):
             seqs = [SeqAttention(ctx[: req.kv_len + i + 1], 1) for ctx, req in zip(ctxs, reqs, strict=True)]
             write = torch.stack([ctx[req.kv_len + i] for ctx, req in zip(ctxs, reqs, strict=True)])
@@ -295,14 +296,16 @@ class TargetEngine:
             picked.append(ids)
             if uniform:  # row r of the step is request r's: one copy per step into the chunk's [B, k, F]
                 chunk = step_features_into(chunk, i, k, reqs[0].feature_layers, hidden, aux, len(reqs))
-            else:  # none wants features (plain Generate: Nones), or the batch mixes feature layers
+            elif wanted:  # some requests want none, or the batch mixes feature layers
                 feats.append(self._batch_features(inputs, [1] * len(inputs), [[0]] * len(inputs), hidden, aux))
         tokens = torch.stack(picked, 1).tolist()  # the chunk's one host sync
         outputs = []
         for r, (inp, req) in enumerate(zip(inputs, reqs, strict=True)):
             req.kv_len += k
             kept, reason = self._commit_tokens(inp.request_id, req, tokens[r])
-            rows = chunk[r, : len(kept)] if chunk is not None else split_features(feats, r, len(kept))
+            rows = split_features(feats, r, len(kept)) if feats else None
+            if chunk is not None:
+                rows = chunk[r, : len(kept)]
             outputs.append(VerifyOutput(inp.request_id, kept, 0, rows, reason))
         return outputs
 
