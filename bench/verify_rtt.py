@@ -52,7 +52,9 @@ def main(argv=None) -> int:
     client = TargetClient(target.addr, device=args.client_device, features=features)
     try:
         rids = [f"r{i}" for i in range(args.batch)]
-        sampling = SamplingParams(max_new_tokens=100000, ignore_eos=True)
+        # enough for every call's tokens, no more: the target reserves KV pages for max_new_tokens up front
+        per_call = max(args.plain_steps, args.chain + 1)
+        sampling = SamplingParams(max_new_tokens=(args.calls + 10) * per_call + 16, ignore_eos=True)
         client.prefill([PrefillInput(rid, list(range(100, 164)), sampling, (), features) for rid in rids])
         if args.plain_steps:
             tree, more = [VerifyInput(rid, [], []) for rid in rids], {"plain_steps": args.plain_steps}

@@ -133,17 +133,18 @@ class TargetClient:
             self._release_quietly(inp.request_id)  # the target admitted it; nobody else will free it
             raise
 
-    def verify(self, inputs: list[VerifyInput], plain_steps: int = 1) -> list[VerifyOutput]:
-        """The target's `verify` over gRPC (`plain_steps`: see specdec.engine.plain_steps)."""
+    def verify(self, inputs: list[VerifyInput], plain_steps: int = 1, feature_rows: int = 0) -> list[VerifyOutput]:
+        """The target's `verify` over gRPC (`plain_steps`: see specdec.engine.plain_steps; `feature_rows` > 0:
+        the features of each result's last that many tokens only)."""
         msg, feats = self._decode(target_pb2.VerifyResponse,
-                                  self._call(self._verify_raw, verify_to_proto(inputs, plain_steps)))
+                                  self._call(self._verify_raw, verify_to_proto(inputs, plain_steps, feature_rows)))
         ids = [r.request_id for r in msg.results]
         if ids != [i.request_id for i in inputs]:
             raise MalformedReply(f"target: Verify answered {ids[:4]} for {[i.request_id for i in inputs][:4]}")
         most = max(plain_steps, 1 + max((len(i.draft_tokens) for i in inputs), default=0))  # most tokens a result holds
         for r in msg.results:
             running = r.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
-            rows = len(r.tokens) if running and self.features else 0
+            rows = min(len(r.tokens), feature_rows or len(r.tokens)) if running and self.features else 0
             if not r.tokens or r.num_feature_rows != rows or len(r.tokens) > most:
                 raise MalformedReply(f"target: Verify result for {r.request_id!r} has {len(r.tokens)} tokens "
                                      f"and {r.num_feature_rows} feature rows")

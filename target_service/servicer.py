@@ -66,12 +66,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             return prefill_reply_bytes(out)  # encoded here: see specdec.rpc.wire
 
     async def Verify(self, request, context):
-        inputs, plain_steps = verify_from_proto(request)
+        inputs, plain_steps, feature_rows = verify_from_proto(request)
         if not inputs:
             return target_pb2.VerifyResponse()
-        check_plain_steps(inputs, plain_steps)  # a bad count fails this RPC alone, not the batch it would join
-        outputs = await self.loop.call_batched(self._verify_many,
-                                               (inputs, current_trace_context(), time.perf_counter(), plain_steps))
+        check_plain_steps(inputs, plain_steps, feature_rows)  # a bad count fails this RPC alone, not its batch
+        outputs = await self.loop.call_batched(
+            self._verify_many, (inputs, current_trace_context(), time.perf_counter(), (plain_steps, feature_rows)))
         t0 = time.perf_counter()
         reply = verify_reply_bytes(outputs)  # encoded here: see specdec.rpc.wire
         if not _warmup(inputs):
@@ -99,11 +99,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                         results.append(exc)
         return results
 
-    def _verify_many(self, groups: list[tuple[list, object, float, int]]) -> list[list]:
-        """Several Verify RPCs that arrived together run as one forward (engine thread), or one per plain-step
-        count when they ask for different ones. Each group is (inputs, the RPC's trace context or None, when the
-        RPC was queued, plain steps); a traced batch gets one `target.verify_batch` span, parented to the first
-        traced RPC and linked to the others."""
+    def _verify_many(self, groups: list[tuple[list, object, float, tuple[int, int]]]) -> list[list]:
+        """Several Verify RPCs that arrived together run as one forward (engine thread), or one per (plain steps,
+        feature rows) when they ask for different ones. Each group is (inputs, the RPC's trace context or None,
+        when the RPC was queued, (plain steps, feature rows)); a traced batch gets one `target.verify_batch`
+        span, parented to the first traced RPC and linked to the others."""
         started = time.perf_counter()
         flat = [inp for g in groups for inp in g[0]]
         counted = self.metrics is not None and not _warmup(flat)
@@ -123,14 +123,16 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             self._phase("forward", time.perf_counter() - started)
         return result
 
-    def _verify_by_steps(self, groups: list[tuple[list, object, float, int]]) -> list[list]:
-        """Each group's outputs: the groups asking for the same plain-step count share one engine call."""
+    def _verify_by_steps(self, groups: list[tuple[list, object, float, tuple[int, int]]]) -> list[list]:
+        """Each group's outputs: the groups asking for the same plain-step and feature-row counts share one
+        engine call."""
         result: list = [None] * len(groups)
-        for steps in dict.fromkeys(g[3] for g in groups):
-            members = [i for i, g in enumerate(groups) if g[3] == steps]
+        for kind in dict.fromkeys(g[3] for g in groups):
+            members = [i for i, g in enumerate(groups) if g[3] == kind]
             inputs = [inp for i in members for inp in groups[i][0]]
             packed = self._packed(inputs)
-            outs = self.engine.verify(inputs, plain_steps=steps) if steps > 1 else self.engine.verify(inputs)
+            steps, rows = kind
+            outs = self.engine.verify(inputs, plain_steps=steps, feature_rows=rows)
             features_to_host(outs, packed)  # here, not in the handler: the copy waits for the GPU
             start = 0
             for i in members:

@@ -81,11 +81,9 @@ class SpeculationPolicy:
     def choose(self, batch_size: int) -> int:
         """The draft-token budget for this step: 0 = decode plainly, FULL = the whole tree, else a node count."""
         b = self.bucket(batch_size)
-        for i, budget in enumerate(self.budgets):
-            if not self._is_measured(b, budget):
-                if i and self._far_behind(b, self.budgets[i - 1]):
-                    break  # the smaller budget lost by more than half: the bigger (costlier) ones are not tried
-                return budget
+        unmeasured = self._next_unmeasured(b)
+        if unmeasured is not None:
+            return unmeasured
         best = self._best(b)
         since = self.since.get(b, 0) + 1
         if since >= self.intervals.get(b, self.explore_every):
@@ -95,6 +93,21 @@ class SpeculationPolicy:
             return others[turn % len(others)]
         self.since[b] = since
         return best
+
+    def _next_unmeasured(self, b: int) -> int | None:
+        """The next budget of the menu to measure at bucket `b` (None: all that will be tried are measured)."""
+        for i, budget in enumerate(self.budgets):
+            if not self._is_measured(b, budget):
+                if i and self._far_behind(b, self.budgets[i - 1]):
+                    return None  # the smaller budget lost by more than half: the bigger (costlier) ones are not tried
+                return budget
+        return None
+
+    def plain_leads(self, batch_size: int) -> bool:
+        """Has this batch size's bucket measured its menu and found plain decoding the fastest? Then speculation
+        resumes only to re-measure (or once the rates change): the draft need not follow the plain tokens."""
+        b = self.bucket(batch_size)
+        return self._next_unmeasured(b) is None and bool(self._measured(b)) and self._best(b) == 0
 
     def _measured(self, b: int) -> list[int]:
         return [x for x in self.budgets if self._is_measured(b, x)]

@@ -58,9 +58,14 @@ class DraftState:
 
 @dataclass
 class DraftRequest:
-    kv_len: int
+    kv_len: int  # positions with K/V in the draft's cache
     state: DraftState | None = None
     row: int = 0  # this request's row of `state`
+    skipped: int = 0  # committed positions left out of the cache (`skip`): the next position is kv_len + skipped
+
+    @property
+    def next_pos(self) -> int:
+        return self.kv_len + self.skipped
 
     @property
     def topk_p(self) -> torch.Tensor:  # [topk]
@@ -140,7 +145,14 @@ class DraftEngine:
         self.kv.release(rid)
 
     def length(self, rid: str) -> int:
-        return self.requests[rid].kv_len
+        """The request's committed length as the draft knows it (positions in its cache and skipped ones)."""
+        return self.requests[rid].next_pos
+
+    def skip(self, rid: str, n: int) -> None:
+        """Leave the next `n` committed positions out of the draft's cache (tokens decoded plainly that the draft
+        does not catch up on): later extends continue at their true positions and attend over what is cached.
+        Proposals stay valid (the target verifies them) and lose only the skipped context."""
+        self.requests[rid].skipped += n
 
     def settle(self) -> None:
         """Wait until the GPU has run everything queued on this draft's device (its extends run asynchronously:
@@ -169,7 +181,7 @@ class DraftEngine:
             self.kv.resize(rid, req.kv_len + n)
             ctx = self.kv.slots(rid, 0, req.kv_len + n)
             ids += tokens
-            pos += range(req.kv_len, req.kv_len + n)
+            pos += range(req.next_pos, req.next_pos + n)
             seqs.append(SeqAttention(ctx, n))
             slots.append(ctx[req.kv_len :])
             feats.append(features.to(self.device, self.dtype))  # no copy when already there
@@ -251,7 +263,7 @@ class DraftEngine:
             ctx = self.kv.slots(rid, 0, req.kv_len + depth * k)
             seqs.append(SeqAttention(ctx, k, masks[i]))
             slots.append(ctx[req.kv_len + (depth - 1) * k :])
-        positions = torch.tensor([r.kv_len + depth - 1 for r in reqs]).repeat_interleave(k)
+        positions = torch.tensor([r.next_pos + depth - 1 for r in reqs]).repeat_interleave(k)
         batch = self.backend.plan(AttentionBatch(seqs, torch.cat(slots)))
         out = self.model(tokens.reshape(-1).to(self.device), hidden.reshape(b * k, -1),
                          positions.to(self.device), self.backend, batch)

@@ -79,12 +79,13 @@ class DraftExtendGraphs:
         g = self.graphs[bucket]
         pages, lens, ids, pos, last, rows = [], [], [], [], [], []
         for i, (rid, tokens, _) in enumerate(items):
-            start, n = eng.requests[rid].kv_len, len(tokens)
+            req, n = eng.requests[rid], len(tokens)
+            start, p0 = req.kv_len, req.next_pos  # K/V slots and positions (they differ after `skip`)
             eng.kv.resize(rid, start + t)
             pages.append(eng.kv.table(rid).pages)
             lens.append(start + t)
             ids += [*tokens, *[0] * (t - n)]
-            pos += [*range(start, start + n), *[start + n - 1] * (t - n)]
+            pos += [*range(p0, p0 + n), *[p0 + n - 1] * (t - n)]
             last.append(i * t + n - 1)
             rows += range(i * t, i * t + n)
         pad = bucket - b

@@ -1,8 +1,9 @@
 """CUDA-graph replay of the draft's chain proposal (topk == 1): all `num_steps - 1` draft forwards of a batch,
 with their argmax and d2t mapping, as one graph per batch size.
 
-For a chain, draft step d of a request is a one-token decode at position kv_len + d - 1 over the request's prefix
-and the d - 1 chain tokens before it. With Triton (every CUDA machine torch runs on) the steps attend through
+For a chain, draft step d of a request is a one-token decode in K/V slot kv_len + d - 1 (at position
+next_pos + d - 1: the two differ by the positions the draft skipped) over the request's cached prefix and the
+d - 1 chain tokens before it. With Triton (every CUDA machine torch runs on) the steps attend through
 `ChainStepAttention`: the host writes the page table and the committed lengths once, each step derives its own
 lengths inside the graph. Without it, each step's flashinfer plan is made on the host before the replay.
 Captured for the batch ladder on first use, padded with requests that live in scratch pages.
@@ -33,7 +34,8 @@ class _ChainGraph:
     attn: list  # one per draft step: GraphAttention (planned on the host) or ChainStepAttention
     tokens0: torch.Tensor  # [B] the state's top-1 token (level 1 of the chain)
     hidden0: torch.Tensor  # [B, hidden] the state's hidden
-    base: torch.Tensor  # [B] int64 committed draft length of each request; step d's query is at base + d - 1
+    base: torch.Tensor  # [B] int64 cached draft length of each request; step d's query is K/V slot base + d - 1
+    pos0: torch.Tensor  # [B] int64 position of each request's next token (base + its skipped positions)
     table: torch.Tensor | None  # [B, max_pages] int32 page table (ChainStepAttention only)
     out_tokens: torch.Tensor  # [B, steps] chain tokens, level 1 first
 
@@ -75,8 +77,8 @@ class DraftChainGraphs:
         for rid, req in zip(rids, reqs, strict=True):
             eng.kv.resize(rid, req.kv_len + steps - 1)
         pad = bucket - b
-        # step d: each request's query sits at position kv_len + d - 1 and sees positions 0..kv_len + d - 1;
-        # padding requests do the same over the scratch pages from position 0
+        # step d: each request's query sits in K/V slot kv_len + d - 1 (position next_pos + d - 1) and sees slots
+        # 0..kv_len + d - 1; padding requests do the same over the scratch pages from slot 0
         pages = [eng.kv.table(rid).pages for rid in rids] + [self.scratch_pages] * pad
         base = [r.kv_len for r in reqs] + [0] * pad
         if g.table is not None:
@@ -87,6 +89,7 @@ class DraftChainGraphs:
             for d in range(1, steps):
                 g.attn[d - 1].plan_causal(pages, [n + d for n in base])
         g.base.copy_(torch.tensor(base), non_blocking=True)
+        g.pos0.copy_(torch.tensor([r.next_pos for r in reqs] + [0] * pad), non_blocking=True)
         state = batch_state(reqs)
         g.tokens0[:b].copy_(state.topk_index[:, 0])
         g.hidden0[:b].copy_(state.hidden)
@@ -118,6 +121,7 @@ class DraftChainGraphs:
         eng = self.engine
         model, steps, dev = eng.model, eng.spec.num_steps, eng.kv.k.device
         base = torch.zeros(bucket, dtype=torch.int64, device=dev)
+        pos0 = torch.zeros(bucket, dtype=torch.int64, device=dev)
         table = None
         if self.device_planned:
             from specdec.attention.chain_step import ChainStepAttention  # imports Triton
@@ -138,7 +142,7 @@ class DraftChainGraphs:
         def body():
             tok, hid, outs = tokens0, hidden0, [tokens0]
             for d in range(1, steps):
-                out = model(tok, hid, base + (d - 1), attn[d - 1], None)  # [B, hidden]
+                out = model(tok, hid, pos0 + (d - 1), attn[d - 1], None)  # [B, hidden]
                 tok = model.to_target_ids(model.compute_logits(out).argmax(-1))
                 hid = out
                 outs.append(tok)
@@ -147,4 +151,4 @@ class DraftChainGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph, _ = capture_graph(body, self.pool)
-        return _ChainGraph(graph, attn, tokens0, hidden0, base, table, out_tokens)
+        return _ChainGraph(graph, attn, tokens0, hidden0, base, pos0, table, out_tokens)

@@ -18,7 +18,10 @@ PLAIN_STEPS = 4  # tokens per request the scheduler asks for in one plain call (
 MAX_PLAIN_STEPS = 64  # the most a caller may ask for in one call
 
 
-def check_plain_steps(inputs: list[VerifyInput], steps: int) -> None:
+def check_plain_steps(inputs: list[VerifyInput], steps: int, feature_rows: int = 0) -> None:
+    """A Verify call's plain-step count (and its feature-row count: 0 = all) is one it can run."""
+    if feature_rows < 0:
+        raise InvalidInput(f"feature_rows {feature_rows} is negative (0: every token's features)")
     if not 1 <= steps <= MAX_PLAIN_STEPS:
         raise InvalidInput(f"plain_steps {steps} outside [1, {MAX_PLAIN_STEPS}]")
     if steps > 1 and any(inp.draft_tokens for inp in inputs):
@@ -39,6 +42,15 @@ def run_plain_steps(run_chunk, inputs: list[VerifyInput], steps: int, steps_left
         left -= k
         live = [VerifyInput(rid, [], []) for rid, outs in done.items() if outs[-1].finish_reason == RUNNING]
     return [_merge(done[inp.request_id]) for inp in inputs]
+
+
+def last_feature_rows(outputs: list[VerifyOutput], rows: int) -> list[VerifyOutput]:
+    """Each output keeps the features of its last `rows` tokens only (0: all of them); views, no copies."""
+    if rows:
+        for out in outputs:
+            if out.features is not None and out.features.shape[0] > rows:
+                out.features = out.features[-rows:]
+    return outputs
 
 
 def split_features(steps: list[list], request: int, rows: int):

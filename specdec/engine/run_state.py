@@ -55,6 +55,7 @@ class Launch:
     catch_up_s: float = 0.0  # of which the draft's extend over tokens that earlier plain steps committed
     plain_steps: int = 1  # plain decode steps the verify call runs (> 1: see specdec.engine.plain_steps)
     chosen_at: int | None = None  # the batch size the budget was chosen for, when not len(rids) (see overlap)
+    feature_rows: int = 0  # > 0: the verify returns the features of each request's last that many tokens only
 
     @property
     def num_draft_tokens(self) -> int:

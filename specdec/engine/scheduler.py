@@ -171,7 +171,8 @@ class Scheduler(Admission):
         with self.step_spans.span("draft.propose", sampled, links, parent, batch_size=len(rids)) as span:
             trees = self._propose(rids, budget) if speculate else [_EMPTY] * len(rids)
             plain = 1 if speculate else self._plain_steps_per_call()
-            launch = Launch(rids, trees, budget, speculate, trace, started, catch_up_s, plain, chosen_at)
+            rows = 0 if speculate else self._plain_feature_rows(chosen_at or len(rids))
+            launch = Launch(rids, trees, budget, speculate, trace, started, catch_up_s, plain, chosen_at, rows)
             if span is not None:
                 span.set_attribute("num_draft_tokens", launch.num_draft_tokens)
         return launch
@@ -186,6 +187,18 @@ class Scheduler(Admission):
             return min(self.plain_steps, PLAIN_STEPS)
         return self.plain_steps
 
+    def _plain_feature_rows(self, batch_size: int) -> int:
+        """Feature rows a plain call asks for per request: 0 (all) while speculation leads or is being measured
+        (the draft catches up on every plain token when it resumes), 1 where the policy found plain decoding
+        the fastest. The draft then skips the stretch but its last token (`DraftEngine.skip`): through the
+        services a plain call's features were most of its reply (8B, 128 requests, 4 steps: 4 MB, +10 ms on
+        a 47 ms call, H200) and the catch-up re-ran the draft over every token. The price: the draft's context
+        misses the stretch, lowering acceptance when speculation resumes (tiny pair, EAGLE-1, 96 skipped tokens:
+        4.63 instead of 5.06 tokens a step; 32: 4.84 instead of 4.98; `bench/plain_stretch_skip.py`)."""
+        if self.policy is not None and self.draft is not None and self.policy.plain_leads(batch_size):
+            return 1
+        return 0
+
     def verify(self, launch: Launch) -> list:
         """The target's verdict on a launch's trees (callable from another thread: see `TwoBatchOverlap`)."""
         sampled, parent, links = launch.trace
@@ -195,6 +208,8 @@ class Scheduler(Admission):
             inputs = [VerifyInput(rid, list(t.tokens), list(t.parents))
                       for rid, t in zip(launch.rids, launch.trees, strict=True)]
             more = {"plain_steps": launch.plain_steps} if launch.plain_steps > 1 else {}
+            if launch.feature_rows:
+                more["feature_rows"] = launch.feature_rows
             outputs = self.target.verify(inputs, **more)
             if span is not None:
                 span.set_attribute("accepted", sum(out.num_accepted_drafts for out in outputs))
@@ -223,8 +238,7 @@ class Scheduler(Admission):
             elif self.draft is not None and launch.speculate:
                 extend.append((out.request_id, out.tokens, out.features))
             elif self.draft is not None:  # plain step: the draft catches up when speculation resumes
-                state.backlog_tokens += out.tokens
-                state.backlog_features.append(out.features)
+                self._hold(state, out.tokens, out.features)
         if extend:
             self._extend(extend, launch.trace)
         elapsed = time.perf_counter() - since
@@ -273,6 +287,17 @@ class Scheduler(Admission):
         """Does any of these requests sample with a seed? It draws differently with other trees, so its steps stay
         on the whole tree (reproducible)."""
         return any(self.running[r].sampling.seed is not None and not self.running[r].sampling.greedy for r in rids)
+
+    def _hold(self, state: RunState, tokens: list[int], features) -> None:
+        """Keep a plain call's tokens for the draft's catch-up. A call that returned the features of its last
+        tokens only (`_plain_feature_rows`) leaves everything before them out of the draft's context."""
+        rows = len(tokens) if features is None else features.shape[0]
+        if rows < len(tokens):
+            self.draft.skip(state.request_id, len(state.backlog_tokens) + len(tokens) - rows)
+            state.backlog_tokens, state.backlog_features = tokens[len(tokens) - rows :], [features]
+            return
+        state.backlog_tokens += tokens
+        state.backlog_features.append(features)
 
     def _catch_up(self, rids: list[str], trace, charge: bool = True) -> float:
         """Extend the draft over tokens that plain steps committed, so its state is current before proposing.

@@ -14,7 +14,13 @@ from specdec.attention import AttentionBatch, SeqAttention, make_backend
 from specdec.attention.graph_backend import GraphCaptureError
 from specdec.engine.device import engine_call
 from specdec.engine.finish import cut_at_finish
-from specdec.engine.plain_steps import check_plain_steps, run_plain_steps, split_features, step_features_into
+from specdec.engine.plain_steps import (
+    check_plain_steps,
+    last_feature_rows,
+    run_plain_steps,
+    split_features,
+    step_features_into,
+)
 from specdec.engine.requests import (
     RUNNING,
     PrefillInput,
@@ -162,16 +168,19 @@ class TargetEngine:
         return outputs
 
     @engine_call
-    def verify(self, inputs: list[VerifyInput], plain_steps: int = 1) -> list[VerifyOutput]:
+    def verify(self, inputs: list[VerifyInput], plain_steps: int = 1, feature_rows: int = 0) -> list[VerifyOutput]:
         """One target forward over the trees of several requests; commits the accepted paths. With empty trees,
-        `plain_steps` > 1 runs that many plain decode steps (`specdec.engine.plain_steps`)."""
+        `plain_steps` > 1 runs that many plain decode steps (`specdec.engine.plain_steps`). `feature_rows` > 0:
+        each output carries the features of its last that many tokens only."""
+        check_plain_steps(inputs, plain_steps, feature_rows)
         if plain_steps == 1:
-            return self._verify_once(inputs)
-        check_plain_steps(inputs, plain_steps)
+            return last_feature_rows(self._verify_once(inputs), feature_rows)
         self._check_batch(inputs)
         if self.simulate_accept_len or all(self.requests[i.request_id].sampling.greedy for i in inputs):
-            return run_plain_steps(self._plain_chunk, inputs, plain_steps, self._steps_left)
-        return run_plain_steps(lambda live, _k: self._verify_checked(live), inputs, plain_steps)  # host draws
+            outputs = run_plain_steps(self._plain_chunk, inputs, plain_steps, self._steps_left)
+        else:
+            outputs = run_plain_steps(lambda live, _k: self._verify_checked(live), inputs, plain_steps)  # host draws
+        return last_feature_rows(outputs, feature_rows)
 
     def _check_batch(self, inputs: list[VerifyInput]) -> None:
         for inp in inputs:

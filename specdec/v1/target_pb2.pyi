@@ -46,12 +46,14 @@ class TreeProposal(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("trees", "plain_steps")
+    __slots__ = ("trees", "plain_steps", "feature_rows")
     TREES_FIELD_NUMBER: _ClassVar[int]
     PLAIN_STEPS_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_ROWS_FIELD_NUMBER: _ClassVar[int]
     trees: _containers.RepeatedCompositeFieldContainer[TreeProposal]
     plain_steps: int
-    def __init__(self, trees: _Optional[_Iterable[_Union[TreeProposal, _Mapping]]] = ..., plain_steps: _Optional[int] = ...) -> None: ...
+    feature_rows: int
+    def __init__(self, trees: _Optional[_Iterable[_Union[TreeProposal, _Mapping]]] = ..., plain_steps: _Optional[int] = ..., feature_rows: _Optional[int] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
     __slots__ = ("request_id", "tokens", "num_accepted_drafts", "num_feature_rows", "finish_reason")

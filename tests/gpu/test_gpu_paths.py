@@ -146,8 +146,9 @@ def test_plain_step_chunks_equal_single_steps_on_gpu(graphs):
 @pytest.mark.parametrize("device_planned", [True, False])
 @pytest.mark.parametrize("kind", ["draft", "draft-eagle3"])
 def test_draft_chain_graph_equals_eager(kind, device_planned):
-    """The captured chain proposal gives the eager proposal's tokens (batch 3, padded to 4), with the steps'
-    attention planned on the device (Triton decode kernel) or on the host (flashinfer, without Triton)."""
+    """The captured chain proposal gives the eager proposal's tokens (batch 3, padded to 4, one request with
+    skipped positions), with the steps' attention planned on the device (Triton decode kernel) or on the host
+    (flashinfer, without Triton)."""
     from repo_paths import TINY
 
     from specdec.engine.draft_engine import SpecConfig
@@ -168,6 +169,7 @@ def test_draft_chain_graph_equals_eager(kind, device_planned):
             feats = torch.randn(n, feat, generator=torch.Generator(device="cuda").manual_seed(i), device="cuda")
             items.append((f"r{i}", list(range(100 + i, 100 + i + n)), feats.to(torch.bfloat16)))
         eng.extend(items)
+        eng.skip("r1", 37)  # positions the draft left out (a skipped plain stretch): its chain sits further on
     a, b = graphed.propose(["r0", "r1", "r2"]), eager.propose(["r0", "r1", "r2"])
     same = sum(x.tokens == y.tokens for x, y in zip(a, b, strict=True))
     assert same >= 2, (a, b)  # bf16: a near-tie may flip one chain
@@ -180,7 +182,8 @@ def test_draft_chain_graph_equals_eager(kind, device_planned):
 @pytest.mark.parametrize("kind", ["draft", "draft-eagle3"])
 def test_draft_extend_graph_equals_eager(kind):
     """Extends after verify steps (1..T tokens per request, batch 3 padded to 4) through the captured extend give
-    the eager extend's state and K/V; one longer than T runs eagerly; no KV page is left behind."""
+    the eager extend's state and K/V (also after skipped positions); one longer than T runs eagerly; no KV page
+    is left behind."""
     from repo_paths import TINY
 
     from specdec.engine.draft_engine import SpecConfig
@@ -208,6 +211,8 @@ def test_draft_extend_graph_equals_eager(kind):
                 for rid in rids:
                     eng.add(rid, 500)
         for eng in engines:
+            if step == 2:
+                eng.skip("r0", 50)  # a skipped plain stretch: later tokens at their true positions
             eng.extend(items)
         assert graphed.extend_graphs.usable(items) == (step > 0 and max(sizes) <= t)
         for rid in rids:

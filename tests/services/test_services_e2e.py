@@ -173,32 +173,40 @@ def test_target_rpc_errors(stack):
 
 def test_verify_plain_steps_over_grpc(stack):
     """`VerifyRequest.plain_steps`: several plain decode steps in one call give the tokens and feature rows of as
-    many one-step calls; a bad count or a tree with drafts is INVALID_ARGUMENT and changes nothing."""
+    many one-step calls; `feature_rows` keeps the last rows only; a bad count or a tree with drafts is
+    INVALID_ARGUMENT and changes nothing."""
     target, _ = stack
 
     async def run():
         async with make_channel(target.addr) as ch:
             stub = target_pb2_grpc.TargetServiceStub(ch)
-            for rid in ("many", "one"):
+            for rid in ("many", "one", "last"):
                 await stub.Prefill(target_pb2.PrefillRequest(request_id=rid, prompt_ids=list(range(40, 90)),
                                                              return_features=True))
             tree = [target_pb2.TreeProposal(request_id="many")]
-            for bad in (target_pb2.VerifyRequest(trees=tree, plain_steps=65),
-                        target_pb2.VerifyRequest(trees=[target_pb2.TreeProposal(
-                            request_id="many", draft_tokens=[5], parents=[-1])], plain_steps=2)):
+            for bad, field in ((target_pb2.VerifyRequest(trees=tree, plain_steps=65), "plain_steps"),
+                               (target_pb2.VerifyRequest(trees=[target_pb2.TreeProposal(
+                                   request_id="many", draft_tokens=[5], parents=[-1])], plain_steps=2), "plain_steps"),
+                               (target_pb2.VerifyRequest(trees=tree, plain_steps=2, feature_rows=-1), "feature_rows")):
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await stub.Verify(bad)
-                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "plain_steps" in err.value.details()
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()
             many = await stub.Verify(target_pb2.VerifyRequest(trees=tree, plain_steps=3))
             one = [await stub.Verify(target_pb2.VerifyRequest(trees=[target_pb2.TreeProposal(request_id="one")]))
                    for _ in range(3)]
-            await stub.Release(target_pb2.ReleaseRequest(request_ids=["many", "one"]))
-        return many, one
+            last = await stub.Verify(target_pb2.VerifyRequest(trees=[target_pb2.TreeProposal(request_id="last")],
+                                                              plain_steps=3, feature_rows=1))
+            await stub.Release(target_pb2.ReleaseRequest(request_ids=["many", "one", "last"]))
+        return many, one, last
 
-    many, one = asyncio.run(run())
+    many, one, last = asyncio.run(run())
     result = many.results[0]
     assert list(result.tokens) == [t for r in one for t in r.results[0].tokens] and len(result.tokens) == 3
     assert result.num_accepted_drafts == 0 and result.num_feature_rows == 3 and list(many.features.shape)[0] == 3
+    assert list(last.results[0].tokens) == list(result.tokens) and last.results[0].num_feature_rows == 1
+    assert list(last.features.shape) == [1, list(many.features.shape)[1]]
+    width = len(many.features.data) // 3
+    assert last.features.data == many.features.data[2 * width :]  # the last token's row, bit for bit
     assert asyncio.run(_kv_free(stack))[0]
 
 

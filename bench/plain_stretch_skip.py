@@ -1,0 +1,82 @@
+"""What skipping a plain stretch costs the draft: tokens per speculative step after a stretch of plain decoding,
+when the draft caught up on every plain token vs when it skipped all but the last (what the scheduler does where
+plain decoding leads: `Scheduler._plain_feature_rows`). In-process, shipped tiny pair, greedy, chain of 5, one
+batch of dev prompts: speculation for the first calls, plain calls of 4 steps, speculation again.
+
+    python bench/plain_stretch_skip.py [--draft draft|draft-eagle3] [--prompts 12] [--stretches 32,96]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from specdec.engine.adaptive import FULL, SpeculationPolicy  # noqa: E402
+from specdec.engine.draft_engine import SpecConfig  # noqa: E402
+from specdec.engine.factory import EngineOptions, build_draft, build_target  # noqa: E402
+from specdec.engine.generate import generate  # noqa: E402
+from specdec.sampling_params import SamplingParams  # noqa: E402
+from specdec.tokenizer import load_tokenizer  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "models" / "tiny-code"
+DEV_PROMPTS = ROOT.parent / "shared" / "prompts" / "dev.jsonl"
+PLAIN_STEPS = 4
+
+
+class Stretch(SpeculationPolicy):
+    """Speculate for `before` calls, decode plainly for `plain` calls, then speculate; `leads`: whether plain
+    decoding counts as the policy's choice (the draft skips the stretch) or as a re-measurement (it catches up).
+    Records the tokens per request-step of the speculative calls after the stretch."""
+
+    def __init__(self, before: int, plain: int, leads: bool):
+        super().__init__()
+        self.before, self.plain, self.leads, self.calls, self.after = before, plain, leads, 0, []
+
+    def choose(self, batch_size: int) -> int:
+        self.calls += 1
+        return 0 if self.before < self.calls <= self.before + self.plain else FULL
+
+    def plain_leads(self, batch_size: int) -> bool:
+        return self.leads
+
+    def record(self, batch_size, budget, tokens, seconds, steps=1, yielding=None, chosen_at=None) -> None:
+        if budget != 0 and self.calls > self.before + self.plain and yielding:
+            self.after.append(tokens / yielding)
+
+    def record_catch_up(self, batch_size, tokens, seconds) -> None:
+        pass
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--draft", default="draft", help="draft (EAGLE-1) or draft-eagle3")
+    ap.add_argument("--prompts", type=int, default=12, help="dev prompts 60.. (held apart from the tests' range)")
+    ap.add_argument("--stretches", default="32,96", help="plain tokens per request in the stretch")
+    ap.add_argument("--new-tokens", type=int, default=256)
+    args = ap.parse_args(argv)
+    opts = EngineOptions(device="cpu", dtype="float32", attention_backend="torch", max_batch_size=args.prompts,
+                         num_pages=8192)
+    target = build_target(str(TINY / "target"), opts)
+    draft = build_draft(str(TINY / args.draft), str(TINY / "target"), SpecConfig(5, 1, 5), opts, target.max_context)
+    tok = load_tokenizer(TINY / "target")
+    lines = [json.loads(x)["prompt"] for x in DEV_PROMPTS.read_text().splitlines() if x.strip()]
+    prompts = [tok.encode(lines[60 + i])[-200:] for i in range(args.prompts)]
+    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    for stretch in (int(x) for x in args.stretches.split(",")):
+        row = {"draft": args.draft, "plain_tokens": stretch}
+        for leads, name in ((False, "caught_up"), (True, "skipped")):
+            policy = Stretch(8, stretch // PLAIN_STEPS, leads)
+            generate(target, draft, prompts, params, max_batch_size=len(prompts), policy=policy,
+                     plain_steps=PLAIN_STEPS)
+            row[f"tokens_per_step_{name}"] = round(sum(policy.after) / len(policy.after), 3)
+        print(json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""Where the policy found plain decoding the fastest, a plain call asks for the features of each request's last token
+only and the draft leaves the rest of the stretch out of its cache (`Scheduler._plain_feature_rows`,
+`DraftEngine.skip`): the tokens stay the target's, later positions stay true, and nothing leaks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from core_engines import tiny_draft, tiny_target
+
+from specdec.engine.adaptive import FULL, SpeculationPolicy
+from specdec.engine.generate import feature_layers_for
+from specdec.engine.requests import PrefillInput, VerifyInput
+from specdec.engine.scheduler import Scheduler
+from specdec.errors import InvalidInput
+from specdec.sampling_params import SamplingParams
+
+
+def _measure(p: SpeculationPolicy, batch_size: int, tokens_per_s: dict[int, float]) -> None:
+    """Drive `p` at `batch_size` until every budget of its menu is measured, at the given rates."""
+    for _ in range(40):
+        budget = p.choose(batch_size)
+        p.record(batch_size, budget, tokens=int(tokens_per_s[budget]), seconds=1.0)
+
+
+def test_plain_leads_only_where_the_menu_is_measured_and_plain_decoding_is_fastest():
+    p = SpeculationPolicy((0, FULL), min_samples=2, min_request_steps=1)
+    assert not p.plain_leads(8)
+    _measure(p, 8, {0: 80, FULL: 40})
+    assert p.plain_leads(8) and p.plain_leads(5)  # the same bucket
+    assert not p.plain_leads(64)  # another bucket, not measured yet
+    p.record(64, 0, tokens=640, seconds=1.0)
+    p.record(64, 0, tokens=640, seconds=1.0)
+    assert not p.plain_leads(64)  # plain measured, the whole tree not yet: still measuring
+    _measure(p, 64, {0: 640, FULL: 900})
+    assert not p.plain_leads(64)  # speculation leads: plain calls keep every feature row
+
+
+def _admit(target, rids: list[str]) -> None:
+    target.prefill([PrefillInput(rid, list(range(300, 340)), SamplingParams(max_new_tokens=20, ignore_eos=True))
+                    for rid in rids])
+
+
+def test_verify_returns_the_features_of_the_last_tokens_when_asked():
+    target = tiny_target()
+    try:
+        _admit(target, ["all", "last"])
+        full = target.verify([VerifyInput("all", [], [])], plain_steps=4)[0]
+        with pytest.raises(InvalidInput, match="feature_rows"):
+            target.verify([VerifyInput("last", [], [])], plain_steps=4, feature_rows=-1)
+        last = target.verify([VerifyInput("last", [], [])], plain_steps=4, feature_rows=1)[0]
+        assert last.tokens == full.tokens and len(full.tokens) == 4  # the refused call committed nothing
+        assert full.features.shape[0] == 4 and last.features.shape[0] == 1
+        assert torch.allclose(last.features, full.features[-1:], atol=1e-6)
+        two = target.verify([VerifyInput("last", [], [])], feature_rows=2)[0]  # one token: its one row
+        assert two.features.shape[0] == 1
+    finally:
+        for rid in ("all", "last"):
+            target.release(rid)
+
+
+def test_skipped_positions_move_later_tokens_without_caching_anything_for_them():
+    """RoPE sees relative positions only: two requests that skip the same stretch get the same proposal whatever
+    their absolute start, and one that does not skip (the same tokens, closer together) gets another state."""
+    draft = tiny_draft()
+    gen = torch.Generator().manual_seed(0)
+    width = draft.model.feature_size
+    a, b = list(range(500, 530)), list(range(700, 706))
+    fa, fb = torch.randn(len(a), width, generator=gen), torch.randn(len(b), width, generator=gen)
+    for rid in ("skip", "shifted", "dense"):
+        draft.add(rid, 200)
+    try:
+        draft.skip("shifted", 5)  # the same layout, every position 5 further on
+        draft.extend([(rid, a, fa) for rid in ("skip", "shifted", "dense")])
+        draft.skip("skip", 40)
+        draft.skip("shifted", 40)
+        draft.extend([(rid, b, fb) for rid in ("skip", "shifted", "dense")])
+        assert draft.length("skip") == len(a) + 40 + len(b) and draft.length("dense") == len(a) + len(b)
+        assert draft.requests["skip"].kv_len == draft.requests["dense"].kv_len == len(a) + len(b)
+        assert draft.length("shifted") == 5 + draft.length("skip")
+        hidden = {rid: draft.requests[rid].hidden for rid in ("skip", "shifted", "dense")}
+        assert torch.allclose(hidden["skip"], hidden["shifted"], atol=1e-4)
+        assert not torch.allclose(hidden["skip"], hidden["dense"], atol=1e-3)
+        trees = draft.propose(["skip", "shifted"])
+        assert trees[0] == trees[1]
+    finally:
+        for rid in ("skip", "shifted", "dense"):
+            draft.release(rid)
+    assert draft.kv.num_free_pages == draft.kv.num_total_pages
+
+
+class PlainLeads(SpeculationPolicy):
+    """Plain decoding leads; speculation comes back now and then (as a re-measurement would)."""
+
+    def choose(self, batch_size: int) -> int:
+        self.since[0] = self.since.get(0, 0) + 1
+        return FULL if self.since[0] % 5 == 0 else 0
+
+    def plain_leads(self, batch_size: int) -> bool:
+        return True
+
+
+class Recording:
+    """The target, recording the keyword arguments of each verify call."""
+
+    def __init__(self, target):
+        self._target, self.calls = target, []
+
+    def __getattr__(self, name):
+        return getattr(self._target, name)
+
+    def verify(self, inputs, **kwargs):
+        self.calls.append(kwargs)
+        return self._target.verify(inputs, **kwargs)
+
+
+@pytest.mark.parametrize("kind", ["draft", "draft-eagle3"])
+def test_plain_stretches_skipped_by_the_draft_are_lossless_and_keep_positions_true(kind, dev_prompts,
+                                                                                   tiny_tokenizer):
+    target, draft = tiny_target(), tiny_draft(kind)
+    prompts = [tiny_tokenizer.encode(p)[-60:] for p in dev_prompts[44:47]]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (45, 30, 38)]
+    plain = Scheduler(target, None, target.max_context, 4)
+    recorder = Recording(target)
+    sched = Scheduler(recorder, draft, target.max_context, 4, feature_layers_for(draft), policy=PlainLeads(),
+                      plain_steps=4)
+    outs, gaps, skipped = [], set(), 0
+    for s in (plain, sched):
+        out = {f"r{i}": [] for i in range(len(prompts))}
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            s.add(f"r{i}", prompt, p)
+        while s.has_work:
+            for ev in s.step():
+                assert ev.error is None
+                out[ev.request_id] += ev.tokens
+            if s is sched:  # target positions = draft positions (cached or skipped) + the catch-up still owed
+                for rid, state in s.running.items():
+                    gaps.add(target.requests[rid].kv_len - draft.length(rid) - len(state.backlog_tokens))
+                    skipped = max(skipped, draft.requests[rid].skipped)
+        outs.append(out)
+    assert outs[0] == outs[1]
+    assert len(gaps) == 1 and skipped > 0
+    plain_calls = [kw for kw in recorder.calls if kw.get("plain_steps", 1) > 1]
+    spec_calls = [kw for kw in recorder.calls if kw.get("plain_steps", 1) == 1]
+    assert plain_calls and all(kw.get("feature_rows") == 1 for kw in plain_calls)
+    assert spec_calls and not any(kw.get("feature_rows") for kw in spec_calls)
+    assert not draft.requests and draft.kv.num_free_pages == draft.kv.num_total_pages
+    assert target.kv.num_free_pages == target.kv.num_total_pages
