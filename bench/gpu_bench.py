@@ -207,7 +207,7 @@ def simulated(res, args, target):
                          "spec_split": _split(spec_t),
                          "auto_split": _split(auto_t)})
             print("SIMULATED", rows[-1], flush=True)
-            rows[-1]["auto_history"] = policy.history  # per record: see SpeculationPolicy.record / record_catch_up
+            rows[-1]["auto_history"] = policy.history  # per record: see SpeculationPolicy.record
     target.simulate_accept_len = 0.0
     res["SIMULATED_acceptance_rows"] = rows
 

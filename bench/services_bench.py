@@ -362,10 +362,8 @@ def log_policy(draft) -> None:
     for line in draft.metrics_text().splitlines():
         if line.startswith("specdec:speculation_policy"):
             bucket = re.search(r'batch_bucket="(\d+)"', line).group(1)
-            budget = re.search(r'budget="([^"]+)"', line)
-            what = budget.group(1) if budget else "catch-up us/token"
-            value = float(line.rsplit(" ", 1)[1]) * (1 if budget else 1e6)
-            out.append(f"bs{bucket} {what} {value:.1f}")
+            budget = re.search(r'budget="([^"]+)"', line).group(1)
+            out.append(f"bs{bucket} {budget} {float(line.rsplit(' ', 1)[1]):.1f}")
     if out:
         print("policy:", "; ".join(out), file=sys.stderr, flush=True)
 

@@ -22,11 +22,10 @@ as many steps as the budget keeps). So a budget is skipped only when the one bef
 large batch a big tree can cost ten plain steps), and rivals are the neighbours of the choice plus any budget
 within half of its rate.
 
-A speculative step after plain ones first extends the draft over their tokens (the catch-up). Plain tokens are
-caught up on once speculation resumes, so that time is plain decoding's cost: the speculative step's time leaves
-it out and plain's rate includes it, per token (`record_catch_up`; the scheduler does not charge the catch-up
-after a single re-measuring plain call, mostly fixed cost over few tokens, nor one hidden behind another
-micro-batch's verify). Re-measuring costs (a catch-up; a rival's slower step), so the interval backs off: it
+Plain calls leave the draft behind (it skips their tokens but the last: `Scheduler._hold`), so a plain call costs
+what the target's own plain decoding costs plus a round trip, and a speculative step after plain ones pays a
+one-token catch-up and acceptance a little lower for the skipped context: each budget's rate holds its own costs.
+Re-measuring costs (a rival's slower step), so the interval backs off: it
 starts at `explore_every` steps, doubles (up to `max_explore_every`) each time a re-measurement confirms the
 choice, and resets when one overturns it. Buckets are powers of two. The menu (`budget_menu`) is plain, about half
 the tree, and the whole tree: at large batch a verify is compute-bound and its cost grows with the tokens
@@ -71,8 +70,7 @@ class SpeculationPolicy:
     since: dict[int, int] = field(default_factory=dict)  # bucket -> steps since the last re-measurement
     challenged: dict[int, int] = field(default_factory=dict)  # bucket -> the choice a pending re-measurement tests
     turn: dict[int, int] = field(default_factory=dict)  # bucket -> which other budget is re-measured next
-    catch_up: dict[int, float] = field(default_factory=dict)  # bucket -> seconds per caught-up request-token
-    history: list | None = None  # a list: every record and catch-up is appended to it (benchmarks' diagnosis)
+    history: list | None = None  # a list: every record is appended to it (benchmarks' diagnosis)
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -102,12 +100,6 @@ class SpeculationPolicy:
                     return None  # the smaller budget lost by more than half: the bigger (costlier) ones are not tried
                 return budget
         return None
-
-    def plain_leads(self, batch_size: int) -> bool:
-        """Has this batch size's bucket measured its menu and found plain decoding the fastest? Then speculation
-        resumes only to re-measure (or once the rates change): the draft need not follow the plain tokens."""
-        b = self.bucket(batch_size)
-        return self._next_unmeasured(b) is None and bool(self._measured(b)) and self._best(b) == 0
 
     def _measured(self, b: int) -> list[int]:
         return [x for x in self.budgets if self._is_measured(b, x)]
@@ -173,24 +165,9 @@ class SpeculationPolicy:
             interval = self.intervals.get(b, self.explore_every)
             self.intervals[b] = min(2 * interval, self.max_explore_every) if held else self.explore_every
 
-    def record_catch_up(self, batch_size: int, tokens: int, seconds: float) -> None:
-        """The draft's extend over `tokens` (all requests together) that plain steps committed, which took
-        `seconds` at this batch size: charged to plain decoding's rate, per token (a moving average, `ema`)."""
-        if tokens <= 0 or seconds <= 0 or batch_size < 1:
-            return
-        b, per_token = self.bucket(batch_size), seconds / tokens
-        if self.history is not None:
-            self.history.append(("catch_up", batch_size, 0, tokens, round(seconds, 6)))
-        old = self.catch_up.get(b)
-        self.catch_up[b] = per_token if old is None else old + self.ema * (per_token - old)
-        if (b, 0) in self.seconds:
-            self._rate((b, 0))
-
     def _rate(self, key: tuple[int, int]) -> None:
-        """tokens/s of (bucket, budget): tokens per request-step over seconds per request-step, plus (plain) the
-        catch-up its tokens cost the draft later."""
-        later = self.tokens[key] * self.catch_up.get(key[0], 0.0) if key[1] == 0 else 0.0
-        self.rates[key] = self.tokens[key] / (self.seconds[key] + later)
+        """tokens/s of (bucket, budget): tokens per request-step over seconds per request-step."""
+        self.rates[key] = self.tokens[key] / self.seconds[key]
 
     def summary(self) -> dict[str, float]:
         return {f"bs{b}-{budget_name(x)}": round(r, 1) for (b, x), r in sorted(self.rates.items())}

@@ -103,22 +103,21 @@ class TwoBatchOverlap:
                 return sched.decode_now(idle)
             first, idle = split_by_tokens(idle, self._weights(sched, idle), 0.5)
             if not self._send(sched, first):
-                return self._whole_plain(sched, len(first))
+                return self._whole_plain(sched)
         if idle and big:  # the idle micro-batch goes out while the other is verified
             weights = self._weights(sched, idle)
             in_flight = sum(self._weights(sched, list(self.busy())))
             share = 0.5 * (sum(weights) + in_flight) / sum(weights)  # half of all running tokens
             rids = split_by_tokens(idle, weights, share)[0]
             if not self._send(sched, rids):
-                return self._whole_plain(sched, len(rids))
+                return self._whole_plain(sched)
         return self._land_oldest(sched)
 
-    def _whole_plain(self, sched: Scheduler, chosen_at: int) -> list[Event]:
+    def _whole_plain(self, sched: Scheduler) -> list[Event]:
         """A micro-batch's budget came out plain: the draft has nothing to overlap, and two half-batches cost
         the target more than the whole one (8B shape, H200: 2 x 8.5 ms vs 12.3 ms a step at 64 / 128 requests).
-        Land what is in flight, then decode the whole batch plainly in one call; the policy files
-        its rate under the micro-batch's bucket, where plain decoding is weighed against speculation."""
-        events = []
+        Land what is in flight, then decode the whole batch plainly in one call."""
+        events, chosen_at = [], len(sched.running)  # the bucket the choice was made in (see `_send`)
         while self.inflight:
             events += self._land_oldest(sched)
         if sched.running:
@@ -134,13 +133,16 @@ class TwoBatchOverlap:
     def _send(self, sched: Scheduler, rids: list[str]) -> bool:
         """Launch `rids` and send their verify; False (nothing sent) when their budget is plain decoding and the
         whole batch may decode plainly (no seeded sampling in it: see `Scheduler.seeded`)."""
-        budget = sched.choose_budget(rids)
+        # chosen (and recorded) for the whole running batch: micro-batches split by tokens vary in size around half
+        # of it (61-67 of 128), which would spread one regime over two buckets that each measure their own menu
+        running = len(sched.running)
+        budget = sched.choose_budget(rids, running)
         if budget == 0 and not sched.seeded(list(sched.running)):
             return False
         if self._pool is None:
             init = (lambda: torch.cuda.set_device(self.device)) if self.device and self.device.type == "cuda" else None
             self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="specdec-verify", initializer=init)
-        launch = sched.launch(rids, pipelined=bool(self.inflight), budget=budget)  # alone: nothing to hide behind
+        launch = sched.launch(rids, budget=budget, chosen_at=running)
         self.inflight.append((launch, self._pool.submit(contextvars.copy_context().run, sched.verify, launch)))
         return True
 

@@ -37,9 +37,9 @@ class RunState:
     accepted_per_position: list[int] = field(default_factory=list)
     blocked_since: float | None = None  # when admission first found the KV pools too full for it
     trace_context: Any = None  # the request's OpenTelemetry context (None: not traced)
-    # committed tokens (and their features) the draft has not extended over yet: left by plain steps
+    # committed tokens (and their features [n, feature]) the draft has not extended over yet: left by plain calls
     backlog_tokens: list[int] = field(default_factory=list)
-    backlog_features: list = field(default_factory=list)
+    backlog_features: Any = None
 
 
 @dataclass
@@ -52,7 +52,6 @@ class Launch:
     speculate: bool
     trace: tuple[bool, Any, list]
     started: float  # perf_counter at the start of the step
-    catch_up_s: float = 0.0  # of which the draft's extend over tokens that earlier plain steps committed
     plain_steps: int = 1  # plain decode steps the verify call runs (> 1: see specdec.engine.plain_steps)
     chosen_at: int | None = None  # the batch size the budget was chosen for, when not len(rids) (see overlap)
     feature_rows: int = 0  # > 0: the verify returns the features of each request's last that many tokens only

@@ -19,8 +19,6 @@ import time
 from collections import deque
 from typing import Any
 
-import torch
-
 from specdec.engine.adaptive import FULL, SpeculationPolicy
 from specdec.engine.admission import PROMPT_EXTEND, Admission
 from specdec.engine.draft_engine import DraftEngine
@@ -37,9 +35,14 @@ __all__ = ["Event", "Launch", "RunState", "Scheduler"]
 
 log = logging.getLogger(__name__)
 _EMPTY = TokenTree((), ())  # a plain decode step: verify of the root alone
-# plain-step tokens a request may hold before the draft catches up on them without waiting for speculation to
-# resume: their features stay on the draft's device until then (8B, 128 requests: 128 MB, EAGLE-3 three times that)
-MAX_BACKLOG = 128
+# Feature rows a plain call asks for per request (`VerifyRequest.feature_rows`): its last token's. The draft follows
+# only that token of a plain stretch and skips the rest: through the services a plain call's features were most of
+# its reply (8B shape, 128 requests, 4 steps a call: 4 MB, +10 ms on a 47 ms call, 2 x H200), and catching up on
+# every plain token cost the draft up to 50 us a token there; both were counted against plain decoding, so `auto`
+# speculated where plain decoding was faster. The price: the draft's context misses the stretch, lowering
+# acceptance when speculation resumes (tiny pair, EAGLE-1, 96 skipped tokens: 4.63 instead of 5.06 tokens a step,
+# 32: 4.84 instead of 4.98; `bench/plain_stretch_skip.py`).
+PLAIN_FEATURE_ROWS = 1
 
 
 class Scheduler(Admission):
@@ -151,12 +154,9 @@ class Scheduler(Admission):
             outputs, error = None, exc
         return self.land(launch, outputs, error, launch.started)
 
-    def launch(self, rids: list[str], pipelined: bool = False, budget: int | None = None,
-               chosen_at: int | None = None) -> Launch:
-        """Everything of a step before its verify: the budget, the draft's catch-up and trees. `pipelined`: the
-        target is verifying another micro-batch meanwhile (`TwoBatchOverlap`), so a catch-up here mostly hides
-        behind that verify and is not charged to plain decoding. `budget`: already chosen (`choose_budget`), for
-        a batch of `chosen_at` requests (default: these)."""
+    def launch(self, rids: list[str], budget: int | None = None, chosen_at: int | None = None) -> Launch:
+        """Everything of a step before its verify: the budget, the draft's catch-up and trees. `budget`: already
+        chosen (`choose_budget`), for a batch of `chosen_at` requests (default: these)."""
         started = time.perf_counter()
         budget = self.choose_budget(rids) if budget is None else budget
         if self.policy is not None and self.draft is not None and budget != self._last_budget:
@@ -167,12 +167,14 @@ class Scheduler(Admission):
         self._last_budget = budget
         speculate = self.draft is not None and budget != 0
         trace = sampled, parent, links = self._step_trace([self.running[rid] for rid in rids])
-        catch_up_s = self._catch_up(rids, trace, charge=not pipelined) if speculate else 0.0
+        if speculate:
+            self._catch_up(rids, trace)
         with self.step_spans.span("draft.propose", sampled, links, parent, batch_size=len(rids)) as span:
             trees = self._propose(rids, budget) if speculate else [_EMPTY] * len(rids)
             plain = 1 if speculate else self._plain_steps_per_call()
-            rows = 0 if speculate else self._plain_feature_rows(chosen_at or len(rids))
-            launch = Launch(rids, trees, budget, speculate, trace, started, catch_up_s, plain, chosen_at, rows)
+            # a plain call brings back the features of each request's last token only (see `_hold`)
+            rows = 0 if speculate or self.draft is None else PLAIN_FEATURE_ROWS
+            launch = Launch(rids, trees, budget, speculate, trace, started, plain, chosen_at, rows)
             if span is not None:
                 span.set_attribute("num_draft_tokens", launch.num_draft_tokens)
         return launch
@@ -186,18 +188,6 @@ class Scheduler(Admission):
         if self.overlap is not None and len(self.running) >= self.overlap.min_batch_size:
             return min(self.plain_steps, PLAIN_STEPS)
         return self.plain_steps
-
-    def _plain_feature_rows(self, batch_size: int) -> int:
-        """Feature rows a plain call asks for per request: 0 (all) while speculation leads or is being measured
-        (the draft catches up on every plain token when it resumes), 1 where the policy found plain decoding
-        the fastest. The draft then skips the stretch but its last token (`DraftEngine.skip`): through the
-        services a plain call's features were most of its reply (8B, 128 requests, 4 steps: 4 MB, +10 ms on
-        a 47 ms call, H200) and the catch-up re-ran the draft over every token. The price: the draft's context
-        misses the stretch, lowering acceptance when speculation resumes (tiny pair, EAGLE-1, 96 skipped tokens:
-        4.63 instead of 5.06 tokens a step; 32: 4.84 instead of 4.98; `bench/plain_stretch_skip.py`)."""
-        if self.policy is not None and self.draft is not None and self.policy.plain_leads(batch_size):
-            return 1
-        return 0
 
     def verify(self, launch: Launch) -> list:
         """The target's verdict on a launch's trees (callable from another thread: see `TwoBatchOverlap`)."""
@@ -250,17 +240,9 @@ class Scheduler(Admission):
             self.timings.plain_steps += steps
             self.timings.plain_s += elapsed
         if self.policy is not None and self.draft is not None:
-            # the catch-up is plain decoding's cost (`record_catch_up`), not this step's
             going = [e for e in events if e.finish_reason == RUNNING]
-            # a catch-up inside the timed span (a synchronous step) is left out; one before it (a micro-batch timed
-            # from the other's landing) was never in it
-            catch_up = launch.catch_up_s if since <= launch.started else 0.0
-            self.policy.record(len(rids), launch.budget, sum(len(e.tokens) for e in going), elapsed - catch_up,
-                               steps, len(going), launch.chosen_at)
-        if not launch.speculate and self.draft is not None:
-            long = [rid for rid in rids if rid in self.running and len(self.running[rid].backlog_tokens) >= MAX_BACKLOG]
-            if long:  # bounded feature memory: catch these up now (plain's cost, outside any step's time)
-                self._catch_up(long, launch.trace)
+            self.policy.record(len(rids), launch.budget, sum(len(e.tokens) for e in going), elapsed, steps,
+                               len(going), launch.chosen_at)
         return events
 
     def fail_running(self, error: SpecdecError) -> list[Event]:
@@ -273,15 +255,16 @@ class Scheduler(Admission):
             self._finish(rid, release_target=True)
         return [Event(rid, [], ABORT, error=error) for rid in rids]
 
-    def choose_budget(self, rids: list[str]) -> int:
-        """Draft tokens to verify this step (0: plain decoding, FULL: the whole tree)."""
+    def choose_budget(self, rids: list[str], batch_size: int | None = None) -> int:
+        """Draft tokens to verify this step (0: plain decoding, FULL: the whole tree), chosen for a batch of
+        `batch_size` requests (default: these; a micro-batch's choice is the whole running batch's)."""
         if self.draft is None:
             return 0
         if self.policy is None:
             return FULL
         if self.seeded(rids):
             return FULL
-        return self.policy.choose(len(rids))
+        return self.policy.choose(batch_size or len(rids))
 
     def seeded(self, rids: list[str]) -> bool:
         """Does any of these requests sample with a seed? It draws differently with other trees, so its steps stay
@@ -289,37 +272,24 @@ class Scheduler(Admission):
         return any(self.running[r].sampling.seed is not None and not self.running[r].sampling.greedy for r in rids)
 
     def _hold(self, state: RunState, tokens: list[int], features) -> None:
-        """Keep a plain call's tokens for the draft's catch-up. A call that returned the features of its last
-        tokens only (`_plain_feature_rows`) leaves everything before them out of the draft's context."""
-        rows = len(tokens) if features is None else features.shape[0]
-        if rows < len(tokens):
-            self.draft.skip(state.request_id, len(state.backlog_tokens) + len(tokens) - rows)
-            state.backlog_tokens, state.backlog_features = tokens[len(tokens) - rows :], [features]
-            return
-        state.backlog_tokens += tokens
-        state.backlog_features.append(features)
+        """Keep what the draft needs of a plain call: its last tokens with their features (the call asked for
+        `PLAIN_FEATURE_ROWS`); the draft leaves every earlier plain token out of its cache (`DraftEngine.skip`)
+        and is extended over the kept ones when speculation resumes (`_catch_up`)."""
+        rows = features.shape[0]
+        self.draft.skip(state.request_id, len(state.backlog_tokens) + len(tokens) - rows)
+        state.backlog_tokens, state.backlog_features = tokens[len(tokens) - rows :], features
 
-    def _catch_up(self, rids: list[str], trace, charge: bool = True) -> float:
-        """Extend the draft over tokens that plain steps committed, so its state is current before proposing.
-        Returns the seconds it took; `charge`: they count against plain decoding's rate (the policy)."""
-        items, calls = [], 0
+    def _catch_up(self, rids: list[str], trace) -> None:
+        """Extend the draft over the tokens that plain calls left it (`_hold`), so its state is current before
+        proposing; timed with the speculative step that needs it."""
+        items = []
         for rid in rids:
             state = self.running[rid]
             if state.backlog_tokens:
-                items.append((rid, state.backlog_tokens, torch.cat(state.backlog_features)))
-                calls = max(calls, len(state.backlog_features))  # one feature block per plain call
-                state.backlog_tokens, state.backlog_features = [], []
-        if not items:
-            return 0.0
-        t0 = time.perf_counter()
-        self._extend(items, trace, "draft.catch_up")
-        seconds = time.perf_counter() - t0
-        # plain tokens are caught up on once speculation resumes: plain decoding's cost, charged to it. Not after a
-        # single plain call (a re-measurement of plain while speculation leads): that catch-up is mostly its fixed
-        # per-request cost over a few tokens, while plain as the choice runs for many calls before the next one
-        if self.policy is not None and charge and calls > 1:
-            self.policy.record_catch_up(len(rids), sum(len(tokens) for _, tokens, _ in items), seconds)
-        return seconds
+                items.append((rid, state.backlog_tokens, state.backlog_features))
+                state.backlog_tokens, state.backlog_features = [], None
+        if items:
+            self._extend(items, trace, "draft.catch_up")
 
     def _propose(self, rids: list[str], budget: int = FULL) -> list:
         empty = _EMPTY

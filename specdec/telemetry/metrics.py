@@ -207,7 +207,7 @@ class ServiceMetrics:
     def track_policy(self, policy) -> None:
         """Expose `--speculation auto`'s measured rates when scraped: `speculation_policy_tokens_per_second
         {batch_bucket, budget}` (what each budget delivered lately at that batch size, the numbers it chooses
-        by) and `speculation_policy_catch_up_seconds_per_token{batch_bucket}` (charged to plain decoding)."""
+        by)."""
         self.registry.register(_PolicyCollector(policy, self._base))
 
     def observe_batch(self, n: int) -> None:
@@ -253,12 +253,7 @@ class _PolicyCollector:
                                   labels=(*BASE_LABELS, "batch_bucket", "budget"))
         for (bucket, budget), rate in sorted(dict(self.policy.rates).items()):
             rates.add_metric((*self.base, str(bucket), budget_name(budget)), rate)
-        catch_up = GaugeMetricFamily(PREFIX + "speculation_policy_catch_up_seconds_per_token",
-                                     "--speculation auto: the draft's catch-up per plain token (charged to plain).",
-                                     labels=(*BASE_LABELS, "batch_bucket"))
-        for bucket, seconds in sorted(dict(self.policy.catch_up).items()):
-            catch_up.add_metric((*self.base, str(bucket)), seconds)
-        return [rates, catch_up]
+        return [rates]
 
     def describe(self):
         return []  # registered without a description: collected only when scraped

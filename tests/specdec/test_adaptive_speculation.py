@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
-import pytest
 from core_engines import tiny_draft, tiny_target
 
 from specdec.engine.adaptive import FULL, SpeculationPolicy, budget_menu
@@ -226,79 +223,6 @@ def test_where_half_the_tree_loses_badly_the_whole_tree_is_not_probed_until_half
     assert FULL in later and later[-20:].count(FULL) >= 14
 
 
-def test_the_policy_times_a_speculative_step_without_the_catch_up_of_earlier_plain_steps(dev_prompts, tiny_tokenizer):
-    """After plain steps the draft first extends over their tokens: a one-off cost of switching, not of speculating,
-    so the rate the policy records for that step leaves it out (the step's own timings keep it)."""
-    target, draft = tiny_target(), tiny_draft()
-    recorded = []
-
-    class Recording(AlternatingPolicy):
-        def record(self, batch_size, budget, tokens, seconds, steps=1, yielding=None, chosen_at=None):
-            recorded.append((budget, seconds))
-
-    class SlowCatchUp(Scheduler):
-        def _extend(self, extend, trace, name="draft.extend"):
-            if name == "draft.catch_up":
-                time.sleep(0.3)
-            super()._extend(extend, trace, name)
-
-    sched = SlowCatchUp(target, draft, target.max_context, 4, feature_layers_for(draft), policy=Recording())
-    prompts = [tiny_tokenizer.encode(p)[-60:] for p in dev_prompts[44:46]]
-    _run(sched, prompts, [SamplingParams(max_new_tokens=48, ignore_eos=True)] * 2)  # several plain -> full turns
-    after_plain = [s for (b, s), (prev, _) in zip(recorded[1:], recorded, strict=False) if b == FULL and prev == 0]
-    assert after_plain and max(after_plain) < 0.3
-    assert sched.timings.spec_s > 0.3 * len(after_plain)
-
-
-def test_the_catch_up_is_charged_to_plain_decoding_per_token():
-    """Plain steps that look faster than the chain only because their tokens' catch-up is paid later lose once
-    the catch-up is charged to them: here plain 10 tokens/s before, 10 / (1 + 10 * 0.05) = 6.7 after."""
-    p = SpeculationPolicy(min_samples=2, min_request_steps=1)
-    for budget, tokens in ((0, 10), (0, 10), (FULL, 8), (FULL, 8)):
-        p.record(1, budget, tokens=tokens, seconds=1.0)
-    assert p.choose(1) == 0 and p.rates[(1, 0)] == 10.0
-    p.record_catch_up(1, tokens=100, seconds=5.0)  # 0.05 s per caught-up token
-    assert abs(p.rates[(1, 0)] - 10 / 1.5) < 1e-9 and p.choose(1) == FULL
-    p.record(1, 0, tokens=10, seconds=1.0)  # later plain steps keep paying it
-    assert abs(p.rates[(1, 0)] - 10 / 1.5) < 1e-9
-    p.record_catch_up(1, tokens=0, seconds=1.0)  # nothing caught up: no change
-    assert p.catch_up == {1: 0.05}
-
-
-@pytest.mark.parametrize("stretch", [1, 3])
-def test_the_scheduler_charges_each_catch_up_after_a_plain_stretch_with_its_tokens(stretch, dev_prompts,
-                                                                                     tiny_tokenizer):
-    """A catch-up after several plain calls reaches the policy with the number of plain tokens it extended the
-    draft over (tokens that plain steps committed and nothing else); one after a single plain call (plain
-    re-measured while speculation leads) is not charged."""
-    target, draft = tiny_target(), tiny_draft()
-    caught, plain_tokens = [], []
-
-    class Recording(SpeculationPolicy):
-        def choose(self, batch_size):
-            self.since[0] = self.since.get(0, 0) + 1
-            return FULL if self.since[0] % (stretch + 1) == 0 else 0  # `stretch` plain calls, one whole tree
-
-        def record(self, batch_size, budget, tokens, seconds, steps=1, yielding=None, chosen_at=None):
-            if budget == 0:
-                plain_tokens.append(tokens)
-
-        def record_catch_up(self, batch_size, tokens, seconds):
-            caught.append((tokens, seconds))
-
-    sched = Scheduler(target, draft, target.max_context, 4, feature_layers_for(draft), policy=Recording(),
-                      plain_steps=1)
-    prompts = [tiny_tokenizer.encode(p)[-60:] for p in dev_prompts[44:46]]
-    _run(sched, prompts, [SamplingParams(max_new_tokens=48, ignore_eos=True)] * 2)
-    if stretch == 1:
-        assert plain_tokens and not caught
-        return
-    assert caught and all(s > 0 for _, s in caught)
-    # plain tokens after a request's last speculative step are never caught up on: at most one stretch's (1 token
-    # a call) per request
-    assert sum(plain_tokens) - 2 * stretch <= sum(t for t, _ in caught) <= sum(plain_tokens)
-
-
 def test_a_plain_call_that_ends_requests_is_not_read_as_a_low_yield():
     """Seen on the H200 at 128 requests: the last plain call of a batch (72 requests left, most finishing inside
     it) yielded 2.6 tokens per request against 4 per call before; weighted by its 72 requests it pulled plain's
@@ -338,52 +262,6 @@ def test_at_batch_1_a_speculative_budget_is_measured_over_enough_steps_to_averag
     assert seen == [0, 0, 0, FULL, FULL, FULL] and big._measured(16) == [0, FULL]
 
 
-def test_a_catch_up_hidden_behind_the_other_micro_batch_is_neither_charged_nor_left_out(dev_prompts,
-                                                                                       tiny_tokenizer):
-    """With two micro-batches in turn, a catch-up runs while the target verifies the other micro-batch and the
-    step is timed from that one's landing: its seconds are not in the step's time (nothing to leave out) and it
-    holds nothing up by itself (not charged to plain). A synchronous step's catch-up is both."""
-    from specdec.engine.overlap import TwoBatchOverlap
-
-    target, draft = tiny_target(), tiny_draft()
-    caught, steps = [], []
-
-    class Recording(AlternatingPolicy):
-        def record(self, batch_size, budget, tokens, seconds, steps_=1, yielding=None, chosen_at=None):
-            steps.append((budget, seconds))
-
-        def record_catch_up(self, batch_size, tokens, seconds):
-            caught.append(sched.pipelined)
-
-        def choose(self, batch_size):  # whole tree, 2 nodes, then 2 plain calls (a charged stretch)
-            self.since[0] = self.since.get(0, 0) + 1
-            return (FULL, 2, 0, 0)[self.since[0] % 4]
-
-    class SlowCatchUp(Scheduler):
-        pipelined = False
-
-        def _extend(self, extend, trace, name="draft.extend"):
-            if name == "draft.catch_up":
-                done.append(self.pipelined)
-                time.sleep(0.2)
-            super()._extend(extend, trace, name)
-
-        def launch(self, rids, pipelined=False, **kwargs):
-            self.pipelined = pipelined
-            return super().launch(rids, pipelined, **kwargs)
-
-    done: list[bool] = []  # per catch-up: was its launch pipelined?
-    sched = SlowCatchUp(target, draft, target.max_context, 8, feature_layers_for(draft), policy=Recording(),
-                        overlap=TwoBatchOverlap(min_batch_size=4), plain_steps=1)
-    prompts = [tiny_tokenizer.encode(p)[-40:] for p in dev_prompts[50:56]]
-    _run(sched, prompts, [SamplingParams(max_new_tokens=24, ignore_eos=True)] * 6)
-    assert True in done and False in done  # catch-ups both in pipelined and in synchronous launches
-    assert caught and not any(caught)  # charged: synchronous ones only
-    # a pipelined step was timed from the other micro-batch's landing, after its 0.2 s catch-up: nothing of it
-    # to leave out (taking it out anyway gave negative times)
-    assert all(s > 0 for _, s in steps)
-
-
 def test_a_one_off_stall_moves_a_budgets_time_a_bounded_step():
     """Seen on the H200 at 128 requests: one whole-tree step took 208 ms among 40-45 ms ones; averaged in as is
     it halved the chain's rate until its next re-measurement, dozens of steps later. A step enters the average
@@ -397,37 +275,3 @@ def test_a_one_off_stall_moves_a_budgets_time_a_bounded_step():
     for _ in range(8):  # a real slow-down to 0.2 s a step
         p.record(128, FULL, tokens=640, seconds=0.2)
     assert p.seconds[(128, FULL)] * 128 > 0.18
-
-
-def test_a_long_plain_stretch_catches_up_before_its_backlog_grows_past_the_bound(dev_prompts, tiny_tokenizer,
-                                                                                  monkeypatch):
-    """Plain steps leave their tokens and features for the draft to catch up on when speculation resumes; a long
-    plain stretch catches up once a request holds MAX_BACKLOG of them (bounded feature memory), charged to plain
-    decoding, and the tokens stay plain decoding's."""
-    import specdec.engine.scheduler as scheduler_module
-
-    monkeypatch.setattr(scheduler_module, "MAX_BACKLOG", 12)
-    target, draft = tiny_target(), tiny_draft()
-    caught, worst = [], [0]
-
-    class Plain(SpeculationPolicy):
-        def choose(self, batch_size):
-            return 0
-
-        def record_catch_up(self, batch_size, tokens, seconds):
-            caught.append(tokens)
-
-    prompts = [tiny_tokenizer.encode(p)[-40:] for p in dev_prompts[30:33]]
-    params = [SamplingParams(max_new_tokens=40, ignore_eos=True)] * 3
-    plain = _run(Scheduler(target, None, target.max_context, 4), prompts, params)
-    sched = Scheduler(target, draft, target.max_context, 4, feature_layers_for(draft), policy=Plain(), plain_steps=4)
-    out = {f"r{i}": [] for i in range(3)}
-    for i, (p, s) in enumerate(zip(prompts, params, strict=True)):
-        sched.add(f"r{i}", p, s)
-    while sched.has_work:
-        for ev in sched.step():
-            out[ev.request_id] += ev.tokens
-        worst[0] = max([worst[0]] + [len(s.backlog_tokens) for s in sched.running.values()])
-    assert out == plain
-    assert caught and all(t == 3 * 12 for t in caught)  # three requests, 12 tokens each, at every bound
-    assert worst[0] < 12  # checked after each step: never left at the bound

@@ -1,6 +1,6 @@
-"""Where the policy found plain decoding the fastest, a plain call asks for the features of each request's last token
-only and the draft leaves the rest of the stretch out of its cache (`Scheduler._plain_feature_rows`,
-`DraftEngine.skip`): the tokens stay the target's, later positions stay true, and nothing leaks."""
+"""A plain call asks for the features of each request's last token only and the draft leaves the rest of the stretch
+out of its cache (`Scheduler._hold`, `DraftEngine.skip`): the tokens stay the target's, later positions stay true,
+the draft holds one token to catch up on at most, and nothing leaks."""
 
 from __future__ import annotations
 
@@ -14,26 +14,6 @@ from specdec.engine.requests import PrefillInput, VerifyInput
 from specdec.engine.scheduler import Scheduler
 from specdec.errors import InvalidInput
 from specdec.sampling_params import SamplingParams
-
-
-def _measure(p: SpeculationPolicy, batch_size: int, tokens_per_s: dict[int, float]) -> None:
-    """Drive `p` at `batch_size` until every budget of its menu is measured, at the given rates."""
-    for _ in range(40):
-        budget = p.choose(batch_size)
-        p.record(batch_size, budget, tokens=int(tokens_per_s[budget]), seconds=1.0)
-
-
-def test_plain_leads_only_where_the_menu_is_measured_and_plain_decoding_is_fastest():
-    p = SpeculationPolicy((0, FULL), min_samples=2, min_request_steps=1)
-    assert not p.plain_leads(8)
-    _measure(p, 8, {0: 80, FULL: 40})
-    assert p.plain_leads(8) and p.plain_leads(5)  # the same bucket
-    assert not p.plain_leads(64)  # another bucket, not measured yet
-    p.record(64, 0, tokens=640, seconds=1.0)
-    p.record(64, 0, tokens=640, seconds=1.0)
-    assert not p.plain_leads(64)  # plain measured, the whole tree not yet: still measuring
-    _measure(p, 64, {0: 640, FULL: 900})
-    assert not p.plain_leads(64)  # speculation leads: plain calls keep every feature row
 
 
 def _admit(target, rids: list[str]) -> None:
@@ -96,9 +76,6 @@ class PlainLeads(SpeculationPolicy):
         self.since[0] = self.since.get(0, 0) + 1
         return FULL if self.since[0] % 5 == 0 else 0
 
-    def plain_leads(self, batch_size: int) -> bool:
-        return True
-
 
 class Recording:
     """The target, recording the keyword arguments of each verify call."""
@@ -124,7 +101,7 @@ def test_plain_stretches_skipped_by_the_draft_are_lossless_and_keep_positions_tr
     recorder = Recording(target)
     sched = Scheduler(recorder, draft, target.max_context, 4, feature_layers_for(draft), policy=PlainLeads(),
                       plain_steps=4)
-    outs, gaps, skipped = [], set(), 0
+    outs, gaps, skipped, held = [], set(), 0, 0
     for s in (plain, sched):
         out = {f"r{i}": [] for i in range(len(prompts))}
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
@@ -137,9 +114,10 @@ def test_plain_stretches_skipped_by_the_draft_are_lossless_and_keep_positions_tr
                 for rid, state in s.running.items():
                     gaps.add(target.requests[rid].kv_len - draft.length(rid) - len(state.backlog_tokens))
                     skipped = max(skipped, draft.requests[rid].skipped)
+                    held = max(held, len(state.backlog_tokens))
         outs.append(out)
     assert outs[0] == outs[1]
-    assert len(gaps) == 1 and skipped > 0
+    assert len(gaps) == 1 and skipped > 0 and held == 1  # plain calls of 4 tokens leave the draft the last
     plain_calls = [kw for kw in recorder.calls if kw.get("plain_steps", 1) > 1]
     spec_calls = [kw for kw in recorder.calls if kw.get("plain_steps", 1) == 1]
     assert plain_calls and all(kw.get("feature_rows") == 1 for kw in plain_calls)
