@@ -171,7 +171,7 @@ class Scheduler(Admission):
             self._catch_up(rids, trace)
         with self.step_spans.span("draft.propose", sampled, links, parent, batch_size=len(rids)) as span:
             trees = self._propose(rids, budget) if speculate else [_EMPTY] * len(rids)
-            plain = 1 if speculate else self._plain_steps_per_call()
+            plain = 1 if speculate else self._plain_steps_per_call(rids)
             # a plain call brings back the features of each request's last token only (see `_hold`)
             rows = 0 if speculate or self.draft is None else PLAIN_FEATURE_ROWS
             launch = Launch(rids, trees, budget, speculate, trace, started, plain, chosen_at, rows)
@@ -179,13 +179,13 @@ class Scheduler(Admission):
                 span.set_attribute("num_draft_tokens", launch.num_draft_tokens)
         return launch
 
-    def _plain_steps_per_call(self) -> int:
-        """`plain_steps`, but no more than PLAIN_STEPS (the target's own `Generate`) where the batch is large
-        enough for two micro-batches: a plain call there decodes the whole batch (`TwoBatchOverlap`), each of its
-        steps is long, and a long call would hold back admissions and streams (a round trip is a small share of a
-        large batch's step). Measured before plain calls took the whole batch: a 16-step call of one micro-batch
-        held the other's verify 8-12 ms a step."""
-        if self.overlap is not None and len(self.running) >= self.overlap.min_batch_size:
+    def _plain_steps_per_call(self, rids: list[str]) -> int:
+        """`plain_steps`, but no more than PLAIN_STEPS (the target's own `Generate`) for one micro-batch of two
+        taking turns (`TwoBatchOverlap`, only beside seeded requests): a long plain call would hold the target while
+        the other's verify waits (measured: a 16-step call held it 8-12 ms a step). A plain call of the whole batch
+        takes them all: at 128 requests of an 8B shape a call's round trip and bookkeeping cost ~6.5 ms, 16% of
+        4 steps (2 x H200, `bench/services_gpu.sh`, session 8)."""
+        if self.overlap is not None and len(rids) < len(self.running):
             return min(self.plain_steps, PLAIN_STEPS)
         return self.plain_steps
 

@@ -183,8 +183,8 @@ def test_the_verify_worker_runs_beside_the_scheduler_thread(dev_prompts, tiny_to
 
 
 def test_plain_calls_are_short_while_micro_batches_take_turns():
-    """A draft asking for 16 plain steps per call asks for PLAIN_STEPS once the batch is split in two: a long plain
-    call of one micro-batch would hold the target while the other's verify waits."""
+    """A draft asking for 16 plain steps per call asks for PLAIN_STEPS for one micro-batch of two: a long plain
+    call of it would hold the target while the other's verify waits. A plain call of the whole batch takes 16."""
     from specdec.engine.plain_steps import PLAIN_STEPS
 
     class Remote:
@@ -192,21 +192,19 @@ def test_plain_calls_are_short_while_micro_batches_take_turns():
 
     sched = Scheduler(Remote(), None, 2048, 64, overlap=TwoBatchOverlap(4), plain_steps=16)
     try:
-        sched.running = {f"r{i}": None for i in range(3)}
-        assert sched._plain_steps_per_call() == 16
-        sched.running["r3"] = None
-        assert sched._plain_steps_per_call() == PLAIN_STEPS
+        sched.running = {f"r{i}": None for i in range(4)}
+        assert sched._plain_steps_per_call(list(sched.running)) == 16
+        assert sched._plain_steps_per_call(["r0", "r1"]) == PLAIN_STEPS
     finally:
         sched.close()
 
 
 def test_a_plain_choice_decodes_the_whole_batch_in_one_call(dev_prompts, tiny_tokenizer):
     """When a micro-batch's budget comes out plain, what is in flight lands and the whole running batch decodes
-    plainly in one call of PLAIN_STEPS (two half-batches cost the target more, and the draft has nothing to
-    overlap). Speculative choices still go out as micro-batches; the policy chooses and files both under the
-    running batch's bucket; the tokens are plain decoding's."""
+    plainly in one call of the scheduler's plain steps (two half-batches cost the target more, and the draft has
+    nothing to overlap). Speculative choices still go out as micro-batches; the policy chooses and files both under
+    the running batch's bucket; the tokens are plain decoding's."""
     from specdec.engine.adaptive import FULL, SpeculationPolicy
-    from specdec.engine.plain_steps import PLAIN_STEPS
 
     engine = tiny_target()
     prompts = _prompts(dev_prompts, tiny_tokenizer, 8)
@@ -231,8 +229,7 @@ def test_a_plain_choice_decodes_the_whole_batch_in_one_call(dev_prompts, tiny_to
     plain_calls = [(n, k) for _, _, n, k, drafted in target.verifies if not drafted and k > 1]
     spec_calls = [n for _, _, n, _, drafted in target.verifies if drafted]
     assert plain_calls and spec_calls
-    # a large batch's call: as the target's Generate (the last request or two, below the overlap's size, run alone)
-    assert all(k == PLAIN_STEPS for n, k in plain_calls if n >= 4)
+    assert all(k == 8 for _, k in plain_calls)  # the whole batch (or what is left of it): the scheduler's plain steps
     assert max(n for n, _ in plain_calls) == 8 and max(spec_calls) < 8  # whole batch vs micro-batches
     whole = [h for h in policy.history if h[0] == "step" and h[2] == 0 and h[1] == 8]  # plain, all 8 requests
     micro = [h for h in policy.history if h[0] == "step" and h[2] != 0 and h[1] < 8]  # speculative micro-batches
