@@ -127,7 +127,8 @@ class TargetClient:
             msg, feats = self._decode(target_pb2.PrefillResponse, data)
             if msg.request_id != inp.request_id or (inp.return_features and feats is None):
                 raise MalformedReply(f"target: malformed Prefill reply for {inp.request_id!r}")
-            rows = len(inp.prompt_ids) if inp.return_features else None
+            n = len(inp.prompt_ids)
+            rows = min(n, inp.feature_rows or n) if inp.return_features else None
             return self._checked(prefill_output_from_proto, msg, feats, expected_rows=rows)
         except MalformedReply:
             self._release_quietly(inp.request_id)  # the target admitted it; nobody else will free it

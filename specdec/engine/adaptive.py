@@ -101,6 +101,11 @@ class SpeculationPolicy:
                 return budget
         return None
 
+    def plain_leads(self, batch_size: int) -> bool:
+        """Has this batch size's bucket measured its menu and found plain decoding the fastest?"""
+        b = self.bucket(batch_size)
+        return self._next_unmeasured(b) is None and bool(self._measured(b)) and self._best(b) == 0
+
     def _measured(self, b: int) -> list[int]:
         return [x for x in self.budgets if self._is_measured(b, x)]
 

@@ -91,7 +91,18 @@ class Admission:
         if self.draft is not None:
             self.draft.add(state.request_id, len(state.prompt_ids) + state.sampling.max_new_tokens)
         return PrefillInput(state.request_id, state.prompt_ids, state.sampling, self.feature_layers,
-                            self.draft is not None, trace_context=state.trace_context)
+                            self.draft is not None, trace_context=state.trace_context,
+                            feature_rows=self._prompt_feature_rows())
+
+    def _prompt_feature_rows(self) -> int:
+        """0 (the whole prompt's features), or 1 where the policy decodes the running batch plainly: the draft
+        then skips the prompt but its last token, as it skips plain stretches (`Scheduler._hold`). Through the
+        services a prompt's features crossed the wire to a draft that would not speculate on them (8B shape:
+        8 KB a token, 200 MB for 128 prompts of 200 tokens) and the draft extended over all of them; the
+        price is a draft without the prompt's context if speculation resumes for the request."""
+        if self.draft is None or self.policy is None or not self.running:
+            return 0
+        return 1 if self.policy.plain_leads(len(self.running)) else 0
 
     def _prefill_together(self, group: list[RunState]):
         """Outputs for the whole group from one target call, or None (one request, or any failure: nothing of
@@ -175,4 +186,7 @@ class Admission:
             return
         self.running[rid] = state
         if self.draft is not None:
-            extend.append((rid, state.prompt_ids[1:] + [out.first_token], out.features))
+            tokens = state.prompt_ids[1:] + [out.first_token]  # token i pairs with the feature at prompt token i
+            rows = out.features.shape[0]
+            self.draft.skip(rid, len(tokens) - rows)  # the prompt's earlier tokens, if only the last rows came
+            extend.append((rid, tokens[len(tokens) - rows :], out.features))

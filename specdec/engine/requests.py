@@ -26,6 +26,7 @@ class PrefillInput:
     # the request's OpenTelemetry context: a remote target's Prefill RPC joins the request's trace
     trace_context: Any = field(default=None, compare=False, repr=False)
     feature_wire: str = ""  # how a remote draft wants the features sent ("" or tensor_codec.FP8_ROWS)
+    feature_rows: int = 0  # > 0: the features of the last that many prompt tokens only
 
 
 @dataclass

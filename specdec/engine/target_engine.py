@@ -116,6 +116,8 @@ class TargetEngine:
         bad = [i for i in inp.feature_layers if not 0 <= i <= self.cfg.num_layers]
         if bad:
             raise InvalidInput(f"feature layer {bad[0]} outside [0, {self.cfg.num_layers}]")
+        if inp.feature_rows < 0:
+            raise InvalidInput(f"feature_rows {inp.feature_rows} is negative (0: every prompt token's features)")
         self.kv.add(inp.request_id, self._max_tokens(len(inp.prompt_ids), inp.sampling))
         req = TargetRequest(inp.sampling, make_generator(inp.sampling), tuple(inp.feature_layers),
                             len(inp.prompt_ids), 0, -1, 0, inp.feature_wire, inp.return_features)
@@ -161,7 +163,8 @@ class TargetEngine:
             req.kv_len = n
             last = hidden[start + n - 1 : start + n]
             token = self._pick(req, self.model.compute_logits(last))[0]
-            feats = self._features(req, hidden, aux, torch.arange(start, start + n)) if inp.return_features else None
+            first = start + n - min(n, inp.feature_rows or n)  # the last feature_rows rows (0: all)
+            feats = self._features(req, hidden, aux, torch.arange(first, start + n)) if inp.return_features else None
             toks, reason = self._commit_tokens(inp.request_id, req, [token])
             outputs.append(PrefillOutput(inp.request_id, toks[0], feats, reason))
             start += n

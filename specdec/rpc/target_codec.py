@@ -43,7 +43,7 @@ def prefill_to_proto(inp: PrefillInput) -> target_pb2.PrefillRequest:
     return target_pb2.PrefillRequest(
         request_id=inp.request_id, prompt_ids=inp.prompt_ids, sampling=sampling_to_proto(inp.sampling),
         feature_layer_ids=list(inp.feature_layers), return_features=inp.return_features,
-        feature_dtype=inp.feature_wire,
+        feature_dtype=inp.feature_wire, feature_rows=inp.feature_rows,
     )
 
 
@@ -51,8 +51,11 @@ def prefill_from_proto(msg: target_pb2.PrefillRequest) -> PrefillInput:
     sampling = sampling_from_proto(msg.sampling if msg.HasField("sampling") else None)
     if msg.feature_dtype not in FEATURE_DTYPES:
         raise InvalidInput(f"feature_dtype {msg.feature_dtype!r} is not one of {list(FEATURE_DTYPES)}")
+    if msg.feature_rows < 0:
+        raise InvalidInput(f"feature_rows {msg.feature_rows} is negative (0: every prompt token's features)")
     return PrefillInput(check_request_id(msg.request_id), list(msg.prompt_ids), sampling,
-                        tuple(msg.feature_layer_ids), msg.return_features, feature_wire=msg.feature_dtype)
+                        tuple(msg.feature_layer_ids), msg.return_features, feature_wire=msg.feature_dtype,
+                        feature_rows=msg.feature_rows)
 
 
 def prefill_output_to_proto(out: PrefillOutput) -> target_pb2.PrefillResponse:

@@ -173,16 +173,19 @@ def test_target_rpc_errors(stack):
 
 def test_verify_plain_steps_over_grpc(stack):
     """`VerifyRequest.plain_steps`: several plain decode steps in one call give the tokens and feature rows of as
-    many one-step calls; `feature_rows` keeps the last rows only; a bad count or a tree with drafts is
-    INVALID_ARGUMENT and changes nothing."""
+    many one-step calls; `feature_rows` (Verify and Prefill) keeps the last rows only; a bad count or a tree with
+    drafts is INVALID_ARGUMENT and changes nothing."""
     target, _ = stack
 
     async def run():
         async with make_channel(target.addr) as ch:
             stub = target_pb2_grpc.TargetServiceStub(ch)
-            for rid in ("many", "one", "last"):
-                await stub.Prefill(target_pb2.PrefillRequest(request_id=rid, prompt_ids=list(range(40, 90)),
-                                                             return_features=True))
+            prefills = [await stub.Prefill(target_pb2.PrefillRequest(
+                request_id=rid, prompt_ids=list(range(40, 90)), return_features=True, feature_rows=rows))
+                for rid, rows in (("many", 0), ("one", 0), ("last", 2))]
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Prefill(target_pb2.PrefillRequest(request_id="bad", prompt_ids=[5, 6], feature_rows=-2))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "feature_rows" in err.value.details()
             tree = [target_pb2.TreeProposal(request_id="many")]
             for bad, field in ((target_pb2.VerifyRequest(trees=tree, plain_steps=65), "plain_steps"),
                                (target_pb2.VerifyRequest(trees=[target_pb2.TreeProposal(
@@ -197,9 +200,11 @@ def test_verify_plain_steps_over_grpc(stack):
             last = await stub.Verify(target_pb2.VerifyRequest(trees=[target_pb2.TreeProposal(request_id="last")],
                                                               plain_steps=3, feature_rows=1))
             await stub.Release(target_pb2.ReleaseRequest(request_ids=["many", "one", "last"]))
-        return many, one, last
+        return many, one, last, prefills
 
-    many, one, last = asyncio.run(run())
+    many, one, last, prefills = asyncio.run(run())
+    assert list(prefills[0].features.shape)[0] == 50 and list(prefills[2].features.shape)[0] == 2
+    assert prefills[2].features.data == prefills[0].features.data[48 * len(prefills[0].features.data) // 50 :]
     result = many.results[0]
     assert list(result.tokens) == [t for r in one for t in r.results[0].tokens] and len(result.tokens) == 3
     assert result.num_accepted_drafts == 0 and result.num_feature_rows == 3 and list(many.features.shape)[0] == 3

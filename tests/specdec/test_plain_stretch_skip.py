@@ -1,6 +1,7 @@
 """A plain call asks for the features of each request's last token only and the draft leaves the rest of the stretch
-out of its cache (`Scheduler._hold`, `DraftEngine.skip`): the tokens stay the target's, later positions stay true,
-the draft holds one token to catch up on at most, and nothing leaks."""
+out of its cache (`Scheduler._hold`, `DraftEngine.skip`); where the policy decodes plainly, admission does the same
+with the prompt (`Admission._prompt_feature_rows`): the tokens stay the target's, later positions stay true, the
+draft holds one token to catch up on at most, and nothing leaks."""
 
 from __future__ import annotations
 
@@ -14,6 +15,37 @@ from specdec.engine.requests import PrefillInput, VerifyInput
 from specdec.engine.scheduler import Scheduler
 from specdec.errors import InvalidInput
 from specdec.sampling_params import SamplingParams
+
+
+def test_plain_leads_only_where_the_menu_is_measured_and_plain_decoding_is_fastest():
+    p = SpeculationPolicy((0, FULL), min_samples=2, min_request_steps=1)
+    assert not p.plain_leads(8)
+    for _ in range(6):  # plain twice, then the whole tree twice: measured, plain faster
+        budget = p.choose(8)
+        p.record(8, budget, tokens=80 if budget == 0 else 40, seconds=1.0)
+    assert p.plain_leads(8) and p.plain_leads(5)  # the same bucket
+    assert not p.plain_leads(64)  # another bucket, not measured yet
+    for _ in range(6):
+        budget = p.choose(64)
+        p.record(64, budget, tokens=640 if budget == 0 else 900, seconds=1.0)
+    assert not p.plain_leads(64)  # speculation leads there
+
+
+def test_prefill_returns_the_features_of_the_last_prompt_tokens_when_asked():
+    target = tiny_target()
+    prompt, params = list(range(300, 340)), SamplingParams(max_new_tokens=4)
+    with pytest.raises(InvalidInput, match="feature_rows"):
+        target.prefill([PrefillInput("bad", prompt, params, feature_rows=-1)])
+    assert "bad" not in target.requests
+    full, last = target.prefill([PrefillInput("all", prompt, params), PrefillInput("last", prompt, params,
+                                                                                     feature_rows=3)])
+    try:
+        assert full.features.shape[0] == 40 and last.features.shape[0] == 3
+        assert torch.allclose(last.features, full.features[-3:], atol=1e-5)
+        assert last.first_token == full.first_token
+    finally:
+        target.release("all")
+        target.release("last")
 
 
 def _admit(target, rids: list[str]) -> None:
@@ -76,15 +108,22 @@ class PlainLeads(SpeculationPolicy):
         self.since[0] = self.since.get(0, 0) + 1
         return FULL if self.since[0] % 5 == 0 else 0
 
+    def plain_leads(self, batch_size: int) -> bool:
+        return True
+
 
 class Recording:
-    """The target, recording the keyword arguments of each verify call."""
+    """The target, recording the keyword arguments of each verify call and the feature rows each prefill asks."""
 
     def __init__(self, target):
-        self._target, self.calls = target, []
+        self._target, self.calls, self.prompt_rows = target, [], []
 
     def __getattr__(self, name):
         return getattr(self._target, name)
+
+    def prefill(self, inputs):
+        self.prompt_rows += [inp.feature_rows for inp in inputs]
+        return self._target.prefill(inputs)
 
     def verify(self, inputs, **kwargs):
         self.calls.append(kwargs)
@@ -95,11 +134,12 @@ class Recording:
 def test_plain_stretches_skipped_by_the_draft_are_lossless_and_keep_positions_true(kind, dev_prompts,
                                                                                    tiny_tokenizer):
     target, draft = tiny_target(), tiny_draft(kind)
-    prompts = [tiny_tokenizer.encode(p)[-60:] for p in dev_prompts[44:47]]
-    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (45, 30, 38)]
+    prompts = [tiny_tokenizer.encode(p)[-60:] for p in dev_prompts[44:48]]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (45, 30, 38, 20)]
     plain = Scheduler(target, None, target.max_context, 4)
     recorder = Recording(target)
-    sched = Scheduler(recorder, draft, target.max_context, 4, feature_layers_for(draft), policy=PlainLeads(),
+    # room for 3: the fourth request is admitted while others run, where plain decoding leads
+    sched = Scheduler(recorder, draft, target.max_context, 3, feature_layers_for(draft), policy=PlainLeads(),
                       plain_steps=4)
     outs, gaps, skipped, held = [], set(), 0, 0
     for s in (plain, sched):
@@ -118,6 +158,7 @@ def test_plain_stretches_skipped_by_the_draft_are_lossless_and_keep_positions_tr
         outs.append(out)
     assert outs[0] == outs[1]
     assert len(gaps) == 1 and skipped > 0 and held == 1  # plain calls of 4 tokens leave the draft the last
+    assert recorder.prompt_rows == [0, 0, 0, 1]  # the first three joined an empty batch: whole prompts
     plain_calls = [kw for kw in recorder.calls if kw.get("plain_steps", 1) > 1]
     spec_calls = [kw for kw in recorder.calls if kw.get("plain_steps", 1) == 1]
     assert plain_calls and all(kw.get("feature_rows") == 1 for kw in plain_calls)
