@@ -51,6 +51,8 @@ class Admission:
         if self._retry_at and time.monotonic() < self._retry_at:
             return events
         self._retry_at = 0.0
+        # the batch these requests will decode in, as far as the queue tells (128 arriving at once: 128)
+        self._joining = min(self.max_batch_size, len(self.running) + len(self.waiting))
         while self.waiting and len(self.running) < self.max_batch_size:
             group = self._next_group()
             answers = self._prefill_each(group)  # a remote target: each request answered alone, all at once
@@ -95,14 +97,14 @@ class Admission:
                             feature_rows=self._prompt_feature_rows())
 
     def _prompt_feature_rows(self) -> int:
-        """0 (the whole prompt's features), or 1 where the policy decodes the running batch plainly: the draft
-        then skips the prompt but its last token, as it skips plain stretches (`Scheduler._hold`). Through the
-        services a prompt's features crossed the wire to a draft that would not speculate on them (8B shape:
-        8 KB a token, 200 MB for 128 prompts of 200 tokens) and the draft extended over all of them; the
-        price is a draft without the prompt's context if speculation resumes for the request."""
-        if self.draft is None or self.policy is None or not self.running:
+        """0 (the whole prompt's features), or 1 where the policy decodes plainly at the size of the batch the
+        request joins: the draft then skips the prompt but its last token, as it skips plain stretches
+        (`Scheduler._hold`). Through the services a prompt's features crossed the wire to a draft that would not
+        speculate on them (8B shape: 8 KB a token, 200 MB for 128 prompts of 200 tokens) and the draft extended
+        over all of them; the price is a draft without the prompt's context if speculation resumes for it."""
+        if self.draft is None or self.policy is None:
             return 0
-        return 1 if self.policy.plain_leads(len(self.running)) else 0
+        return 1 if self.policy.plain_leads(max(1, self._joining)) else 0
 
     def _prefill_together(self, group: list[RunState]):
         """Outputs for the whole group from one target call, or None (one request, or any failure: nothing of

@@ -70,6 +70,7 @@ class Scheduler(Admission):
         self._aborts: set[str] = set()
         self.timings = timings if timings is not None else StepTimings()
         self._last_budget: int | None = None  # the budget of the latest launch (a switch settles the draft first)
+        self._joining = 0  # the batch size admission expects its requests to join (`Admission._admit`)
 
     # ---- queue ----------------------------------------------------------------------------------------------
     def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, trace_context=None) -> RunState:

@@ -109,7 +109,7 @@ class PlainLeads(SpeculationPolicy):
         return FULL if self.since[0] % 5 == 0 else 0
 
     def plain_leads(self, batch_size: int) -> bool:
-        return True
+        return bool(self.since)  # once it has chosen (measured) at all
 
 
 class Recording:
@@ -158,10 +158,43 @@ def test_plain_stretches_skipped_by_the_draft_are_lossless_and_keep_positions_tr
         outs.append(out)
     assert outs[0] == outs[1]
     assert len(gaps) == 1 and skipped > 0 and held == 1  # plain calls of 4 tokens leave the draft the last
-    assert recorder.prompt_rows == [0, 0, 0, 1]  # the first three joined an empty batch: whole prompts
+    assert recorder.prompt_rows == [0, 0, 0, 1]  # the first three came before any measurement: whole prompts
     plain_calls = [kw for kw in recorder.calls if kw.get("plain_steps", 1) > 1]
     spec_calls = [kw for kw in recorder.calls if kw.get("plain_steps", 1) == 1]
     assert plain_calls and all(kw.get("feature_rows") == 1 for kw in plain_calls)
     assert spec_calls and not any(kw.get("feature_rows") for kw in spec_calls)
     assert not draft.requests and draft.kv.num_free_pages == draft.kv.num_total_pages
     assert target.kv.num_free_pages == target.kv.num_total_pages
+
+
+def test_requests_arriving_together_are_weighed_at_the_batch_they_will_form(dev_prompts, tiny_tokenizer):
+    """Four requests queued at once into an idle scheduler join a batch of four: where plain decoding leads at that
+    size (and not below it) each brings back its last prompt token's features only, and the tokens stay plain
+    decoding's."""
+    target, draft = tiny_target(), tiny_draft()
+    seen = []
+
+    class PlainFromFour(SpeculationPolicy):
+        def choose(self, batch_size: int) -> int:
+            return 0
+
+        def plain_leads(self, batch_size: int) -> bool:
+            seen.append(batch_size)
+            return batch_size >= 4
+
+    prompts = [tiny_tokenizer.encode(p)[-50:] for p in dev_prompts[48:52]]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    recorder = Recording(target)
+    outs = []
+    for sched in (Scheduler(target, None, target.max_context, 8),
+                  Scheduler(recorder, draft, target.max_context, 8, feature_layers_for(draft),
+                            policy=PlainFromFour())):
+        out = {f"r{i}": [] for i in range(4)}
+        for i, prompt in enumerate(prompts):
+            sched.add(f"r{i}", prompt, params)
+        while sched.has_work:
+            for ev in sched.step():
+                out[ev.request_id] += ev.tokens
+        outs.append(out)
+    assert outs[0] == outs[1] and recorder.prompt_rows == [1, 1, 1, 1] and set(seen) == {4}
+    assert not draft.requests and target.kv.num_free_pages == target.kv.num_total_pages
