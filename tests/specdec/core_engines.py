@@ -1,4 +1,4 @@
-"""Engines over the shipped tiny pair, built once per test session (fp32 on CPU)."""
+"""Engines over the shipped tiny pair, built once per test session (fp32 on CPU), and a loop that drives a scheduler."""
 
 from __future__ import annotations
 
@@ -19,3 +19,18 @@ def tiny_target():
 
 def tiny_draft(kind: str = "draft", spec: SpecConfig = SpecConfig(5, 1, 5)):
     return build_draft(str(TINY / kind), str(TINY / "target"), spec, OPTS, tiny_target().max_context)
+
+
+def drive(scheduler, prompts, params, on_step=None) -> dict[str, list[int]]:
+    """Add the prompts as r0, r1, ... and step `scheduler` until it is idle (no event may carry an error);
+    `on_step(scheduler)` after each step. Returns each request's tokens."""
+    out = {f"r{i}": [] for i in range(len(prompts))}
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        scheduler.add(f"r{i}", prompt, p)
+    while scheduler.has_work:
+        for ev in scheduler.step():
+            assert ev.error is None
+            out[ev.request_id] += ev.tokens
+        if on_step is not None:
+            on_step(scheduler)
+    return out

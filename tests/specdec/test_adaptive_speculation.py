@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from core_engines import tiny_draft, tiny_target
+from core_engines import drive, tiny_draft, tiny_target
 
 from specdec.engine.adaptive import FULL, SpeculationPolicy, budget_menu
 from specdec.engine.generate import feature_layers_for
@@ -50,26 +50,15 @@ class AlternatingPolicy(SpeculationPolicy):
         return (FULL, 2, 0)[self.since[0] % 3]  # whole tree, 2 nodes, plain, ...
 
 
-def _run(scheduler: Scheduler, prompts, params) -> dict[str, list[int]]:
-    out = {f"r{i}": [] for i in range(len(prompts))}
-    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-        scheduler.add(f"r{i}", prompt, p)
-    while scheduler.has_work:
-        for ev in scheduler.step():
-            assert ev.error is None
-            out[ev.request_id] += ev.tokens
-    return out
-
-
 def test_switching_modes_mid_request_is_lossless(dev_prompts, tiny_tokenizer):
     target = tiny_target()
     prompts = [tiny_tokenizer.encode(p)[-100:] for p in dev_prompts[40:44]]
     params = [SamplingParams(max_new_tokens=n) for n in (30, 17, 41, 25)]
-    plain = _run(Scheduler(target, None, target.max_context, 4), prompts, params)
+    plain = drive(Scheduler(target, None, target.max_context, 4), prompts, params)
     for kind in ("draft", "draft-eagle3"):
         draft = tiny_draft(kind)
         sched = Scheduler(target, draft, target.max_context, 4, feature_layers_for(draft), policy=AlternatingPolicy())
-        assert _run(sched, prompts, params) == plain
+        assert drive(sched, prompts, params) == plain
         assert not draft.requests and draft.kv.num_free_pages == draft.kv.num_total_pages
         assert target.kv.num_free_pages == target.kv.num_total_pages
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from core_engines import tiny_draft, tiny_target
+from core_engines import drive, tiny_draft, tiny_target
 
 from specdec.engine.adaptive import FULL, SpeculationPolicy
 from specdec.engine.generate import feature_layers_for
@@ -141,22 +141,16 @@ def test_plain_stretches_skipped_by_the_draft_are_lossless_and_keep_positions_tr
     # room for 3: the fourth request is admitted while others run, where plain decoding leads
     sched = Scheduler(recorder, draft, target.max_context, 3, feature_layers_for(draft), policy=PlainLeads(),
                       plain_steps=4)
-    outs, gaps, skipped, held = [], set(), 0, 0
-    for s in (plain, sched):
-        out = {f"r{i}": [] for i in range(len(prompts))}
-        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-            s.add(f"r{i}", prompt, p)
-        while s.has_work:
-            for ev in s.step():
-                assert ev.error is None
-                out[ev.request_id] += ev.tokens
-            if s is sched:  # target positions = draft positions (cached or skipped) + the catch-up still owed
-                for rid, state in s.running.items():
-                    gaps.add(target.requests[rid].kv_len - draft.length(rid) - len(state.backlog_tokens))
-                    skipped = max(skipped, draft.requests[rid].skipped)
-                    held = max(held, len(state.backlog_tokens))
-        outs.append(out)
-    assert outs[0] == outs[1]
+    gaps, most = set(), {"skipped": 0, "held": 0}
+
+    def check(s) -> None:  # target positions = draft positions (cached or skipped) + the catch-up still owed
+        for rid, state in s.running.items():
+            gaps.add(target.requests[rid].kv_len - draft.length(rid) - len(state.backlog_tokens))
+            most["skipped"] = max(most["skipped"], draft.requests[rid].skipped)
+            most["held"] = max(most["held"], len(state.backlog_tokens))
+
+    assert drive(plain, prompts, params) == drive(sched, prompts, params, check)
+    skipped, held = most["skipped"], most["held"]
     assert len(gaps) == 1 and skipped > 0 and held == 1  # plain calls of 4 tokens leave the draft the last
     assert recorder.prompt_rows == [0, 0, 0, 1]  # the first three came before any measurement: whole prompts
     plain_calls = [kw for kw in recorder.calls if kw.get("plain_steps", 1) > 1]
@@ -185,16 +179,8 @@ def test_requests_arriving_together_are_weighed_at_the_batch_they_will_form(dev_
     prompts = [tiny_tokenizer.encode(p)[-50:] for p in dev_prompts[48:52]]
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     recorder = Recording(target)
-    outs = []
-    for sched in (Scheduler(target, None, target.max_context, 8),
-                  Scheduler(recorder, draft, target.max_context, 8, feature_layers_for(draft),
-                            policy=PlainFromFour())):
-        out = {f"r{i}": [] for i in range(4)}
-        for i, prompt in enumerate(prompts):
-            sched.add(f"r{i}", prompt, params)
-        while sched.has_work:
-            for ev in sched.step():
-                out[ev.request_id] += ev.tokens
-        outs.append(out)
-    assert outs[0] == outs[1] and recorder.prompt_rows == [1, 1, 1, 1] and set(seen) == {4}
+    plain = drive(Scheduler(target, None, target.max_context, 8), prompts, [params] * 4)
+    sched = Scheduler(recorder, draft, target.max_context, 8, feature_layers_for(draft), policy=PlainFromFour())
+    assert drive(sched, prompts, [params] * 4) == plain
+    assert recorder.prompt_rows == [1, 1, 1, 1] and set(seen) == {4}
     assert not draft.requests and target.kv.num_free_pages == target.kv.num_total_pages
