@@ -24,12 +24,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specdec.engine.adaptive import SpeculationPolicy, budget_menu  # noqa: E402
+from specdec.engine.adaptive import FULL, SpeculationPolicy, budget_menu  # noqa: E402
 from specdec.engine.draft_engine import SpecConfig  # noqa: E402
 from specdec.engine.factory import EngineOptions, build_draft, build_target  # noqa: E402
-from specdec.engine.generate import generate  # noqa: E402
+from specdec.engine.generate import feature_layers_for, generate  # noqa: E402
 from specdec.engine.plain_steps import PLAIN_STEPS  # noqa: E402
 from specdec.engine.requests import StepTimings, VerifyInput  # noqa: E402
+from specdec.engine.warmup import warm_verify_shapes  # noqa: E402
 from specdec.sampling_params import SamplingParams  # noqa: E402
 
 TINY = Path(__file__).resolve().parents[1] / "models" / "tiny-code"
@@ -187,6 +188,11 @@ def simulated(res, args, target):
     opts = _opts(args.backend, dummy_weights=True, max_batch_size=max(args.batch_sizes), max_context=4096,
                  num_pages=8192)
     draft = build_draft("llama3-8b-eagle1", "llama3-8b", SpecConfig(6, 1, 6), opts, target.max_context)
+    # the verify shapes auto may send, captured before any timing (as the draft service does at start-up): a shape
+    # first met inside a row stalled its step for a whole ladder's capture (eighth pass: 4 steps of ~345 ms)
+    n = draft.spec.num_draft_tokens
+    warm_verify_shapes(target, [n if b == FULL else b for b in budget_menu(n)], draft.spec.topk,
+                       feature_layers_for(draft), target.cfg.vocab_size)
     rows = []
     for bs in args.batch_sizes:
         prompts = [list(range(1000 + i, 1256 + i)) for i in range(bs)]
