@@ -31,14 +31,15 @@ def test_plain_leads_only_where_the_menu_is_measured_and_plain_decoding_is_faste
     assert not p.plain_leads(64)  # speculation leads there
 
 
-def test_prefill_returns_the_features_of_the_last_prompt_tokens_when_asked():
+@pytest.mark.parametrize("layers", [(), (1, 2)])  # EAGLE-1's final hidden state, EAGLE-3's layer inputs
+def test_prefill_returns_the_features_of_the_last_prompt_tokens_when_asked(layers):
     target = tiny_target()
     prompt, params = list(range(300, 340)), SamplingParams(max_new_tokens=4)
     with pytest.raises(InvalidInput, match="feature_rows"):
-        target.prefill([PrefillInput("bad", prompt, params, feature_rows=-1)])
+        target.prefill([PrefillInput("bad", prompt, params, layers, feature_rows=-1)])
     assert "bad" not in target.requests
-    full, last = target.prefill([PrefillInput("all", prompt, params), PrefillInput("last", prompt, params,
-                                                                                     feature_rows=3)])
+    full, last = target.prefill([PrefillInput("all", prompt, params, layers),
+                                 PrefillInput("last", prompt, params, layers, feature_rows=3)])
     try:
         assert full.features.shape[0] == 40 and last.features.shape[0] == 3
         assert torch.allclose(last.features, full.features[-3:], atol=1e-5)
