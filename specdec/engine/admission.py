@@ -94,15 +94,17 @@ class Admission:
             self.draft.add(state.request_id, len(state.prompt_ids) + state.sampling.max_new_tokens)
         return PrefillInput(state.request_id, state.prompt_ids, state.sampling, self.feature_layers,
                             self.draft is not None, trace_context=state.trace_context,
-                            feature_rows=self._prompt_feature_rows())
+                            feature_rows=self._prompt_feature_rows(state))
 
-    def _prompt_feature_rows(self) -> int:
+    def _prompt_feature_rows(self, state: RunState) -> int:
         """0 (the whole prompt's features), or 1 where the policy decodes plainly at the size of the batch the
         request joins: the draft then skips the prompt but its last token, as it skips plain stretches
         (`Scheduler._hold`). Through the services a prompt's features crossed the wire to a draft that would not
         speculate on them (8B shape: 8 KB a token, 200 MB for 128 prompts of 200 tokens) and the draft extended
-        over all of them; the price is a draft without the prompt's context if speculation resumes for it."""
-        if self.draft is None or self.policy is None:
+        over all of them; the price is a draft without the prompt's context if speculation resumes for it.
+        A seeded sampled request always brings its whole prompt: its draws depend on its trees (`seeded`), which
+        must not depend on the load it arrived at."""
+        if self.draft is None or self.policy is None or self.seeded_state(state):
             return 0
         return 1 if self.policy.plain_leads(max(1, self._joining)) else 0
 

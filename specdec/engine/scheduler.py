@@ -270,7 +270,11 @@ class Scheduler(Admission):
     def seeded(self, rids: list[str]) -> bool:
         """Does any of these requests sample with a seed? It draws differently with other trees, so its steps stay
         on the whole tree (reproducible)."""
-        return any(self.running[r].sampling.seed is not None and not self.running[r].sampling.greedy for r in rids)
+        return any(self.seeded_state(self.running[r]) for r in rids)
+
+    @staticmethod
+    def seeded_state(state: RunState) -> bool:
+        return state.sampling.seed is not None and not state.sampling.greedy
 
     def _hold(self, state: RunState, tokens: list[int], features) -> None:
         """Keep what the draft needs of a plain call: its last tokens with their features (the call asked for

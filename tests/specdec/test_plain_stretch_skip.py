@@ -185,3 +185,22 @@ def test_requests_arriving_together_are_weighed_at_the_batch_they_will_form(dev_
     assert drive(sched, prompts, [params] * 4) == plain
     assert recorder.prompt_rows == [1, 1, 1, 1] and set(seen) == {4}
     assert not draft.requests and target.kv.num_free_pages == target.kv.num_total_pages
+
+
+def test_a_seeded_sampled_request_brings_its_whole_prompt_even_where_plain_decoding_leads(dev_prompts,
+                                                                                          tiny_tokenizer):
+    """Its draws depend on its trees, and its trees on the draft's context: the same seed must give the same text
+    whatever load it arrived at."""
+    target, draft = tiny_target(), tiny_draft()
+
+    class Leads(PlainLeads):
+        def plain_leads(self, batch_size: int) -> bool:
+            return True
+
+    prompts = [tiny_tokenizer.encode(p)[-40:] for p in dev_prompts[52:54]]
+    params = [SamplingParams(max_new_tokens=10, temperature=0.8, seed=11), SamplingParams(max_new_tokens=10)]
+    recorder = Recording(target)
+    drive(Scheduler(recorder, draft, target.max_context, 4, feature_layers_for(draft), policy=Leads()), prompts,
+          params)
+    assert recorder.prompt_rows == [0, 1]  # the seeded one whole; the greedy one its last token's
+    assert not draft.requests and target.kv.num_free_pages == target.kv.num_total_pages
