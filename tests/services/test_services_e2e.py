@@ -325,3 +325,32 @@ def test_the_drafts_warm_up_runs_every_shape_through_the_real_client(stack, capl
         assert client.model_info().kv.pages_free == before
     finally:
         client.close()
+
+
+def test_the_drafts_client_takes_trimmed_feature_rows_from_prefill_and_verify(stack):
+    """`feature_rows` through the draft's own client, which checks each reply's rows against what it asked for:
+    the last prompt token's features from a Prefill, the last token's from a plain Verify of 4 steps, equal to
+    the last rows of an untrimmed request's."""
+    import torch
+
+    from draft_service.target_client import TargetClient
+    from specdec.engine.requests import PrefillInput, VerifyInput
+    from specdec.sampling_params import SamplingParams
+
+    target, _ = stack
+    client = TargetClient(target.addr)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    try:
+        full, last = client.prefill([PrefillInput("c-all", list(range(60, 90)), params),
+                                     PrefillInput("c-last", list(range(60, 90)), params, feature_rows=1)])
+        assert full.features.shape[0] == 30 and last.features.shape[0] == 1
+        assert torch.equal(last.features, full.features[-1:])
+        all_rows = client.verify([VerifyInput("c-all", [], [])], plain_steps=4)[0]
+        one_row = client.verify([VerifyInput("c-last", [], [])], plain_steps=4, feature_rows=1)[0]
+        assert one_row.tokens == all_rows.tokens and len(all_rows.tokens) == 4
+        assert one_row.features.shape[0] == 1 and torch.equal(one_row.features, all_rows.features[-1:])
+    finally:
+        for rid in ("c-all", "c-last"):
+            client.release(rid)
+        client.close()
+    assert asyncio.run(_kv_free(stack))[0]
