@@ -126,17 +126,17 @@ class Probe:
     def snapshot(self, scheduler, target, draft) -> dict:
         """Cumulative step timings: from the draft's scheduler when it runs here, else scraped from the draft
         process's metrics; the target's from the wrapped engine here, else from its process's metrics."""
-        snap = dict(propose_s=0.0, verify_s=0.0, extend_s=0.0, num_steps=0, sum_batch=0, target_s=0.0,
+        snap = dict(propose_s=0.0, verify_s=0.0, extend_s=0.0, admit_s=0.0, num_steps=0, sum_batch=0, target_s=0.0,
                     target_queue_s=0.0, target_reply_s=0.0)
         if scheduler is not None:
             t = scheduler.timings
-            snap.update(propose_s=t.propose_s, verify_s=t.verify_s, extend_s=t.extend_s,
+            snap.update(propose_s=t.propose_s, verify_s=t.verify_s, extend_s=t.extend_s, admit_s=t.admit_s,
                         num_steps=scheduler.num_steps, sum_batch=scheduler.sum_batch)
         elif isinstance(draft, ServiceProcess):
             d = draft.scrape()
             snap.update(propose_s=d.phase_sum("propose"), verify_s=d.phase_sum("verify"),
-                        extend_s=d.phase_sum("extend"), num_steps=d.phase_count("step"),
-                        sum_batch=d.get("specdec:batch_size_sum"))
+                        extend_s=d.phase_sum("extend"), admit_s=d.phase_sum("admit"),
+                        num_steps=d.phase_count("step"), sum_batch=d.get("specdec:batch_size_sum"))
         if isinstance(target, ServiceProcess):
             t = target.scrape()
             snap.update(target_s=t.phase_sum("forward"), target_queue_s=t.phase_sum("queue"),
@@ -224,6 +224,7 @@ class Row:
     rpc_ms: float
     extend_ms: float
     verify_rtt_ms: float
+    admit_s: float  # the draft's admissions over the whole run (Prefill RPCs, the draft's extend over prompts)
     plain_target_ms: float  # plain Generate: target compute per decode step
     match: bool
     gpu_busy: dict | None = None  # GPU index -> busy fraction over the run (--gpu-busy)
@@ -237,7 +238,7 @@ def per_step_split(before: dict, after: dict) -> dict:
     return dict(steps=int(d["num_steps"]), mean_batch=d["sum_batch"] / steps, propose_ms=ms(d["propose_s"]),
                 target_queue_ms=ms(d["target_queue_s"]), target_ms=ms(d["target_s"]),
                 target_reply_ms=ms(d["target_reply_s"]), rpc_ms=ms(d["verify_s"] - target_side),
-                extend_ms=ms(d["extend_s"]), verify_rtt_ms=ms(d["verify_s"]))
+                extend_ms=ms(d["extend_s"]), verify_rtt_ms=ms(d["verify_s"]), admit_s=d["admit_s"])
 
 
 BUSY_GPUS: list[int] = []  # --gpu-busy: the GPUs whose busy fraction each speculative run records
@@ -339,14 +340,16 @@ def run(args) -> list[Row]:
 
 
 HEADER = ("| setting | N | spec tok/s | plain tok/s | speed-up | tau | steps | propose | target queue | "
-          "target verify | target reply | RPC rest | extend | (verify RTT) | plain step (target) | match |")
+          "target verify | target reply | RPC rest | extend | (verify RTT) | admission s | plain step (target) | "
+          "match |")
 
 
 def format_row(r: Row) -> str:
     return (f"| {r.setting} | {r.concurrency} | {r.spec_tok_s:.0f} | {r.plain_tok_s:.0f} | {r.speedup:.2f}x | "
             f"{r.tau:.2f} | {r.steps} | {r.propose_ms:.1f} | {r.target_queue_ms:.1f} | {r.target_ms:.1f} | "
             f"{r.target_reply_ms:.1f} | {r.rpc_ms:.1f} | "
-            f"{r.extend_ms:.1f} | {r.verify_rtt_ms:.1f} | {r.plain_target_ms:.1f} | {'yes' if r.match else 'NO'} |"
+            f"{r.extend_ms:.1f} | {r.verify_rtt_ms:.1f} | {r.admit_s:.2f} | {r.plain_target_ms:.1f} | "
+            f"{'yes' if r.match else 'NO'} |"
             + (f" busy {r.gpu_busy}" if r.gpu_busy else ""))
 
 
