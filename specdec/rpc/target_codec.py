@@ -51,8 +51,6 @@ def prefill_from_proto(msg: target_pb2.PrefillRequest) -> PrefillInput:
     sampling = sampling_from_proto(msg.sampling if msg.HasField("sampling") else None)
     if msg.feature_dtype not in FEATURE_DTYPES:
         raise InvalidInput(f"feature_dtype {msg.feature_dtype!r} is not one of {list(FEATURE_DTYPES)}")
-    if msg.feature_rows < 0:
-        raise InvalidInput(f"feature_rows {msg.feature_rows} is negative (0: every prompt token's features)")
     return PrefillInput(check_request_id(msg.request_id), list(msg.prompt_ids), sampling,
                         tuple(msg.feature_layer_ids), msg.return_features, feature_wire=msg.feature_dtype,
                         feature_rows=msg.feature_rows)
