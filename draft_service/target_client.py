@@ -9,7 +9,7 @@ from dataclasses import replace
 import grpc
 from google.protobuf.message import DecodeError
 
-from specdec.engine.requests import PrefillInput, PrefillOutput, VerifyInput, VerifyOutput
+from specdec.engine.requests import PrefillInput, PrefillOutput, VerifyInput, VerifyOutput, kept_feature_rows
 from specdec.errors import DuplicateRequest, InvalidInput, NotReady, OutOfPages, SpecdecError, UnknownRequest
 from specdec.rpc.options import channel_options
 from specdec.rpc.target_codec import (
@@ -127,8 +127,7 @@ class TargetClient:
             msg, feats = self._decode(target_pb2.PrefillResponse, data)
             if msg.request_id != inp.request_id or (inp.return_features and feats is None):
                 raise MalformedReply(f"target: malformed Prefill reply for {inp.request_id!r}")
-            n = len(inp.prompt_ids)
-            rows = min(n, inp.feature_rows or n) if inp.return_features else None
+            rows = kept_feature_rows(len(inp.prompt_ids), inp.feature_rows) if inp.return_features else None
             return self._checked(prefill_output_from_proto, msg, feats, expected_rows=rows)
         except MalformedReply:
             self._release_quietly(inp.request_id)  # the target admitted it; nobody else will free it
@@ -145,7 +144,7 @@ class TargetClient:
         most = max(plain_steps, 1 + max((len(i.draft_tokens) for i in inputs), default=0))  # most tokens a result holds
         for r in msg.results:
             running = r.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
-            rows = min(len(r.tokens), feature_rows or len(r.tokens)) if running and self.features else 0
+            rows = kept_feature_rows(len(r.tokens), feature_rows) if running and self.features else 0
             if not r.tokens or r.num_feature_rows != rows or len(r.tokens) > most:
                 raise MalformedReply(f"target: Verify result for {r.request_id!r} has {len(r.tokens)} tokens "
                                      f"and {r.num_feature_rows} feature rows")

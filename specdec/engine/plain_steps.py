@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.engine.requests import RUNNING, VerifyInput, VerifyOutput
+from specdec.engine.requests import RUNNING, VerifyInput, VerifyOutput, kept_feature_rows
 from specdec.errors import InvalidInput
 
 PLAIN_STEPS = 4  # tokens per request the scheduler asks for in one plain call (a request arriving meanwhile
@@ -46,10 +46,12 @@ def run_plain_steps(run_chunk, inputs: list[VerifyInput], steps: int, steps_left
 
 def last_feature_rows(outputs: list[VerifyOutput], rows: int) -> list[VerifyOutput]:
     """Each output keeps the features of its last `rows` tokens only (0: all of them); views, no copies."""
-    if rows:
-        for out in outputs:
-            if out.features is not None and out.features.shape[0] > rows:
-                out.features = out.features[-rows:]
+    if not rows:
+        return outputs
+    for out in outputs:
+        if out.features is not None:
+            n = out.features.shape[0]
+            out.features = out.features[n - kept_feature_rows(n, rows) :]
     return outputs
 
 

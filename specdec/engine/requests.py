@@ -16,6 +16,12 @@ LENGTH = "length"  # max_new_tokens or the context length
 ABORT = "abort"
 
 
+def kept_feature_rows(tokens: int, feature_rows: int) -> int:
+    """Feature rows a result of `tokens` tokens carries when its call asked for `feature_rows` (0: all; N > 0: the
+    last N, Prefill and Verify alike)."""
+    return min(tokens, feature_rows or tokens)
+
+
 @dataclass(frozen=True)
 class PrefillInput:
     request_id: str

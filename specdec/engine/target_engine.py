@@ -27,6 +27,7 @@ from specdec.engine.requests import (
     PrefillOutput,
     VerifyInput,
     VerifyOutput,
+    kept_feature_rows,
 )
 from specdec.errors import DuplicateRequest, InvalidInput, UnknownRequest
 from specdec.kv_cache import PagedKVCache
@@ -163,7 +164,7 @@ class TargetEngine:
             req.kv_len = n
             last = hidden[start + n - 1 : start + n]
             token = self._pick(req, self.model.compute_logits(last))[0]
-            first = start + n - min(n, inp.feature_rows or n)  # the last feature_rows rows (0: all)
+            first = start + n - kept_feature_rows(n, inp.feature_rows)
             feats = self._features(req, hidden, aux, torch.arange(first, start + n)) if inp.return_features else None
             toks, reason = self._commit_tokens(inp.request_id, req, [token])
             outputs.append(PrefillOutput(inp.request_id, toks[0], feats, reason))
