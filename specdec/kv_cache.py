@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.errors import DuplicateRequest, OutOfPages, UnknownRequest
+from specdec.host_copy import to_device
 
 
 class PagePool:
@@ -141,8 +142,8 @@ class PagedKVCache:
         if not keep:
             return
         slot_ids = self.table(rid).slot_ids
-        src = slot_ids[torch.tensor([s for s, _ in keep])].to(self.k.device)
-        dst = slot_ids[torch.tensor([d for _, d in keep])].to(self.k.device)
+        src = to_device(slot_ids[torch.tensor([s for s, _ in keep])], self.k.device)
+        dst = to_device(slot_ids[torch.tensor([d for _, d in keep])], self.k.device)
         self.k[:, dst] = self.k[:, src]
         self.v[:, dst] = self.v[:, src]
 

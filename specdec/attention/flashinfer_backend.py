@@ -9,12 +9,14 @@ slot ids: page = slot // page_size at every page_size-th position.
 from __future__ import annotations
 
 import itertools
+import weakref
 
 import torch
 
 from specdec.attention import register_backend
 from specdec.attention.batch import AttentionBatch, SeqAttention
 from specdec.attention.torch_backend import visibility_mask
+from specdec.host_copy import to_device
 
 WORKSPACE_BYTES = 256 << 20
 
@@ -37,7 +39,7 @@ class FlashInferAttention:
     def plan(self, batch: AttentionBatch) -> AttentionBatch:
         custom = any(s.tail_mask is not None for s in batch.seqs)
         plan_paged(self.wrapper, self.kv, self.num_qo_heads, batch.seqs, causal=not custom)
-        self._write_slots = batch.write_slots.to(self.kv.k.device, non_blocking=True)
+        self._write_slots = to_device(batch.write_slots, self.kv.k.device)
         return batch
 
     fuses_rope = True
@@ -69,19 +71,41 @@ def plan_pages(wrapper, kv, num_qo_heads: int, num_q: list[int], lens: list[int]
     npages = [-(-n // ps) for n in lens]
     first = [(i, j * ps) for i, p in enumerate(npages) for j in range(p)]
     last = [n - (p - 1) * ps for n, p in zip(lens, npages, strict=True)]
-    # Causal plans take host tensors: flashinfer reads the lengths on the host anyway (device ones cost a sync
-    # each) and copies them into its buffers. With a custom mask it packs the mask on the GPU from device ones.
-    where = "cpu" if mask is None else kv.k.device
+    # Causal plans take the lengths as host tensors: flashinfer reads them on the host anyway (device ones cost a
+    # sync each) and copies them into its buffers. With a custom mask it packs the mask on the GPU from device
+    # ones. Page ids always go to the GPU: flashinfer copies host ones into a graph's buffer with a blocking copy.
+    dev = kv.k.device
+    where = "cpu" if mask is None else dev
 
-    def index(values) -> torch.Tensor:
-        return torch.as_tensor(values, dtype=torch.int32).to(where, non_blocking=True)
+    def index(values, to=where) -> torch.Tensor:
+        values = torch.as_tensor(values, dtype=torch.int32)
+        if to == "cpu":  # pinned: flashinfer's non-blocking copies from it never wait for the GPU
+            return values.pin_memory() if dev.type == "cuda" else values
+        return to_device(values, to)
 
+    _await_last_plan(wrapper)
     wrapper.plan(
-        index([0, *itertools.accumulate(num_q)]), index([0, *itertools.accumulate(npages)]), index(page_ids(first)),
-        index(last), num_qo_heads, kv.k.shape[2], kv.k.shape[3], ps,
-        custom_mask=None if mask is None else mask.to(kv.k.device, non_blocking=True), causal=mask is None,
+        index([0, *itertools.accumulate(num_q)]), index([0, *itertools.accumulate(npages)]),
+        index(page_ids(first), dev), index(last), num_qo_heads, kv.k.shape[2], kv.k.shape[3], ps,
+        custom_mask=None if mask is None else to_device(mask, dev), causal=mask is None,
         sm_scale=kv.k.shape[3] ** -0.5, q_data_type=kv.k.dtype, kv_data_type=kv.k.dtype,
     )
+    if dev.type == "cuda":
+        _planned[wrapper] = torch.cuda.Event()
+        _planned[wrapper].record()
+
+
+# A wrapper's plan leaves its work partition in the wrapper's pinned host buffer and queues a copy from there to
+# the GPU. Nothing else makes the host wait for the GPU between two plans of one wrapper (every host-to-GPU copy of
+# a plan is non-blocking), so the next plan first waits until that copy has run, or it would overwrite the buffer
+# under it. The GPU is then at most one plan of that wrapper behind the host.
+_planned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _await_last_plan(wrapper) -> None:
+    done = _planned.pop(wrapper, None)
+    if done is not None:
+        done.synchronize()
 
 
 def paged_attention(wrapper, kv, layer: int, q, k, v, write_slots: torch.Tensor, rot=None) -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch
 from specdec.attention.batch import SeqAttention
 from specdec.attention.flashinfer_backend import paged_attention, plan_paged, plan_pages
 from specdec.errors import ConfigError
+from specdec.host_copy import copy_in
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class GraphAttention:
     def plan(self, seqs: list[SeqAttention], write_slots: torch.Tensor) -> None:
         """Host side, before capture or replay: seqs has exactly `batch_size` entries of `n` queries each."""
         plan_paged(self.wrapper, self.kv, self.num_qo_heads, seqs, self.causal)
-        self.write_slots.copy_(write_slots, non_blocking=True)
+        copy_in(self.write_slots, write_slots)
 
     def plan_causal(self, page_lists: list[list[int]], lens: list[int]) -> None:
         """`plan` for causal sequences of `n` queries each, from page lists: sequence i's queries are positions
@@ -62,7 +63,7 @@ class GraphAttention:
                    lambda first: [page_lists[i][j // ps] for i, j in first])
         write = [pages[p // ps] * ps + p % ps for pages, end in zip(page_lists, lens, strict=True)
                  for p in range(end - n, end)]
-        self.write_slots.copy_(torch.tensor(write), non_blocking=True)
+        copy_in(self.write_slots, write)
 
     fuses_rope = True
 

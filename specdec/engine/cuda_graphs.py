@@ -17,6 +17,7 @@ import torch
 
 from specdec.attention.batch import SeqAttention
 from specdec.attention.graph_backend import GraphAttention, capture_graph, capture_or_go_eager, scratch_slots
+from specdec.host_copy import copy_in
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,8 @@ class TargetGraphs:
     def run(self, ids: list[int] | torch.Tensor, positions: torch.Tensor, seqs: list[SeqAttention],
             write_slots: torch.Tensor, n: int, aux_layers: tuple[int, ...], causal: bool = False, inputs_taken=None):
         """Same inputs and outputs as the eager forward (hidden [T, H], aux [T, A*H] or None), T = len(seqs) * n.
-        `ids`: a list or a device tensor (the previous step's argmax). `causal`: no sequence has a tree mask
+        `ids`: a list or a device tensor (the previous step's argmax); `positions`: on the host or the device
+        (copied in without a host sync either way). `causal`: no sequence has a tree mask
         (chains, plain decode). `inputs_taken` (a CUDA event) is recorded after the inputs are copied in."""
         with torch.cuda.device(self.kv.k.device):  # capture and replay on the engine's GPU, whatever the thread's
             return self._run(ids, positions, seqs, write_slots, n, aux_layers, causal or n == 1, inputs_taken)
@@ -85,10 +87,9 @@ class TargetGraphs:
         g.attn.plan(seqs + pad_seqs, torch.cat([write_slots, pad_slots]))
         dev = g.ids.device
         t = b * n
-        g.ids[:t].copy_(ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.int64),
-                        non_blocking=True)
+        copy_in(g.ids[:t], ids)
         g.ids[t:].zero_()
-        g.positions[:t].copy_(positions, non_blocking=True)
+        copy_in(g.positions[:t], positions)
         if pad:
             g.positions[t:].copy_(torch.arange(n, device=dev).repeat(pad))
         if inputs_taken is not None:

@@ -24,6 +24,7 @@ from specdec.attention import AttentionBatch, SeqAttention, make_backend
 from specdec.attention.graph_backend import GraphCaptureError
 from specdec.engine.device import engine_call
 from specdec.errors import ConfigError, DuplicateRequest, UnknownRequest
+from specdec.host_copy import to_device
 from specdec.kv_cache import PagedKVCache
 from specdec.models.eagle import EagleDraft
 from specdec.tree import TokenTree
@@ -188,9 +189,9 @@ class DraftEngine:
             req.kv_len += n
             lasts.append(len(ids) - 1)
         batch = self.backend.plan(AttentionBatch(seqs, torch.cat(slots)))
-        out = self.model(torch.tensor(ids, device=self.device), torch.cat(feats),
-                         torch.tensor(pos, device=self.device), self.backend, batch)  # [num_tokens, hidden]
-        last_hidden = out[torch.tensor(lasts, device=self.device)]  # [num_items, hidden]
+        out = self.model(to_device(ids, self.device), torch.cat(feats), to_device(pos, self.device), self.backend,
+                         batch)  # [num_tokens, hidden]
+        last_hidden = out[to_device(lasts, self.device)]  # [num_items, hidden]
         state = DraftState(*self._topk(last_hidden), last_hidden)
         for i, (rid, _, _) in enumerate(items):
             req = self.requests[rid]
@@ -265,8 +266,8 @@ class DraftEngine:
             slots.append(ctx[req.kv_len + (depth - 1) * k :])
         positions = torch.tensor([r.next_pos + depth - 1 for r in reqs]).repeat_interleave(k)
         batch = self.backend.plan(AttentionBatch(seqs, torch.cat(slots)))
-        out = self.model(tokens.reshape(-1).to(self.device), hidden.reshape(b * k, -1),
-                         positions.to(self.device), self.backend, batch)
+        out = self.model(to_device(tokens.reshape(-1), self.device), hidden.reshape(b * k, -1),
+                         to_device(positions, self.device), self.backend, batch)
         return out.view(b, k, -1)
 
 

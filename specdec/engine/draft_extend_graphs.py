@@ -20,6 +20,7 @@ import torch
 
 from specdec.attention.graph_backend import GraphAttention, capture_graph, capture_or_go_eager
 from specdec.engine.cuda_graphs import BATCH_LADDER, MAX_GRAPH_TOKENS
+from specdec.host_copy import copy_in, to_device
 
 log = logging.getLogger(__name__)
 
@@ -95,13 +96,12 @@ class DraftExtendGraphs:
         pos += list(range(t)) * pad
         last += [b * t] * pad
         g.attn.plan_causal(pages, lens)
-        host = torch.tensor([ids, pos])
-        g.ids.copy_(host[0], non_blocking=True)
-        g.positions.copy_(host[1], non_blocking=True)
-        g.last.copy_(torch.tensor(last), non_blocking=True)
+        copy_in(g.ids, ids)
+        copy_in(g.positions, pos)
+        copy_in(g.last, last)
         where = items[0][2].device
         feats = torch.cat([f.to(where) for _, _, f in items]).to(g.feats.device, g.feats.dtype, non_blocking=True)
-        g.feats.index_copy_(0, torch.tensor(rows).to(g.feats.device, non_blocking=True), feats)
+        g.feats.index_copy_(0, to_device(rows, g.feats.device), feats)
         g.graph.replay()
         for rid, tokens, _ in items:
             req = eng.requests[rid]

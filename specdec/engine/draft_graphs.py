@@ -21,6 +21,7 @@ from specdec.attention.batch import SeqAttention
 from specdec.attention.graph_backend import GraphAttention, capture_graph, capture_or_go_eager, scratch_slots
 from specdec.engine.cuda_graphs import BATCH_LADDER
 from specdec.engine.draft_engine import batch_state
+from specdec.host_copy import copy_in
 from specdec.kernels import fused
 from specdec.tree import TokenTree
 
@@ -83,13 +84,12 @@ class DraftChainGraphs:
         base = [r.kv_len for r in reqs] + [0] * pad
         if g.table is not None:
             width = max(map(len, pages))
-            g.table[:, :width].copy_(torch.tensor([p + [0] * (width - len(p)) for p in pages], dtype=torch.int32),
-                                     non_blocking=True)
+            copy_in(g.table[:, :width], torch.tensor([p + [0] * (width - len(p)) for p in pages], dtype=torch.int32))
         else:
             for d in range(1, steps):
                 g.attn[d - 1].plan_causal(pages, [n + d for n in base])
-        g.base.copy_(torch.tensor(base), non_blocking=True)
-        g.pos0.copy_(torch.tensor([r.next_pos for r in reqs] + [0] * pad), non_blocking=True)
+        copy_in(g.base, base)
+        copy_in(g.pos0, [r.next_pos for r in reqs] + [0] * pad)
         state = batch_state(reqs)
         g.tokens0[:b].copy_(state.topk_index[:, 0])
         g.hidden0[:b].copy_(state.hidden)

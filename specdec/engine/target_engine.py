@@ -30,6 +30,7 @@ from specdec.engine.requests import (
     kept_feature_rows,
 )
 from specdec.errors import DuplicateRequest, InvalidInput, UnknownRequest
+from specdec.host_copy import to_device
 from specdec.kv_cache import PagedKVCache
 from specdec.models.llama import LlamaForCausalLM
 from specdec.sampling import make_generator, sample, target_probs
@@ -334,7 +335,7 @@ class TargetEngine:
             self.kv.resize(rid, n)
             slots = self.kv.slots(rid, 0, n)
             batch = self.backend.plan(AttentionBatch([SeqAttention(slots, n)], slots))
-            ids = torch.tensor(prompt_ids, device=self.device)
+            ids = to_device(prompt_ids, self.device)
             out = self.model(ids, torch.arange(n, device=self.device), self.backend, batch)
             return self.model.compute_logits(out.hidden)
         finally:
@@ -357,14 +358,13 @@ class TargetEngine:
         if graphable and self.graphs is not None and all(s.num_q == n for s in seqs) and \
                 self.graphs.usable(len(seqs), n, layers, causal):
             try:
-                hidden, aux_cat = self.graphs.run(ids, positions.to(self.device), seqs, write_slots, n, layers,
-                                                  causal, inputs_taken)
+                hidden, aux_cat = self.graphs.run(ids, positions, seqs, write_slots, n, layers, causal,
+                                                  inputs_taken)
             except GraphCaptureError:
                 hidden = None  # logged by the graphs; this shape runs eagerly from now on
         if hidden is None:
             batch = self.backend.plan(AttentionBatch(seqs, write_slots))
-            ids = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, device=self.device)
-            positions = positions.to(self.device)
+            ids, positions = to_device(ids, self.device), to_device(positions, self.device)
             if inputs_taken is not None:
                 inputs_taken.record()
             out = self.model(ids, positions, self.backend, batch, layers)
@@ -376,7 +376,7 @@ class TargetEngine:
     @staticmethod
     def _features(req: TargetRequest, hidden, aux: dict, rows: torch.Tensor) -> torch.Tensor:
         """The feature the request's draft consumes, at `rows` of the batch. # [len(rows), feature_size]"""
-        rows = rows.to(hidden.device)
+        rows = to_device(rows, hidden.device)
         if not req.feature_layers:
             return hidden[rows]
         return torch.cat([aux[i][rows] for i in req.feature_layers], dim=-1)

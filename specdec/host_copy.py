@@ -1,0 +1,34 @@
+"""Host-to-GPU copies that never make the host wait for the GPU.
+
+torch's blocking copy from host memory to a GPU (`tensor.to("cuda")`, `torch.tensor(values, device="cuda")`, a
+`copy_` without `non_blocking`) synchronizes the stream after it: the host stops until every kernel queued before
+has finished, so whatever it plans next (the next step's page tables, a graph launch) starts on an idle GPU. A
+non-blocking copy from pageable memory may still be staged synchronously by the driver. So engines and attention
+planners copy through pinned memory, non-blocking: torch keeps the pinned block alive until its copy has run.
+`bench/sync_audit.py` lists the synchronizing calls left in an engine step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SYNC_COPIES = False  # True: every copy here blocks like torch's default (bench/sync_audit.py's "before" rows)
+
+
+def to_device(values, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`values` (a list or a tensor) as a tensor on `device`, queued without a host sync when it is a GPU."""
+    t = torch.as_tensor(values, dtype=dtype)
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu" or SYNC_COPIES:
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def copy_in(dst: torch.Tensor, values) -> torch.Tensor:
+    """`dst.copy_(values)` from the host (a list or a CPU tensor), queued without a host sync on a GPU."""
+    src = torch.as_tensor(values)
+    if SYNC_COPIES:
+        return dst.copy_(src)
+    if dst.device.type == "cuda" and src.device.type == "cpu":
+        src = src.pin_memory()
+    return dst.copy_(src, non_blocking=True)
