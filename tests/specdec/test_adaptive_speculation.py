@@ -104,6 +104,31 @@ def test_policy_backs_off_re_measuring_while_the_choice_holds_and_resets_when_it
     assert [p.choose(1) for _ in range(3)] == [0, 0, 0]
 
 
+def test_near_ties_do_not_flip_the_choice_but_a_clear_lead_does():
+    """Plain and the whole tree equally fast, each step's time jittering +-3%: once settled, the budget the policy
+    follows stays put (without the switch margin it changed 13-20 times in these 300 steps) and re-measurements
+    back off to the cap; when the rival pulls 10% ahead, the policy switches to it."""
+    import random
+
+    for seed in range(3):
+        rng = random.Random(seed)
+        p = SpeculationPolicy(explore_every=4, max_explore_every=32, min_samples=2, min_request_steps=1)
+        rate = {0: 100.0, FULL: 100.0}
+        followed = []
+        for _ in range(400):
+            mode = p.choose(8)
+            followed.append(p.followed.get(8))
+            p.record(8, mode, tokens=8 * rate[mode] * 0.01, seconds=0.01 * rng.uniform(0.97, 1.03))
+        settled = followed[100:]
+        assert sum(a != b for a, b in zip(settled, settled[1:], strict=False)) <= 1 and p.intervals[8] == 32
+        other = FULL if settled[-1] == 0 else 0
+        rate[other] *= 1.10
+        for _ in range(200):
+            mode = p.choose(8)
+            p.record(8, mode, tokens=8 * rate[mode] * 0.01, seconds=0.01)
+        assert p.followed[8] == other
+
+
 def test_noisy_acceptance_averages_out_where_per_step_rates_did_not():
     """Batch 1, chain tokens per step 1-6 (mean 3.15, the tiny pair's), step time fixed: a speculative step is 1.23x
     faster than plain on average (the H200 in-process ratio). The policy's estimate of the chain's rate strays
