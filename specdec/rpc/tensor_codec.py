@@ -18,6 +18,7 @@ import warnings
 import torch
 
 from specdec.errors import InvalidInput
+from specdec.host_copy import to_device
 from specdec.v1 import common_pb2
 
 # dtype name on the wire -> torch dtype.
@@ -116,7 +117,7 @@ def tensor_from_proto(
         )
     _check_expected(shape, expected_dim, expected_rows)
     t = torch.empty(shape, dtype=dtype) if numel == 0 else _alias_bytes(msg.data, dtype).view(shape)
-    return t if device is None else t.to(device)
+    return t if device is None else to_device(t, device)
 
 
 def _fp8_rows_from_proto(msg, device, expected_dim: int | None, expected_rows: int | None) -> torch.Tensor:
@@ -132,7 +133,7 @@ def _fp8_rows_from_proto(msg, device, expected_dim: int | None, expected_rows: i
     if rows == 0:
         return torch.empty(shape, dtype=torch.float32, device=device)
     packed = _alias_bytes(msg.data, torch.uint8).view(rows, cols + 4)
-    return unpack_fp8_rows(packed if device is None else packed.to(device))
+    return unpack_fp8_rows(packed if device is None else to_device(packed, device))
 
 
 def _check_expected(shape: tuple[int, ...], expected_dim: int | None, expected_rows: int | None) -> None:
