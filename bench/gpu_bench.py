@@ -4,6 +4,7 @@ acceptance speedups, the tiny pair's real tau and speed, and transformers' gener
     python bench/gpu_bench.py --out results.json            # on a CUDA machine
     python bench/gpu_bench.py --sections floors,plain8b     # a subset
     python bench/gpu_bench.py --sections floors,plain8b,plain --batch-sizes 1,8,64,128   # plain decode per batch
+    python bench/gpu_bench.py --sections floors,plain8b,simulated --batch-sizes 1,8 --draft-config llama3-8b-eagle3
 
 Every section is timed with CUDA events after warm-up; each writes its results even if a later one fails.
 Simulated-acceptance rows are labelled SIMULATED: their outputs are not the target's.
@@ -187,7 +188,8 @@ def simulated(res, args, target):
     (`--speculation always`) and adaptive (`auto`: per step, whichever mode measured faster)."""
     opts = _opts(args.backend, dummy_weights=True, max_batch_size=max(args.batch_sizes), max_context=4096,
                  num_pages=8192)
-    draft = build_draft("llama3-8b-eagle1", "llama3-8b", SpecConfig(6, 1, 6), opts, target.max_context)
+    draft = build_draft(args.draft_config, "llama3-8b", SpecConfig(6, 1, 6), opts, target.max_context)
+    res["simulated_draft"] = args.draft_config
     # the verify shapes auto may send, captured before any timing (as the draft service does at start-up): a shape
     # first met inside a row stalled its step for a whole ladder's capture (eighth pass: 4 steps of ~345 ms)
     n = draft.spec.num_draft_tokens
@@ -292,6 +294,9 @@ def main() -> int:
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompts", default=None)
+    ap.add_argument("--draft-config", default="llama3-8b-eagle1",
+                    help="the 8B-shaped head of the simulated rows: llama3-8b-eagle1 (the target's 128k vocabulary) "
+                         "or llama3-8b-eagle3 (a 32k draft vocabulary, three target layers as features)")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only smoke-tests the script (tiny section)")
     args = ap.parse_args()
     global DEVICE

@@ -9,6 +9,7 @@
 #   TAUS= TINY=1 bash bench/services_gpu.sh    # only the tiny pair (it needs the tiny weights on the machine)
 #   REPEATS=2 MODES="auto --two-batch-overlap 32" bash bench/services_gpu.sh   # best of 2 (a trained policy)
 #   MODES="off" bash bench/services_gpu.sh     # plain decoding through the draft service vs target Generate
+#   DRAFT_CONFIG=llama3-8b-eagle3 bash bench/services_gpu.sh   # an EAGLE-3-shaped head instead of EAGLE-1
 #
 # Each row: | setting | N | spec tok/s | plain tok/s | speed-up | tau | steps | per-step ms ... | busy {gpu: fraction}
 set -euo pipefail
@@ -17,7 +18,8 @@ MODES=${MODES:-"always|always --two-batch-overlap 32|auto --two-batch-overlap 32
 CONCURRENCY=${CONCURRENCY:-1,8,32,64,128}
 NEW_TOKENS=${NEW_TOKENS:-192}
 REPEATS=${REPEATS:-1}  # best of N runs per row (2: the second with the policy the first trained)
-DRAFT="--load-format dummy --config llama3-8b-eagle1 --target-model llama3-8b"
+DRAFT_CONFIG=${DRAFT_CONFIG:-llama3-8b-eagle1}  # or llama3-8b-eagle3 (32k draft vocabulary, 3 feature layers)
+DRAFT="--load-format dummy --config $DRAFT_CONFIG --target-model llama3-8b"
 IFS='|' read -r -a modes <<< "$MODES"
 for tau in $TAUS; do
   for mode in "${modes[@]}"; do
