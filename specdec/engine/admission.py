@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 
+from specdec.engine.plain_steps import PLAIN_STEPS
 from specdec.engine.requests import ABORT, RUNNING, PrefillInput
 from specdec.engine.run_state import Event, RunState
 from specdec.errors import OutOfPages, SpecdecError
@@ -189,6 +190,7 @@ class Admission:
                 self.draft.release(rid)
             return
         self.running[rid] = state
+        self._plain_ramp = PLAIN_STEPS  # more may be arriving: plain calls start short again
         if self.draft is not None:
             tokens = state.prompt_ids[1:] + [out.first_token]  # token i pairs with the feature at prompt token i
             rows = out.features.shape[0]

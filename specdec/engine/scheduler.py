@@ -71,6 +71,7 @@ class Scheduler(Admission):
         self.timings = timings if timings is not None else StepTimings()
         self._last_budget: int | None = None  # the budget of the latest launch (a switch settles the draft first)
         self._joining = 0  # the batch size admission expects its requests to join (`Admission._admit`)
+        self._plain_ramp = PLAIN_STEPS  # the most steps of the next whole-batch plain call (`_plain_steps_per_call`)
 
     # ---- queue ----------------------------------------------------------------------------------------------
     def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, trace_context=None) -> RunState:
@@ -185,10 +186,17 @@ class Scheduler(Admission):
         taking turns (`TwoBatchOverlap`, only beside seeded requests): a long plain call would hold the target while
         the other's verify waits (measured: a 16-step call held it 8-12 ms a step). A plain call of the whole batch
         takes them all: at 128 requests of an 8B shape a call's round trip and bookkeeping cost ~6.5 ms, 16% of
-        4 steps (2 x H200, `bench/services_gpu.sh`, session 8)."""
+        4 steps (2 x H200, `bench/services_gpu.sh`, session 8), once it has ramped up: after an admission, while
+        the batch has room, calls start at PLAIN_STEPS and double (4, 8, 16). Requests that arrive during a call
+        join only after it (one burst of 32 came as waves of 2 and 30), and a 16-step call at 32 requests of
+        an 8B shape is ~90 ms of waiting where `Generate` admits them within a step."""
         if self.overlap is not None and len(rids) < len(self.running):
             return min(self.plain_steps, PLAIN_STEPS)
-        return self.plain_steps
+        if len(self.running) >= self.max_batch_size:  # no one could join: the ramp is over
+            self._plain_ramp = self.plain_steps
+        steps = min(self.plain_steps, self._plain_ramp)
+        self._plain_ramp = 2 * steps
+        return steps
 
     def verify(self, launch: Launch) -> list:
         """The target's verdict on a launch's trees (callable from another thread: see `TwoBatchOverlap`)."""

@@ -145,3 +145,41 @@ def test_chunk_features_of_aux_layers_equal_single_steps(layers):
         assert chunk[rid].features.shape == ref.shape == (4, target.cfg.hidden_size * max(1, len(lay)))
         assert torch.allclose(chunk[rid].features, ref, atol=1e-5)
         target.release(rid)
+
+
+def test_plain_calls_ramp_up_after_each_admission_so_a_late_arrival_joins_soon():
+    """A scheduler asking for 16 plain steps per call starts at PLAIN_STEPS after an admission and doubles while
+    no one joins: a request arriving during the first call waits 4 steps to join, not 16. The tokens are those
+    of one step per call."""
+    from specdec.engine.plain_steps import PLAIN_STEPS
+    from specdec.engine.scheduler import Scheduler
+
+    class Recording:
+        def __init__(self, engine):
+            self.engine, self.calls = engine, []
+
+        def __getattr__(self, name):
+            return getattr(self.engine, name)
+
+        def verify(self, inputs, plain_steps=1, feature_rows=0):
+            self.calls.append((len(inputs), plain_steps))
+            return self.engine.verify(inputs, plain_steps=plain_steps, feature_rows=feature_rows)
+
+    def run(plain_steps):
+        target = Recording(tiny_target())
+        sched = Scheduler(target, None, target.max_context, 4, plain_steps=plain_steps)
+        out = {"a": [], "b": []}
+        sched.add("a", list(range(300, 340)), SamplingParams(max_new_tokens=40, ignore_eos=True))
+        for ev in sched.step():  # admits "a", then its first plain call
+            out[ev.request_id] += ev.tokens
+        sched.add("b", list(range(400, 430)), SamplingParams(max_new_tokens=30, ignore_eos=True))
+        while sched.has_work:
+            for ev in sched.step():
+                out[ev.request_id] += ev.tokens
+        assert target.kv.num_free_pages == target.kv.num_total_pages
+        return out, target.calls
+
+    single, _ = run(1)
+    tokens, calls = run(16)
+    assert tokens == single
+    assert calls[:5] == [(1, PLAIN_STEPS), (2, PLAIN_STEPS), (2, 8), (2, 16), (2, 16)], calls

@@ -184,7 +184,9 @@ def test_the_verify_worker_runs_beside_the_scheduler_thread(dev_prompts, tiny_to
 
 def test_plain_calls_are_short_while_micro_batches_take_turns():
     """A draft asking for 16 plain steps per call asks for PLAIN_STEPS for one micro-batch of two: a long plain
-    call of it would hold the target while the other's verify waits. A plain call of the whole batch takes 16."""
+    call of it would hold the target while the other's verify waits. Plain calls of the whole batch ramp up to 16
+    after an admission (4, 8, 16: requests arriving meanwhile join sooner), or take 16 at once when the batch is
+    full (no one could join)."""
     from specdec.engine.plain_steps import PLAIN_STEPS
 
     class Remote:
@@ -193,8 +195,12 @@ def test_plain_calls_are_short_while_micro_batches_take_turns():
     sched = Scheduler(Remote(), None, 2048, 64, overlap=TwoBatchOverlap(4), plain_steps=16)
     try:
         sched.running = {f"r{i}": None for i in range(4)}
-        assert sched._plain_steps_per_call(list(sched.running)) == 16
+        whole = list(sched.running)
+        assert [sched._plain_steps_per_call(whole) for _ in range(4)] == [PLAIN_STEPS, 8, 16, 16]
         assert sched._plain_steps_per_call(["r0", "r1"]) == PLAIN_STEPS
+        sched.max_batch_size = 4
+        sched._plain_ramp = PLAIN_STEPS
+        assert sched._plain_steps_per_call(whole) == 16
     finally:
         sched.close()
 
