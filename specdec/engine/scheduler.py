@@ -46,6 +46,10 @@ PLAIN_FEATURE_ROWS = 1
 
 
 class Scheduler(Admission):
+    # how long a request arriving during a plain call should wait at most to join, as far as the call's length
+    # decides it (the first calls after an admission: `_plain_steps_per_call`)
+    admit_window_s = 0.025
+
     def __init__(self, target, draft: DraftEngine | None, max_context: int, max_batch_size: int = 64,
                  feature_layers: tuple[int, ...] = (), max_queue_wait_s: float = 0.0,
                  step_spans: StepSpanSampler | None = None, policy: SpeculationPolicy | None = None,
@@ -72,6 +76,7 @@ class Scheduler(Admission):
         self._last_budget: int | None = None  # the budget of the latest launch (a switch settles the draft first)
         self._joining = 0  # the batch size admission expects its requests to join (`Admission._admit`)
         self._plain_ramp = PLAIN_STEPS  # the most steps of the next whole-batch plain call (`_plain_steps_per_call`)
+        self._plain_step_s: float | None = None  # seconds per step of the latest plain call, its round trip included
 
     # ---- queue ----------------------------------------------------------------------------------------------
     def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, trace_context=None) -> RunState:
@@ -187,14 +192,17 @@ class Scheduler(Admission):
         the other's verify waits (measured: a 16-step call held it 8-12 ms a step). A plain call of the whole batch
         takes them all: at 128 requests of an 8B shape a call's round trip and bookkeeping cost ~6.5 ms, 16% of
         4 steps (2 x H200, `bench/services_gpu.sh`, session 8), once it has ramped up: after an admission, while
-        the batch has room, calls start at PLAIN_STEPS and double (4, 8, 16). Requests that arrive during a call
-        join only after it (one burst of 32 came as waves of 2 and 30), and a 16-step call at 32 requests of
-        an 8B shape is ~90 ms of waiting where `Generate` admits them within a step."""
+        the batch has room, calls start at what fits in `admit_window_s` (at least PLAIN_STEPS) and double (4, 8,
+        16 for an 8B shape). Requests that arrive during a call join only after it (one burst of 32 came as waves
+        of 2 and 30), and a 16-step call at 32 requests of an 8B shape is ~90 ms of waiting where `Generate` admits
+        them within a step; a small model's steps (the tiny pair: under 1 ms) fit 16 in the window at once, where
+        short calls would pay a round trip every few steps."""
         if self.overlap is not None and len(rids) < len(self.running):
             return min(self.plain_steps, PLAIN_STEPS)
         if len(self.running) >= self.max_batch_size:  # no one could join: the ramp is over
             self._plain_ramp = self.plain_steps
-        steps = min(self.plain_steps, self._plain_ramp)
+        fits = int(self.admit_window_s / self._plain_step_s) if self._plain_step_s else 0
+        steps = min(self.plain_steps, max(self._plain_ramp, fits))
         self._plain_ramp = 2 * steps
         return steps
 
@@ -248,6 +256,7 @@ class Scheduler(Admission):
         else:
             self.timings.plain_steps += steps
             self.timings.plain_s += elapsed
+            self._plain_step_s = elapsed / steps
         if self.policy is not None and self.draft is not None:
             going = [e for e in events if e.finish_reason == RUNNING]
             self.policy.record(len(rids), launch.budget, sum(len(e.tokens) for e in going), elapsed, steps,

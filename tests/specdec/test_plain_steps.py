@@ -168,6 +168,7 @@ def test_plain_calls_ramp_up_after_each_admission_so_a_late_arrival_joins_soon()
     def run(plain_steps):
         target = Recording(tiny_target())
         sched = Scheduler(target, None, target.max_context, 4, plain_steps=plain_steps)
+        sched.admit_window_s = 0.0  # the ramp alone (no call length fits a window)
         out = {"a": [], "b": []}
         sched.add("a", list(range(300, 340)), SamplingParams(max_new_tokens=40, ignore_eos=True))
         for ev in sched.step():  # admits "a", then its first plain call
@@ -183,3 +184,17 @@ def test_plain_calls_ramp_up_after_each_admission_so_a_late_arrival_joins_soon()
     tokens, calls = run(16)
     assert tokens == single
     assert calls[:5] == [(1, PLAIN_STEPS), (2, PLAIN_STEPS), (2, 8), (2, 16), (2, 16)], calls
+
+
+def test_the_ramp_starts_at_the_steps_that_fit_the_admission_window():
+    """After an admission the first plain call holds what fits in `admit_window_s` at the latest call's seconds per
+    step (at least PLAIN_STEPS, at most the scheduler's plain steps): a small model's fast steps skip the ramp."""
+    from specdec.engine.plain_steps import PLAIN_STEPS
+    from specdec.engine.scheduler import Scheduler
+
+    sched = Scheduler(tiny_target(), None, 2048, 8, plain_steps=16)
+    sched.running = {"a": None, "b": None}
+    for step_s, first in ((None, PLAIN_STEPS), (0.01, PLAIN_STEPS), (0.0025, 10), (0.001, 16)):
+        sched._plain_ramp, sched._plain_step_s = PLAIN_STEPS, step_s
+        assert sched._plain_steps_per_call(["a", "b"]) == first, step_s
+        assert sched._plain_steps_per_call(["a", "b"]) == min(16, 2 * first)
