@@ -66,6 +66,8 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
     opts = engine_options(args)
     steps = plain_steps(args)
     off = args.speculation == "off"  # the scheduler runs without the draft engine: plain steps through Verify
+    if args.admission_gather_ms < 0:
+        raise ConfigError(f"--admission-gather-ms {args.admission_gather_ms}: milliseconds >= 0 (0 = off)")
     if args.two_batch_overlap < 0:
         raise ConfigError(f"--two-batch-overlap {args.two_batch_overlap}: a request count >= 0 (0 = off)")
     spec = SpecConfig(args.num_steps, args.topk, args.num_draft_tokens).validate()
@@ -80,6 +82,7 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
         sched = Scheduler(client, None if off else engine, max_context, opts.max_batch_size,
                           () if off else feature_layers_for(engine),
                           max_queue_wait_s=args.max_queue_wait_seconds, plain_steps=steps,
+                          gather_s=args.admission_gather_ms / 1e3,
                           step_spans=StepSpanSampler.from_config(TelemetryConfig.from_env()), policy=policy,
                           overlap=TwoBatchOverlap(args.two_batch_overlap, engine.device)
                           if args.two_batch_overlap and not off else None)

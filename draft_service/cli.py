@@ -39,6 +39,10 @@ def register(subparsers) -> None:
                    help="how the target sends the features: native (default: its compute dtype) or fp8 (8-bit "
                         "floats with a float32 scale per row: half of bf16's bytes; on the tiny pair tau did not "
                         "change, docs/benchmarks.md); output stays the target's either way")
+    p.add_argument("--admission-gather-ms", type=float, default=10.0, metavar="MS",
+                   help="with no request running, wait for the rest of a burst before admitting: admit once no "
+                        "request came for 1 ms, or MS after the first (default 10; 0 = admit at once). A burst "
+                        "admitted in waves sizes its first wave's prompt features and plain calls for a small batch")
     p.add_argument("--two-batch-overlap", type=int, default=0, metavar="N",
                    help="from N running requests, split the batch into two micro-batches that take turns, so the "
                         "draft proposes for one while the target verifies the other (pays with draft and target "

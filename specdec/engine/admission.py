@@ -20,6 +20,7 @@ from specdec.telemetry.tracing import attached
 
 QUEUE_POLL_S = 0.01  # how often a request waiting for KV pages retries its admission
 MAX_PREFILL_TOKENS = 16384  # prompt tokens admitted in one target prefill call
+GATHER_GAP_S = 0.001  # an idle scheduler gathering a burst admits once no request came for this long
 _BLOCKED = object()  # admission result: the KV pools are full, the request waits
 PROMPT_EXTEND = "draft.extend_prompt"  # span name of the draft's extend over admitted prompts
 
@@ -52,6 +53,13 @@ class Admission:
         if self._retry_at and time.monotonic() < self._retry_at:
             return events
         self._retry_at = 0.0
+        if self.gather_s and not self.running and self.waiting:
+            # idle: a burst (128 streams opened at once) lands over milliseconds; admitting its first few alone
+            # would size their prompts' features and first calls for a batch of a few
+            until = min(self._last_arrival + GATHER_GAP_S, self.waiting[0].arrived + self.gather_s)
+            if time.monotonic() < until:
+                self._retry_at = until
+                return events
         # the batch these requests will decode in, as far as the queue tells (128 arriving at once: 128)
         self._joining = min(self.max_batch_size, len(self.running) + len(self.waiting))
         while self.waiting and len(self.running) < self.max_batch_size:

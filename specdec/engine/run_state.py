@@ -3,6 +3,7 @@ batch), `Event` (what one request got from one step), `Launch` (one step up to i
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,7 @@ class RunState:
     num_draft_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     blocked_since: float | None = None  # when admission first found the KV pools too full for it
+    arrived: float = field(default_factory=time.monotonic)  # when it was queued (`Scheduler.add`)
     trace_context: Any = None  # the request's OpenTelemetry context (None: not traced)
     # committed tokens (and their features [n, feature]) the draft has not extended over yet: left by plain calls
     backlog_tokens: list[int] = field(default_factory=list)

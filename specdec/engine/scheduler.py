@@ -54,7 +54,7 @@ class Scheduler(Admission):
                  feature_layers: tuple[int, ...] = (), max_queue_wait_s: float = 0.0,
                  step_spans: StepSpanSampler | None = None, policy: SpeculationPolicy | None = None,
                  timings: StepTimings | None = None, overlap: TwoBatchOverlap | None = None,
-                 plain_steps: int = PLAIN_STEPS):
+                 plain_steps: int = PLAIN_STEPS, gather_s: float = 0.0):
         self.target, self.draft = target, draft
         # tokens a plain step commits per request in one target call (one host sync; one RPC through the draft)
         self.plain_steps = plain_steps
@@ -77,12 +77,16 @@ class Scheduler(Admission):
         self._joining = 0  # the batch size admission expects its requests to join (`Admission._admit`)
         self._plain_ramp = PLAIN_STEPS  # the most steps of the next whole-batch plain call (`_plain_steps_per_call`)
         self._plain_step_s: float | None = None  # seconds per step of the latest plain call, its round trip included
+        # an idle scheduler waits up to this long for the rest of a burst before admitting (`Admission._admit`)
+        self.gather_s = gather_s
+        self._last_arrival = 0.0
 
     # ---- queue ----------------------------------------------------------------------------------------------
     def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, trace_context=None) -> RunState:
         """Queue a request; `trace_context` (see `current_trace_context`) parents its spans on this thread."""
         state = RunState(request_id, list(prompt_ids), sampling, trace_context=trace_context)
         self.waiting.append(state)
+        self._last_arrival = state.arrived
         return state
 
     def abort(self, request_id: str) -> None:

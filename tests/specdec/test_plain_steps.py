@@ -198,3 +198,42 @@ def test_the_ramp_starts_at_the_steps_that_fit_the_admission_window():
         sched._plain_ramp, sched._plain_step_s = PLAIN_STEPS, step_s
         assert sched._plain_steps_per_call(["a", "b"]) == first, step_s
         assert sched._plain_steps_per_call(["a", "b"]) == min(16, 2 * first)
+
+
+def test_an_idle_scheduler_gathers_a_burst_into_one_admission():
+    """With `gather_s`, an idle scheduler admits once no request came for GATHER_GAP_S (or `gather_s` after the
+    first): two requests a moment apart join in one prefill, where without it the first is admitted alone. A lone
+    request waits only the gap."""
+    import time
+
+    from specdec.engine.admission import GATHER_GAP_S
+    from specdec.engine.scheduler import Scheduler
+
+    class Recording:
+        def __init__(self, engine):
+            self.engine, self.prefills = engine, []
+
+        def __getattr__(self, name):
+            return getattr(self.engine, name)
+
+        def prefill(self, inputs):
+            self.prefills.append([i.request_id for i in inputs])
+            return self.engine.prefill(inputs)
+
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    for gather_s, waves in ((0.0, [["a"], ["b"]]), (0.05, [["a", "b"]])):
+        target = Recording(tiny_target())
+        sched = Scheduler(target, None, target.max_context, 4, gather_s=gather_s)
+        sched.add("a", list(range(300, 320)), params)
+        sched.step()
+        sched.add("b", list(range(400, 420)), params)
+        while sched.has_work:
+            sched.step()
+        assert target.prefills == waves
+        assert target.kv.num_free_pages == target.kv.num_total_pages
+    sched = Scheduler(Recording(tiny_target()), None, 2048, 4, gather_s=0.05)
+    sched.add("c", list(range(300, 320)), params)
+    t0 = time.monotonic()
+    while not sched.step():  # its first events come with its admission
+        pass
+    assert GATHER_GAP_S <= time.monotonic() - t0 < 0.05
