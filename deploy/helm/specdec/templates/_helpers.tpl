@@ -311,6 +311,7 @@ lifecycle:
     - --two-batch-overlap={{ $v.draft.twoBatchOverlap }}
     {{- end }}
     - --feature-wire={{ $v.draft.featureWire }}
+    - --admission-gather-ms={{ $v.draft.admissionGatherMs }}
     - --speculation={{ $v.draft.speculation }}
     {{- with include "specdec.optionalFlag" (dict "flag" "plain-steps" "value" $v.draft.plainSteps) | trim }}{{ . | nindent 4 }}{{- end }}
     - --log-format={{ $v.logFormat }}
