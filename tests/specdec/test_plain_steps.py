@@ -19,6 +19,25 @@ def _admit(target, budgets: dict[str, int]) -> None:
                     for i, (rid, n) in enumerate(budgets.items())])
 
 
+class Recording:
+    """A target engine that records its calls: (batch, plain steps) of each verify, the request ids of each
+    prefill."""
+
+    def __init__(self, engine):
+        self.engine, self.calls, self.prefills = engine, [], []
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def verify(self, inputs, plain_steps=1, feature_rows=0):
+        self.calls.append((len(inputs), plain_steps))
+        return self.engine.verify(inputs, plain_steps=plain_steps, feature_rows=feature_rows)
+
+    def prefill(self, inputs):
+        self.prefills.append([i.request_id for i in inputs])
+        return self.engine.prefill(inputs)
+
+
 def test_plain_steps_equal_single_steps_and_stop_where_a_request_finishes():
     target = tiny_target()
     budgets = {"long": 12, "short": 3}  # "short" finishes inside the first call of 4 steps
@@ -154,17 +173,6 @@ def test_plain_calls_ramp_up_after_each_admission_so_a_late_arrival_joins_soon()
     from specdec.engine.plain_steps import PLAIN_STEPS
     from specdec.engine.scheduler import Scheduler
 
-    class Recording:
-        def __init__(self, engine):
-            self.engine, self.calls = engine, []
-
-        def __getattr__(self, name):
-            return getattr(self.engine, name)
-
-        def verify(self, inputs, plain_steps=1, feature_rows=0):
-            self.calls.append((len(inputs), plain_steps))
-            return self.engine.verify(inputs, plain_steps=plain_steps, feature_rows=feature_rows)
-
     def run(plain_steps):
         target = Recording(tiny_target())
         sched = Scheduler(target, None, target.max_context, 4, plain_steps=plain_steps)
@@ -208,17 +216,6 @@ def test_an_idle_scheduler_gathers_a_burst_into_one_admission():
 
     from specdec.engine.admission import GATHER_GAP_S
     from specdec.engine.scheduler import Scheduler
-
-    class Recording:
-        def __init__(self, engine):
-            self.engine, self.prefills = engine, []
-
-        def __getattr__(self, name):
-            return getattr(self.engine, name)
-
-        def prefill(self, inputs):
-            self.prefills.append([i.request_id for i in inputs])
-            return self.engine.prefill(inputs)
 
     params = SamplingParams(max_new_tokens=3, ignore_eos=True)
     for gather_s, waves in ((0.0, [["a"], ["b"]]), (0.05, [["a", "b"]])):
