@@ -15,10 +15,8 @@
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import sys
-import warnings
 from pathlib import Path
 
 import torch
@@ -31,25 +29,8 @@ from specdec import host_copy  # noqa: E402
 from specdec.engine.draft_engine import SpecConfig  # noqa: E402
 from specdec.engine.factory import EngineOptions, build_draft, build_target  # noqa: E402
 from specdec.engine.requests import PrefillInput, VerifyInput  # noqa: E402
+from specdec.host_copy import synchronizing_calls  # noqa: E402
 from specdec.sampling_params import SamplingParams  # noqa: E402
-
-
-def audited(fn) -> dict[str, int]:
-    """The synchronizing CUDA calls `fn()` makes: {innermost specdec/flashinfer frame: count}."""
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    counts: collections.Counter = collections.Counter()
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            fn()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    for w in caught:
-        if "synchroniz" not in str(w.message):
-            continue
-        counts[f"{Path(w.filename).parent.name}/{Path(w.filename).name}:{w.lineno}"] += 1
-    return dict(counts)
 
 
 def main() -> int:
@@ -75,15 +56,15 @@ def main() -> int:
     for _ in range(3):  # graphs captured on first use
         target.verify([VerifyInput("a", [], [])], plain_steps=16)
         target.verify([chain])
-    res["audit"]["target plain call, 16 steps, bs 1"] = audited(
+    res["audit"]["target plain call, 16 steps, bs 1"] = synchronizing_calls(
         lambda: target.verify([VerifyInput("a", [], [])], plain_steps=16))
-    res["audit"]["target chain verify, 6 drafts, bs 1"] = audited(lambda: target.verify([chain]))
+    res["audit"]["target chain verify, 6 drafts, bs 1"] = synchronizing_calls(lambda: target.verify([chain]))
     draft.add("a", 4000)
     feats = torch.randn(512, 4096, device="cuda", dtype=torch.bfloat16)
     draft.extend([("a", prompt, feats)])
     for _ in range(3):
         draft.propose(["a"])
-    res["audit"]["draft chain proposal, bs 1"] = audited(lambda: draft.propose(["a"]))
+    res["audit"]["draft chain proposal, bs 1"] = synchronizing_calls(lambda: draft.propose(["a"]))
 
     def extend4():
         n = draft.requests["a"].kv_len
@@ -92,7 +73,7 @@ def main() -> int:
         draft.requests["a"].kv_len = n
 
     extend4()
-    res["audit"]["draft extend, 4 tokens, bs 1"] = audited(extend4)
+    res["audit"]["draft extend, 4 tokens, bs 1"] = synchronizing_calls(extend4)
     target.release("a")
     draft.release("a")
     print(json.dumps(res["audit"], indent=1), flush=True)

@@ -10,6 +10,10 @@ planners copy through pinned memory, non-blocking: torch keeps the pinned block 
 
 from __future__ import annotations
 
+import collections
+import warnings
+from pathlib import Path
+
 import torch
 
 SYNC_COPIES = False  # True: every copy here blocks like torch's default (bench/sync_audit.py's "before" rows)
@@ -32,3 +36,21 @@ def copy_in(dst: torch.Tensor, values) -> torch.Tensor:
     if dst.device.type == "cuda" and src.device.type == "cpu":
         src = src.pin_memory()
     return dst.copy_(src, non_blocking=True)
+
+
+def synchronizing_calls(fn) -> dict[str, int]:
+    """Run `fn()` under `torch.cuda.set_sync_debug_mode("warn")` and count the synchronizing CUDA calls it makes,
+    by the source line that made each (`folder/file.py:line`). Copies through this module make none."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    counts: collections.Counter = collections.Counter()
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            counts[f"{Path(w.filename).parent.name}/{Path(w.filename).name}:{w.lineno}"] += 1
+    return dict(counts)

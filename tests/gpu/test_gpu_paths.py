@@ -303,3 +303,41 @@ def test_features_go_to_host_in_one_batch_per_width():
     assert torch.equal(outs[0].features, a.cpu()) and torch.equal(outs[1].features, b.cpu())
     assert torch.equal(outs[2].features, c.cpu())
     assert outs[0].features.untyped_storage().data_ptr() == outs[1].features.untyped_storage().data_ptr()
+
+
+def test_engine_steps_make_one_host_sync_each():
+    """The host never waits for the GPU inside a step (`specdec.host_copy`): a 16-step plain call synchronizes
+    once (its tokens), a chain verify once (its verdict), a captured chain proposal once (its tokens) and a
+    captured extend not at all, as `bench/sync_audit.py` found on the 8B shape (ninth pass)."""
+    from repo_paths import TINY
+
+    from specdec.engine.draft_engine import SpecConfig
+    from specdec.engine.factory import EngineOptions, build_draft
+    from specdec.engine.requests import PrefillInput, VerifyInput
+    from specdec.host_copy import synchronizing_calls
+    from specdec.sampling_params import SamplingParams
+
+    target = _engine("flashinfer")
+    opts = EngineOptions(device="cuda", dtype="bfloat16", attention_backend="flashinfer", num_pages=512)
+    draft = build_draft(str(TINY / "draft"), str(TINY / "target"), SpecConfig(5, 1, 5), opts, target.max_context)
+    prompt = list(range(300, 364))
+    first = target.prefill([PrefillInput("r", prompt, SamplingParams(max_new_tokens=400, ignore_eos=True))])[0]
+    draft.add("r", 600)
+    draft.extend([("r", prompt[1:] + [first.first_token], first.features)])
+    chain = VerifyInput("r", [5, 6, 7, 8, 9], [-1, 0, 1, 2, 3])
+    for _ in range(3):  # graphs captured on first use
+        target.verify([VerifyInput("r", [], [])], plain_steps=16)
+        target.verify([chain])
+        draft.propose(["r"])
+    plain = synchronizing_calls(lambda: target.verify([VerifyInput("r", [], [])], plain_steps=16))
+    verify = synchronizing_calls(lambda: target.verify([chain]))
+    propose = synchronizing_calls(lambda: draft.propose(["r"]))
+    feats = torch.randn(4, draft.model.feature_size, device="cuda", dtype=torch.bfloat16)
+    extend = synchronizing_calls(lambda: draft.extend([("r", [5, 6, 7, 8], feats)]))
+    assert draft.extend_graphs is not None and draft.graphs is not None
+    assert sum(plain.values()) == 1, plain
+    assert sum(verify.values()) == 1, verify
+    assert sum(propose.values()) == 1, propose
+    assert sum(extend.values()) == 0, extend
+    target.release("r")
+    draft.release("r")
