@@ -354,3 +354,18 @@ def test_the_drafts_client_takes_trimmed_feature_rows_from_prefill_and_verify(st
             client.release(rid)
         client.close()
     assert asyncio.run(_kv_free(stack))[0]
+
+
+def test_burst_gathering_service_is_lossless_and_a_negative_window_is_refused(stack, prompts):
+    """`--admission-gather-ms`: an idle draft waits for the rest of a burst before admitting it; 10 streams opened
+    at once still equal target Generate with a long window, and a negative window stops start-up with a message
+    naming the flag."""
+    target, _ = stack
+    gathering = start_draft(target.addr, "--admission-gather-ms", "200", "--max-batch-size", "16")
+    try:
+        spec, plain, draft_free = asyncio.run(_pairs(gathering.addr, target.addr, prompts[:10], [16] * 10, "gather"))
+        assert spec == plain and draft_free
+    finally:
+        gathering.stop()
+    with pytest.raises(RuntimeError, match="admission-gather-ms"):
+        start_draft(target.addr, "--admission-gather-ms", "-1")
