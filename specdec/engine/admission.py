@@ -56,7 +56,8 @@ class Admission:
         if self.gather_s and not self.running and self.waiting:
             # idle: a burst (128 streams opened at once) lands over milliseconds; admitting its first few alone
             # would size their prompts' features and first calls for a batch of a few
-            until = min(self._last_arrival + GATHER_GAP_S, self.waiting[0].arrived + self.gather_s)
+            # (the queue is in arrival order: its last request is the latest to arrive)
+            until = min(self.waiting[-1].arrived + GATHER_GAP_S, self.waiting[0].arrived + self.gather_s)
             if time.monotonic() < until:
                 self._retry_at = until
                 return events

@@ -79,14 +79,12 @@ class Scheduler(Admission):
         self._plain_step_s: float | None = None  # seconds per step of the latest plain call, its round trip included
         # an idle scheduler waits up to this long for the rest of a burst before admitting (`Admission._admit`)
         self.gather_s = gather_s
-        self._last_arrival = 0.0
 
     # ---- queue ----------------------------------------------------------------------------------------------
     def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, trace_context=None) -> RunState:
         """Queue a request; `trace_context` (see `current_trace_context`) parents its spans on this thread."""
         state = RunState(request_id, list(prompt_ids), sampling, trace_context=trace_context)
         self.waiting.append(state)
-        self._last_arrival = state.arrived
         return state
 
     def abort(self, request_id: str) -> None:
