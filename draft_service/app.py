@@ -70,6 +70,9 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
         raise ConfigError(f"--admission-gather-ms {args.admission_gather_ms}: milliseconds >= 0 (0 = off)")
     if args.two_batch_overlap < 0:
         raise ConfigError(f"--two-batch-overlap {args.two_batch_overlap}: a request count >= 0 (0 = off)")
+    if args.plain_calls_in_flight < 1:
+        raise ConfigError(f"--plain-calls-in-flight {args.plain_calls_in_flight}: a call count >= 1 (1 = one at a "
+                          "time)")
     spec = SpecConfig(args.num_steps, args.topk, args.num_draft_tokens).validate()
     servicer = DraftServicer(args.model, args.target)
     state = {}
@@ -84,8 +87,8 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
                           max_queue_wait_s=args.max_queue_wait_seconds, plain_steps=steps,
                           gather_s=args.admission_gather_ms / 1e3,
                           step_spans=StepSpanSampler.from_config(TelemetryConfig.from_env()), policy=policy,
-                          overlap=TwoBatchOverlap(args.two_batch_overlap, engine.device)
-                          if args.two_batch_overlap and not off else None)
+                          overlap=TwoBatchOverlap(0 if off else args.two_batch_overlap, engine.device,
+                                                  args.plain_calls_in_flight))
         loop = EngineLoop(sched, "draft-engine", engine.device)
         phases = StepPhases(sched.timings)
         loop.on_step = lambda events: (_observe(metrics, engine, events), phases.observe(metrics))

@@ -47,6 +47,10 @@ def register(subparsers) -> None:
                    help="from N running requests, split the batch into two micro-batches that take turns, so the "
                         "draft proposes for one while the target verifies the other (pays with draft and target "
                         "on separate GPUs; docs/benchmarks.md has the measured threshold); 0 (default) = off")
+    p.add_argument("--plain-calls-in-flight", type=int, default=2, metavar="N",
+                   help="while the whole batch decodes plainly (--speculation auto or off), keep N plain calls in "
+                        "flight: the next goes out before the previous one's reply, so the target never waits a "
+                        "round trip between them (default 2; 1 = one at a time)")
     add_tls_args(p)
     add_tls_args(p, prefix="target-", who="client side, to the target")
     add_telemetry_args(p)

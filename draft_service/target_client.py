@@ -136,8 +136,23 @@ class TargetClient:
     def verify(self, inputs: list[VerifyInput], plain_steps: int = 1, feature_rows: int = 0) -> list[VerifyOutput]:
         """The target's `verify` over gRPC (`plain_steps`: see specdec.engine.plain_steps; `feature_rows` > 0:
         the features of each result's last that many tokens only)."""
-        msg, feats = self._decode(target_pb2.VerifyResponse,
-                                  self._call(self._verify_raw, verify_to_proto(inputs, plain_steps, feature_rows)))
+        reply = self._call(self._verify_raw, verify_to_proto(inputs, plain_steps, feature_rows))
+        return self._verify_outputs(inputs, plain_steps, feature_rows, reply)
+
+    def verify_start(self, inputs: list[VerifyInput], plain_steps: int = 1, feature_rows: int = 0):
+        """Send a Verify without waiting; `verify_finish` collects it. Calls started one after another from one
+        thread reach the target in that order (one HTTP/2 connection; the target queues them as they come), which
+        pipelined plain calls of the same requests rely on (`TwoBatchOverlap`). Under the current span."""
+        started = self._start(self._verify_raw, verify_to_proto(inputs, plain_steps, feature_rows))
+        return inputs, plain_steps, feature_rows, started
+
+    def verify_finish(self, pending) -> list[VerifyOutput]:
+        inputs, plain_steps, feature_rows, started = pending
+        return self._verify_outputs(inputs, plain_steps, feature_rows, self._wait(started))
+
+    def _verify_outputs(self, inputs: list[VerifyInput], plain_steps: int, feature_rows: int,
+                        reply: bytes) -> list[VerifyOutput]:
+        msg, feats = self._decode(target_pb2.VerifyResponse, reply)
         ids = [r.request_id for r in msg.results]
         if ids != [i.request_id for i in inputs]:
             raise MalformedReply(f"target: Verify answered {ids[:4]} for {[i.request_id for i in inputs][:4]}")
@@ -145,7 +160,8 @@ class TargetClient:
         for r in msg.results:
             running = r.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
             rows = kept_feature_rows(len(r.tokens), feature_rows) if running and self.features else 0
-            if not r.tokens or r.num_feature_rows != rows or len(r.tokens) > most:
+            # no tokens: a plain call naming a request that an earlier call finished (TargetEngine.finished)
+            if (running and not r.tokens) or r.num_feature_rows != rows or len(r.tokens) > most:
                 raise MalformedReply(f"target: Verify result for {r.request_id!r} has {len(r.tokens)} tokens "
                                      f"and {r.num_feature_rows} feature rows")
         return self._checked(verify_outputs_from_proto, msg, feats)

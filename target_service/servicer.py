@@ -44,6 +44,21 @@ def _chunks(inputs: list, max_tokens: int) -> list[list]:
     return chunks
 
 
+def _in_order(groups: list) -> list[list[int]]:
+    """The groups (Verify RPCs, in arrival order) cut into consecutive segments whose groups name disjoint request
+    ids: a segment's groups may share engine calls, and the segments run one after another."""
+    segments: list[list[int]] = []
+    seen: set[str] = set()
+    for i, g in enumerate(groups):
+        ids = {inp.request_id for inp in g[0]}
+        if not segments or ids & seen:
+            segments.append([])
+            seen = set()
+        segments[-1].append(i)
+        seen |= ids
+    return segments
+
+
 def _warmup(inputs: list) -> bool:
     """A draft's start-up warm-up (`specdec.engine.warmup`): served, but not the traffic the metrics describe."""
     return all(is_warmup(inp.request_id) for inp in inputs)
@@ -125,10 +140,16 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     def _verify_by_steps(self, groups: list[tuple[list, object, float, tuple[int, int]]]) -> list[list]:
         """Each group's outputs: the groups asking for the same plain-step and feature-row counts share one
-        engine call."""
+        engine call. A group naming a request that an earlier group of the batch names (a draft's next plain call,
+        sent before the previous one's reply) runs after it (`_in_order`)."""
         result: list = [None] * len(groups)
-        for kind in dict.fromkeys(g[3] for g in groups):
-            members = [i for i, g in enumerate(groups) if g[3] == kind]
+        for segment in _in_order(groups):
+            self._verify_segment(groups, segment, result)
+        return result
+
+    def _verify_segment(self, groups: list, segment: list[int], result: list) -> None:
+        for kind in dict.fromkeys(groups[i][3] for i in segment):
+            members = [i for i in segment if groups[i][3] == kind]
             inputs = [inp for i in members for inp in groups[i][0]]
             packed = self._packed(inputs)
             steps, rows = kind
@@ -138,13 +159,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             for i in members:
                 result[i] = outs[start : start + len(groups[i][0])]
                 start += len(groups[i][0])
-        return result
 
     def _packed(self, inputs: list) -> frozenset:
         """The ids whose features travel as 8-bit floats: all of a Verify batch's when they all asked for it
         (the reply carries one blob), else none."""
         reqs = [self.engine.requests.get(inp.request_id) for inp in inputs]
-        if all(r is not None and r.feature_wire == FP8_ROWS for r in reqs):
+        reqs = [r for r in reqs if r is not None]  # not the finished ones a plain call may name (no features)
+        if reqs and all(r.feature_wire == FP8_ROWS for r in reqs):
             return frozenset(inp.request_id for inp in inputs)
         return frozenset()
 

@@ -14,10 +14,13 @@ of the batch whose trace is sampled and linked to every other request's span (`b
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
 from typing import Any
+
+from opentelemetry import trace
 
 from specdec.engine.adaptive import FULL, SpeculationPolicy
 from specdec.engine.admission import PROMPT_EXTEND, Admission
@@ -97,6 +100,11 @@ class Scheduler(Admission):
             self.overlap.close()
 
     @property
+    def aborting(self) -> set[str]:
+        """Ids whose abort waits for their verifies in flight to land (`abort`)."""
+        return self._aborts
+
+    @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._aborts)
 
@@ -163,9 +171,11 @@ class Scheduler(Admission):
             outputs, error = None, exc
         return self.land(launch, outputs, error, launch.started)
 
-    def launch(self, rids: list[str], budget: int | None = None, chosen_at: int | None = None) -> Launch:
+    def launch(self, rids: list[str], budget: int | None = None, chosen_at: int | None = None,
+               micro: bool = False) -> Launch:
         """Everything of a step before its verify: the budget, the draft's catch-up and trees. `budget`: already
-        chosen (`choose_budget`), for a batch of `chosen_at` requests (default: these)."""
+        chosen (`choose_budget`), for a batch of `chosen_at` requests (default: these); `micro`: one of two
+        micro-batches taking turns (`TwoBatchOverlap`)."""
         started = time.perf_counter()
         budget = self.choose_budget(rids) if budget is None else budget
         if self.policy is not None and self.draft is not None and budget != self._last_budget:
@@ -180,7 +190,7 @@ class Scheduler(Admission):
             self._catch_up(rids, trace)
         with self.step_spans.span("draft.propose", sampled, links, parent, batch_size=len(rids)) as span:
             trees = self._propose(rids, budget) if speculate else [_EMPTY] * len(rids)
-            plain = 1 if speculate else self._plain_steps_per_call(rids)
+            plain = 1 if speculate else self._plain_steps_per_call(micro)
             # a plain call brings back the features of each request's last token only (see `_hold`)
             rows = 0 if speculate or self.draft is None else PLAIN_FEATURE_ROWS
             launch = Launch(rids, trees, budget, speculate, trace, started, plain, chosen_at, rows)
@@ -188,7 +198,7 @@ class Scheduler(Admission):
                 span.set_attribute("num_draft_tokens", launch.num_draft_tokens)
         return launch
 
-    def _plain_steps_per_call(self, rids: list[str]) -> int:
+    def _plain_steps_per_call(self, micro: bool) -> int:
         """`plain_steps`, but no more than PLAIN_STEPS (the target's own `Generate`) for one micro-batch of two
         taking turns (`TwoBatchOverlap`, only beside seeded requests): a long plain call would hold the target while
         the other's verify waits (measured: a 16-step call held it 8-12 ms a step). A plain call of the whole batch
@@ -199,7 +209,7 @@ class Scheduler(Admission):
         of 2 and 30), and a 16-step call at 32 requests of an 8B shape is ~90 ms of waiting where `Generate` admits
         them within a step; a small model's steps (the tiny pair: under 1 ms) fit 16 in the window at once, where
         short calls would pay a round trip every few steps."""
-        if self.overlap is not None and len(rids) < len(self.running):
+        if micro:
             return min(self.plain_steps, PLAIN_STEPS)
         if len(self.running) >= self.max_batch_size:  # no one could join: the ramp is over
             self._plain_ramp = self.plain_steps
@@ -214,29 +224,40 @@ class Scheduler(Admission):
         t0 = time.perf_counter()
         with self.step_spans.span("draft.verify", sampled, links, parent, batch_size=len(launch.rids),
                                   num_draft_tokens=launch.num_draft_tokens) as span:
-            inputs = [VerifyInput(rid, list(t.tokens), list(t.parents))
-                      for rid, t in zip(launch.rids, launch.trees, strict=True)]
-            more = {"plain_steps": launch.plain_steps} if launch.plain_steps > 1 else {}
-            if launch.feature_rows:
-                more["feature_rows"] = launch.feature_rows
+            inputs, more = _verify_args(launch)
             outputs = self.target.verify(inputs, **more)
             if span is not None:
                 span.set_attribute("accepted", sum(out.num_accepted_drafts for out in outputs))
         self.timings.verify_s += time.perf_counter() - t0
         return outputs
 
+    def send(self, launch: Launch) -> SentVerify:
+        """Start a launch's verify without waiting, on a target that can (`verify_start`: calls sent one after
+        another from this thread reach it in that order); the result's `result()` waits for the outputs."""
+        sampled, parent, links = launch.trace
+        span = self.step_spans.start_span("draft.verify", sampled, links, parent, batch_size=len(launch.rids),
+                                          num_draft_tokens=launch.num_draft_tokens)
+        with trace.use_span(span, end_on_exit=False) if span is not None else contextlib.nullcontext():
+            inputs, more = _verify_args(launch)
+            pending = self.target.verify_start(inputs, **more)
+        return SentVerify(self, pending, span, time.perf_counter())
+
     def land(self, launch: Launch, outputs: list | None, error: SpecdecError | None, since: float) -> list[Event]:
         """Commit a verify's outputs (or fail its requests on `error`), extend the draft over what was accepted.
         The step's time, for the timings and the policy, runs from `since` to now."""
         rids = launch.rids
         if error is not None:  # the whole batch failed (e.g. the target went away)
+            rids = [rid for rid in rids if rid in self.running]  # not those an earlier landing ended
             log.error("verify failed for %d requests: %s", len(rids), error)
             for rid in rids:  # a target that answered (malformed reply) may still hold them; a dead one not
                 self._finish(rid, release_target=not isinstance(error, NotReady))
             return [Event(rid, [], ABORT, error=error) for rid in rids]
         events, extend = [], []
         for tree, out in zip(launch.trees, outputs, strict=True):
-            state = self.running[out.request_id]
+            state = self.running.get(out.request_id)
+            if state is None:  # an earlier plain call of the pipeline finished it (`TwoBatchOverlap`)
+                continue
+
             steps = len(out.tokens) if launch.plain_steps > 1 else 1  # a plain step commits one token
             self._count(state, len(tree.tokens), out.num_accepted_drafts, out.tokens, steps)
             events.append(Event(out.request_id, out.tokens, out.finish_reason,
@@ -251,7 +272,8 @@ class Scheduler(Admission):
         if extend:
             self._extend(extend, launch.trace)
         elapsed = time.perf_counter() - since
-        steps = max(len(out.tokens) for out in outputs) if launch.plain_steps > 1 else 1  # target steps run
+        # target steps run
+        steps = max(1, max(len(out.tokens) for out in outputs)) if launch.plain_steps > 1 else 1
         if launch.speculate:
             self.timings.spec_steps += 1
             self.timings.spec_s += elapsed
@@ -345,3 +367,35 @@ class Scheduler(Admission):
                 self.target.release(rid)
             except SpecdecError as exc:
                 log.warning("release of %s on the target failed: %s", rid, exc)
+
+
+def _verify_args(launch: Launch) -> tuple[list[VerifyInput], dict]:
+    """The target call of a launch: its inputs, and the counts it sets (`plain_steps`, `feature_rows`)."""
+    inputs = [VerifyInput(rid, list(t.tokens), list(t.parents)) for rid, t in zip(launch.rids, launch.trees,
+                                                                                  strict=True)]
+    more = {"plain_steps": launch.plain_steps} if launch.plain_steps > 1 else {}
+    if launch.feature_rows:
+        more["feature_rows"] = launch.feature_rows
+    return inputs, more
+
+
+class SentVerify:
+    """A verify sent with `Scheduler.send`: `result()` waits for its outputs (once), ends its span and counts its
+    time from the send."""
+
+    def __init__(self, sched: Scheduler, pending, span, sent: float):
+        self._sched, self._pending, self._span, self._sent = sched, pending, span, sent
+        self._outputs = None
+
+    def result(self) -> list:
+        if self._outputs is None:
+            try:
+                self._outputs = self._sched.target.verify_finish(self._pending)
+                if self._span is not None:
+                    self._span.set_attribute("accepted", sum(out.num_accepted_drafts for out in self._outputs))
+            finally:
+                if self._span is not None:
+                    self._span.end()
+                    self._span = None
+            self._sched.timings.verify_s += time.perf_counter() - self._sent
+        return self._outputs

@@ -6,6 +6,7 @@ Engines are synchronous and single-threaded; the service runs them on a worker t
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,11 @@ from specdec.sampling import make_generator, sample, target_probs
 from specdec.sampling_params import SamplingParams
 from specdec.tree import ancestor_mask, depths, is_chain, validate_tree
 from specdec.verify import verify_greedy, verify_simulated, verify_stochastic
+
+# Requests the target finished itself (stop token, length) whose ids a later plain call may still name: a draft
+# keeps two plain calls in flight (`TwoBatchOverlap`), so the second was sent before the first's reply said that
+# a request finished. Remembered with their finish reason, the oldest forgotten first.
+FINISHED_MEMORY = 4096
 
 
 @dataclass
@@ -77,6 +83,7 @@ class TargetEngine:
         self.max_context = min(max_context or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.max_draft_tokens = max_draft_tokens
         self.requests: dict[str, TargetRequest] = {}
+        self.finished: OrderedDict[str, str] = OrderedDict()  # id -> finish reason (`FINISHED_MEMORY`)
         self.graphs = None
         if cuda_graphs:
             from specdec.engine.cuda_graphs import TargetGraphs
@@ -121,6 +128,7 @@ class TargetEngine:
         if inp.feature_rows < 0:
             raise InvalidInput(f"feature_rows {inp.feature_rows} is negative (0: every prompt token's features)")
         self.kv.add(inp.request_id, self._max_tokens(len(inp.prompt_ids), inp.sampling))
+        self.finished.pop(inp.request_id, None)
         req = TargetRequest(inp.sampling, make_generator(inp.sampling), tuple(inp.feature_layers),
                             len(inp.prompt_ids), 0, -1, 0, inp.feature_wire, inp.return_features)
         self.requests[inp.request_id] = req
@@ -178,6 +186,8 @@ class TargetEngine:
         `plain_steps` > 1 runs that many plain decode steps (`specdec.engine.plain_steps`). `feature_rows` > 0:
         each output carries the features of its last that many tokens only."""
         check_plain_steps(inputs, plain_steps, feature_rows)
+        if any(inp.request_id not in self.requests and inp.request_id in self.finished for inp in inputs):
+            return self._verify_past_finish(inputs, plain_steps, feature_rows)
         if plain_steps == 1:
             return last_feature_rows(self._verify_once(inputs), feature_rows)
         self._check_batch(inputs)
@@ -186,6 +196,18 @@ class TargetEngine:
         else:
             outputs = run_plain_steps(lambda live, _k: self._verify_checked(live), inputs, plain_steps)  # host draws
         return last_feature_rows(outputs, feature_rows)
+
+    def _verify_past_finish(self, inputs: list[VerifyInput], plain_steps: int, feature_rows: int) -> list[VerifyOutput]:
+        """A plain call (empty trees) naming requests that an earlier call finished: each of those gets an empty
+        output with its finish reason, the others run. Trees for a finished request are still refused."""
+        gone = {inp.request_id for inp in inputs if inp.request_id not in self.requests and inp.request_id in
+                self.finished}
+        if any(inp.draft_tokens for inp in inputs):
+            raise UnknownRequest(f"request {sorted(gone)[0]!r} has finished (only a plain call may still name it)")
+        live = [inp for inp in inputs if inp.request_id not in gone]
+        ran = {out.request_id: out for out in self.verify(live, plain_steps, feature_rows)} if live else {}
+        return [ran[inp.request_id] if inp.request_id in ran else
+                VerifyOutput(inp.request_id, [], 0, None, self.finished[inp.request_id]) for inp in inputs]
 
     def _check_batch(self, inputs: list[VerifyInput]) -> None:
         for inp in inputs:
@@ -276,6 +298,9 @@ class TargetEngine:
         req.root = kept[-1]
         if reason != RUNNING:
             self.release(rid)
+            self.finished[rid] = reason
+            if len(self.finished) > FINISHED_MEMORY:
+                self.finished.popitem(last=False)
         return kept, reason
 
     def _steps_left(self, rid: str) -> int:

@@ -160,6 +160,22 @@ class StepSpanSampler:
         assert self._tracer is not None  # sampled is only ever True with a tracer
         return self._tracer.start_as_current_span(name, context=context, links=links, attributes=attributes)
 
+    def start_span(
+        self,
+        name: str,
+        sampled: bool,
+        links: Sequence[trace.Link] = (),
+        context: otel_context.Context | None = None,
+        **attributes: Any,
+    ) -> trace.Span | None:
+        """Like `span`, but started without becoming current, for work that ends elsewhere (a verify sent now and
+        collected later): the caller makes it current where needed (`trace.use_span(span, end_on_exit=False)`)
+        and ends it. None when not `sampled`."""
+        if not sampled:
+            return None
+        assert self._tracer is not None
+        return self._tracer.start_span(name, context=context, links=links, attributes=attributes)
+
 
 _NULL_SPAN = contextlib.nullcontext(None)
 

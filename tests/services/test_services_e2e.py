@@ -253,8 +253,10 @@ def test_adaptive_speculation_service_is_lossless(stack, prompts):
 def test_speculation_off_decodes_plainly_through_verify_without_features(stack, prompts):
     """`--speculation off`: the draft service keeps serving (same API, same streams) but never speculates: it
     decodes plainly through the target's Verify, several tokens per call, and asks for no features (its client
-    refuses a Verify reply whose feature rows it did not ask for, so equal streams also say none came). Streams
-    equal target Generate, tau is 1, both KV pools end free."""
+    refuses a Verify reply whose feature rows it did not ask for, so equal streams also say none came), two calls
+    in flight (`--plain-calls-in-flight`, default 2: the next goes out before the previous one's reply, over the
+    real channel). Streams equal target Generate, tau is 1, both KV pools end free; 0 calls in flight is refused
+    at start-up naming the flag."""
     target, _ = stack
     off = start_draft(target.addr, "--speculation", "off", "--max-batch-size", "8", "--plain-steps", "4")
     try:
@@ -264,6 +266,8 @@ def test_speculation_off_decodes_plainly_through_verify_without_features(stack, 
         assert last.final.tau == 1.0 and last.final.completion_tokens == 16
     finally:
         off.stop()
+    with pytest.raises(RuntimeError, match="plain-calls-in-flight"):
+        start_draft(target.addr, "--plain-calls-in-flight", "0")
 
 
 def test_fp8_features_service_is_lossless_and_refuses_unknown_feature_dtypes(stack, prompts):

@@ -120,3 +120,44 @@ def test_fp8_features_only_for_the_requests_that_asked_and_verify_batches_that_a
     assert servicer._packed(inputs("q")) == {"q"} and servicer._packed(inputs("q", "n")) == frozenset()
     for rid in ("n", "q"):
         engine.release(rid)
+
+
+def test_verify_calls_of_the_same_requests_arriving_together_run_in_order(target):
+    """A draft's pipelined plain calls: the second names the requests of the first and continues where it ends.
+    Met in one batch, they run one after the other in arrival order (never as one forward), and a request the first
+    finished gets an empty result with its finish reason."""
+    from specdec.engine.requests import PrefillInput as Prefill
+
+    engine, _ = target
+    params = {"a": SamplingParams(max_new_tokens=30, ignore_eos=True),
+              "b": SamplingParams(max_new_tokens=3, ignore_eos=True)}
+    prompt = list(range(40, 70))
+    engine.prefill([Prefill(rid, prompt, p) for rid, p in params.items()])
+    ref = {rid: [] for rid in params}
+    while engine.requests.keys() & params.keys():
+        for out in engine.verify([VerifyInput(r, [], []) for r in params if r in engine.requests]):
+            ref[out.request_id] += out.tokens
+    engine.prefill([Prefill(rid, prompt, p) for rid, p in params.items()])
+
+    def plain_call(*rids):
+        return target_pb2.VerifyRequest(trees=[target_pb2.TreeProposal(request_id=r) for r in rids], plain_steps=4,
+                                        feature_rows=1)
+
+    async def together():
+        tasks = [asyncio.ensure_future(servicer.Verify(plain_call("a", "b"), FakeContext())) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        loop.start()
+        return [target_pb2.VerifyResponse.FromString(r) for r in await asyncio.gather(*tasks)]
+
+    loop = EngineLoop(None, "target-engine")
+    servicer = TargetServicer(engine, loop, "tiny")
+    try:
+        replies = asyncio.run(together())
+    finally:
+        loop.stop()
+    got = [[list(r.tokens) for r in reply.results] for reply in replies]
+    assert [t for call in got for t in call[0]] == ref["a"][:12]
+    assert got[0][1] == ref["b"] and got[1][1] == got[2][1] == []
+    assert [r.results[1].finish_reason for r in replies] == [replies[0].results[1].finish_reason] * 3
+    engine.release("a")
+    assert engine.kv.num_free_pages == engine.kv.num_total_pages

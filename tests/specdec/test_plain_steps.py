@@ -204,8 +204,8 @@ def test_the_ramp_starts_at_the_steps_that_fit_the_admission_window():
     sched.running = {"a": None, "b": None}
     for step_s, first in ((None, PLAIN_STEPS), (0.01, PLAIN_STEPS), (0.0025, 10), (0.001, 16)):
         sched._plain_ramp, sched._plain_step_s = PLAIN_STEPS, step_s
-        assert sched._plain_steps_per_call(["a", "b"]) == first, step_s
-        assert sched._plain_steps_per_call(["a", "b"]) == min(16, 2 * first)
+        assert sched._plain_steps_per_call(micro=False) == first, step_s
+        assert sched._plain_steps_per_call(micro=False) == min(16, 2 * first)
 
 
 def test_an_idle_scheduler_gathers_a_burst_into_one_admission():
@@ -234,3 +234,33 @@ def test_an_idle_scheduler_gathers_a_burst_into_one_admission():
     while not sched.step():  # its first events come with its admission
         pass
     assert GATHER_GAP_S <= time.monotonic() - t0 < 0.05
+
+
+def test_a_plain_call_naming_a_request_an_earlier_call_finished_gets_an_empty_result():
+    """A draft keeps two plain calls in flight: the second names requests the first may finish. The target
+    answers those with no tokens and the finish reason, runs the rest; trees for them, and ids it never finished
+    (released by the caller, or unknown), are still refused; a new request under the same id runs normally."""
+    from specdec.errors import UnknownRequest
+
+    target = tiny_target()
+    _admit(target, {"short": 3, "long": 20, "gone": 20})
+    target.release("gone")
+    first = target.verify([VerifyInput("short", [], []), VerifyInput("long", [], [])], plain_steps=4)
+    assert first[0].finish_reason == "length" and len(first[0].tokens) == 2  # the prefill made the first
+    second = target.verify([VerifyInput("short", [], []), VerifyInput("long", [], [])], plain_steps=4,
+                           feature_rows=1)
+    assert second[0].request_id == "short" and second[0].tokens == [] and second[0].finish_reason == "length"
+    assert second[0].features is None
+    assert len(second[1].tokens) == 4 and second[1].finish_reason == RUNNING and second[1].features.shape[0] == 1
+    with pytest.raises(UnknownRequest, match="finished"):
+        target.verify([VerifyInput("short", [5], [-1]), VerifyInput("long", [], [])])
+    for rid in ("gone", "never"):
+        with pytest.raises(UnknownRequest):
+            target.verify([VerifyInput(rid, [], []), VerifyInput("long", [], [])], plain_steps=2)
+    assert target.requests["long"].num_generated == 1 + 4 + 4  # the refused calls committed nothing
+    _admit(target, {"short": 5})
+    assert "short" not in target.finished
+    assert len(target.verify([VerifyInput("short", [], [])], plain_steps=2)[0].tokens) == 2
+    for rid in ("short", "long"):
+        target.release(rid)
+    assert target.kv.num_free_pages == target.kv.num_total_pages

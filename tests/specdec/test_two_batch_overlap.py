@@ -195,12 +195,11 @@ def test_plain_calls_are_short_while_micro_batches_take_turns():
     sched = Scheduler(Remote(), None, 2048, 64, overlap=TwoBatchOverlap(4), plain_steps=16)
     try:
         sched.running = {f"r{i}": None for i in range(4)}
-        whole = list(sched.running)
-        assert [sched._plain_steps_per_call(whole) for _ in range(4)] == [PLAIN_STEPS, 8, 16, 16]
-        assert sched._plain_steps_per_call(["r0", "r1"]) == PLAIN_STEPS
+        assert [sched._plain_steps_per_call(micro=False) for _ in range(4)] == [PLAIN_STEPS, 8, 16, 16]
+        assert sched._plain_steps_per_call(micro=True) == PLAIN_STEPS
         sched.max_batch_size = 4
         sched._plain_ramp = PLAIN_STEPS
-        assert sched._plain_steps_per_call(whole) == 16
+        assert sched._plain_steps_per_call(micro=False) == 16
     finally:
         sched.close()
 

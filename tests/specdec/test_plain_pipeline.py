@@ -1,0 +1,189 @@
+"""Pipelined plain calls (`TwoBatchOverlap.plain_in_flight`): while the whole batch decodes plainly, the next call
+goes out before the previous one's reply. Same tokens and finish reasons as plain decoding one call at a time,
+also when a call finishes a request (stop token, length) that the next call already names, when speculation
+resumes between plain stretches, and when a request is aborted mid-pipeline; no KV page is left behind."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from core_engines import tiny_draft, tiny_target
+
+from specdec.engine.adaptive import FULL, SpeculationPolicy
+from specdec.engine.generate import feature_layers_for
+from specdec.engine.overlap import TwoBatchOverlap
+from specdec.engine.requests import ABORT
+from specdec.engine.scheduler import Scheduler
+from specdec.sampling_params import SamplingParams
+
+
+class OrderedTarget:
+    """Stands for the draft's gRPC client: `verify_start` sends without waiting and calls run in the order sent
+    (one worker), each taking at least `delay_s`. Records every verify (request ids, plain steps), the most calls
+    sent and not yet answered, and the results that came back empty (a request an earlier call finished)."""
+
+    concurrent_calls = True
+
+    def __init__(self, engine, delay_s: float = 0.005):
+        self.engine, self.delay_s = engine, delay_s
+        self._pool = ThreadPoolExecutor(1)
+        self._lock = threading.Lock()  # the engine is not thread-safe: prefill/release beside a running verify
+        self.calls: list[tuple[list[str], int]] = []
+        self.pending = self.most_pending = 0
+        self.empty: list[str] = []
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def verify_start(self, inputs, plain_steps=1, feature_rows=0):
+        with self._lock:
+            self.pending += 1
+            self.most_pending = max(self.most_pending, self.pending)
+            self.calls.append(([i.request_id for i in inputs], plain_steps))
+        return self._pool.submit(self._run, inputs, plain_steps, feature_rows)
+
+    def _run(self, inputs, plain_steps, feature_rows):
+        time.sleep(self.delay_s)
+        with self._lock:
+            try:
+                out = self.engine.verify(inputs, plain_steps=plain_steps, feature_rows=feature_rows)
+            finally:
+                self.pending -= 1
+        self.empty += [o.request_id for o in out if not o.tokens]
+        return out
+
+    def verify_finish(self, future):
+        return future.result()
+
+    def verify(self, inputs, **kwargs):
+        return self.verify_finish(self.verify_start(inputs, **kwargs))
+
+    def prefill(self, inputs):
+        with self._lock:
+            return self.engine.prefill(inputs)
+
+    def release(self, request_id):
+        with self._lock:
+            return self.engine.release(request_id)
+
+
+class Plain(SpeculationPolicy):
+    def choose(self, batch_size):
+        return 0
+
+
+def _prompts(dev_prompts, tiny_tokenizer, n):
+    return [tiny_tokenizer.encode(p)[-(20 + 7 * i):] for i, p in enumerate(dev_prompts[30:30 + n])]
+
+
+def _run(sched: Scheduler, prompts, params, on_step=None) -> dict:
+    """request id -> (tokens, finish reason)."""
+    out: dict[str, tuple[list[int], str]] = {}
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        sched.add(f"r{i}", prompt, p)
+    n = 0
+    while sched.has_work:
+        for ev in sched.step():
+            tokens, _ = out.get(ev.request_id, ([], ""))
+            out[ev.request_id] = (tokens + ev.tokens, ev.finish_reason)
+        n += 1
+        if on_step is not None:
+            on_step(sched, n)
+    sched.close()
+    return out
+
+
+def _free(*engines) -> bool:
+    return all(e.kv.num_free_pages == e.kv.num_total_pages and not e.requests for e in engines)
+
+
+def _with_stops(engine, prompts, lengths):
+    """Plain decoding's result, then params whose stop tokens end some requests inside a plain call."""
+    params = [SamplingParams(max_new_tokens=n) for n in lengths]
+    ref = _run(Scheduler(engine, None, engine.max_context, 8), prompts, params)
+    for i in (1, 3):  # a stop token met a few tokens in: inside the first or second call of 8
+        tokens = ref[f"r{i}"][0]
+        stop = next(t for t in tokens[5 + 4 * i:] if t not in tokens[: 5 + 4 * i])
+        params[i] = SamplingParams(max_new_tokens=lengths[i], stop_token_ids=(stop,))
+    return params, _run(Scheduler(engine, None, engine.max_context, 8), prompts, params)
+
+
+def test_pipelined_plain_calls_give_plain_decodings_tokens_and_finish_reasons(dev_prompts, tiny_tokenizer):
+    engine = tiny_target()
+    prompts = _prompts(dev_prompts, tiny_tokenizer, 5)
+    params, ref = _with_stops(engine, prompts, [40, 37, 9, 30, 25])
+    assert {reason for _, reason in ref.values()} == {"stop", "length"}
+    for draft in (None, tiny_draft()):  # `--speculation off`; auto choosing plain decoding
+        target = OrderedTarget(engine)
+        sched = Scheduler(target, draft, engine.max_context, 8, feature_layers_for(draft) if draft else (),
+                          policy=Plain(budgets=(0, FULL)) if draft else None, plain_steps=8,
+                          overlap=TwoBatchOverlap(0))
+        assert _run(sched, prompts, params) == ref
+        assert target.most_pending == 2  # the next call went out before the previous one's reply
+        assert all(k > 1 for _, k in target.calls)
+        assert target.empty  # a call named a request that the call before it finished at a stop token
+        assert _free(engine) and (draft is None or _free(draft))
+
+
+def test_one_call_in_flight_when_asked(dev_prompts, tiny_tokenizer):
+    engine = tiny_target()
+    prompts = _prompts(dev_prompts, tiny_tokenizer, 3)
+    params = [SamplingParams(max_new_tokens=30, ignore_eos=True)] * 3
+    ref = _run(Scheduler(engine, None, engine.max_context, 8), prompts, params)
+    target = OrderedTarget(engine)
+    sched = Scheduler(target, None, engine.max_context, 8, overlap=TwoBatchOverlap(0, plain_in_flight=1))
+    assert _run(sched, prompts, params) == ref and target.most_pending == 1 and _free(engine)
+
+
+def test_speculation_resumes_after_the_calls_in_flight_land(dev_prompts, tiny_tokenizer):
+    """A policy alternating plain stretches and speculative steps: each speculative step starts once every plain
+    call in flight has landed (the draft proposes from the latest tokens); greedy output stays the target's."""
+    engine, draft = tiny_target(), tiny_draft()
+    prompts = _prompts(dev_prompts, tiny_tokenizer, 4)
+    params, ref = _with_stops(engine, prompts, [60, 50, 45, 40])
+
+    class Alternating(SpeculationPolicy):
+        def choose(self, batch_size):
+            self.turn[0] = self.turn.get(0, 0) + 1
+            return 0 if self.turn[0] % 5 < 3 else FULL
+
+    target = OrderedTarget(engine)
+    calls_at_propose = []
+    propose = draft.propose
+
+    def checked_propose(rids, size=None):
+        calls_at_propose.append(target.pending)
+        return propose(rids, size)
+
+    draft.propose = checked_propose
+    sched = Scheduler(target, draft, engine.max_context, 8, feature_layers_for(draft),
+                      policy=Alternating(budgets=(0, FULL)), plain_steps=4, overlap=TwoBatchOverlap(0))
+    assert _run(sched, prompts, params) == ref
+    assert calls_at_propose and all(n == 0 for n in calls_at_propose)
+    assert target.most_pending == 2 and any(k == 1 for _, k in target.calls)  # both kinds of step ran
+    assert _free(engine, draft)
+
+
+def test_a_request_aborted_mid_pipeline_leaves_the_next_calls_and_frees_its_pages(dev_prompts, tiny_tokenizer):
+    engine = tiny_target()
+    prompts = _prompts(dev_prompts, tiny_tokenizer, 4)
+    params = [SamplingParams(max_new_tokens=48, ignore_eos=True)] * 4
+    ref = _run(Scheduler(engine, None, engine.max_context, 8), prompts, params)
+    target = OrderedTarget(engine, delay_s=0.01)
+    sched = Scheduler(target, None, engine.max_context, 8, plain_steps=4, overlap=TwoBatchOverlap(0))
+    aborted_at = []
+
+    def abort(s, n):
+        if n == 4:
+            aborted_at.append(len(target.calls))
+            s.abort("r1")
+
+    out = _run(sched, prompts, params, abort)
+    tokens, reason = out["r1"]
+    assert reason == ABORT and 0 < len(tokens) < 48 and tokens == ref["r1"][0][: len(tokens)]
+    assert {r: v for r, v in out.items() if r != "r1"} == {r: v for r, v in ref.items() if r != "r1"}
+    later = [rids for rids, _ in target.calls[aborted_at[0]:]]
+    assert later and all("r1" not in rids for rids in later[1:])  # at most the call being sent still named it
+    assert _free(engine)
