@@ -148,6 +148,15 @@ def test_plain_steps_reach_both_services_when_set():
     assert proc.returncode != 0 and "plainSteps" in proc.stderr
 
 
+def test_plain_calls_in_flight_default_to_two_and_zero_is_refused():
+    pair = one(render("default"), "StatefulSet", f"{FULL}-pair")
+    assert flag(container(pair, "draft"), "plain-calls-in-flight") == "2"
+    pair = one(render("default", "--set", "draft.plainCallsInFlight=1"), "StatefulSet", f"{FULL}-pair")
+    assert flag(container(pair, "draft"), "plain-calls-in-flight") == "1"
+    proc = run_helm(*template_args("default", "--set", "draft.plainCallsInFlight=0"), check=False)
+    assert proc.returncode != 0 and "plainCallsInFlight" in proc.stderr
+
+
 def test_speculation_can_be_switched_off_and_other_modes_are_refused():
     pair = one(render("default", "--set", "draft.speculation=off"), "StatefulSet", f"{FULL}-pair")
     assert flag(container(pair, "draft"), "speculation") == "off"

@@ -312,6 +312,7 @@ lifecycle:
     {{- end }}
     - --feature-wire={{ $v.draft.featureWire }}
     - --admission-gather-ms={{ $v.draft.admissionGatherMs }}
+    - --plain-calls-in-flight={{ $v.draft.plainCallsInFlight }}
     - --speculation={{ $v.draft.speculation }}
     {{- with include "specdec.optionalFlag" (dict "flag" "plain-steps" "value" $v.draft.plainSteps) | trim }}{{ . | nindent 4 }}{{- end }}
     - --log-format={{ $v.logFormat }}
