@@ -57,6 +57,7 @@ class Launch:
     plain_steps: int = 1  # plain decode steps the verify call runs (> 1: see specdec.engine.plain_steps)
     chosen_at: int | None = None  # the batch size the budget was chosen for, when not len(rids) (see overlap)
     feature_rows: int = 0  # > 0: the verify returns the features of each request's last that many tokens only
+    ramp: bool = False  # a whole-batch plain call shortened after an admission (`Scheduler._plain_steps_per_call`)
 
     @property
     def num_draft_tokens(self) -> int:

@@ -194,6 +194,34 @@ def test_plain_calls_ramp_up_after_each_admission_so_a_late_arrival_joins_soon()
     assert calls[:5] == [(1, PLAIN_STEPS), (2, PLAIN_STEPS), (2, 8), (2, 16), (2, 16)], calls
 
 
+def test_ramp_calls_do_not_feed_the_policy():
+    """Calls shortened by the ramp after an admission say how soon newcomers join, not how fast plain decoding is:
+    the policy learns from whole-length plain calls only (and speculative steps)."""
+    from core_engines import tiny_draft
+
+    from specdec.engine.adaptive import FULL, SpeculationPolicy
+    from specdec.engine.generate import feature_layers_for
+    from specdec.engine.scheduler import Scheduler
+
+    class Plain(SpeculationPolicy):
+        def choose(self, batch_size):
+            return 0
+
+    target, draft = Recording(tiny_target()), tiny_draft()
+    policy = Plain(budgets=(0, FULL), history=[])
+    sched = Scheduler(target, draft, target.max_context, 4, feature_layers_for(draft), policy=policy, plain_steps=16)
+    sched.admit_window_s = 0.0  # the ramp alone: 4, 8, then 16 steps a call
+    for i in range(2):
+        sched.add(f"r{i}", list(range(300 + i, 340 + i)), SamplingParams(max_new_tokens=60, ignore_eos=True))
+    while sched.has_work:
+        sched.step()
+    assert [k for _, k in target.calls][:3] == [4, 8, 16]
+    recorded = [h[5] for h in policy.history if h[0] == "step"]
+    assert recorded and all(steps == 16 for steps in recorded[:-1])  # the last call is cut by the length limit
+    assert len(recorded) == sum(k > 1 for _, k in target.calls) - 2
+    assert target.kv.num_free_pages == target.kv.num_total_pages
+
+
 def test_the_ramp_starts_at_the_steps_that_fit_the_admission_window():
     """After an admission the first plain call holds what fits in `admit_window_s` at the latest call's seconds per
     step (at least PLAIN_STEPS, at most the scheduler's plain steps): a small model's fast steps skip the ramp."""
