@@ -61,7 +61,8 @@ class Scheduler(Admission):
         self.target, self.draft = target, draft
         # tokens a plain step commits per request in one target call (one host sync; one RPC through the draft)
         self.plain_steps = plain_steps
-        # two micro-batches in turn (draft and target on separate GPUs); None: one synchronous step at a time
+        # verifies in flight: two micro-batches in turn (draft and target on separate GPUs) and pipelined plain
+        # calls (`TwoBatchOverlap`); None: one synchronous step at a time
         self.overlap = overlap
         if overlap is not None:
             self.target = overlap.wrap_target(target)
