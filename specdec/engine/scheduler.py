@@ -259,7 +259,6 @@ class Scheduler(Admission):
             state = self.running.get(out.request_id)
             if state is None:  # an earlier plain call of the pipeline finished it (`TwoBatchOverlap`)
                 continue
-
             steps = len(out.tokens) if launch.plain_steps > 1 else 1  # a plain step commits one token
             self._count(state, len(tree.tokens), out.num_accepted_drafts, out.tokens, steps)
             events.append(Event(out.request_id, out.tokens, out.finish_reason,

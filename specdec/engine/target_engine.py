@@ -186,8 +186,10 @@ class TargetEngine:
         `plain_steps` > 1 runs that many plain decode steps (`specdec.engine.plain_steps`). `feature_rows` > 0:
         each output carries the features of its last that many tokens only."""
         check_plain_steps(inputs, plain_steps, feature_rows)
-        if any(inp.request_id not in self.requests and inp.request_id in self.finished for inp in inputs):
-            return self._verify_past_finish(inputs, plain_steps, feature_rows)
+        gone = {inp.request_id for inp in inputs if inp.request_id not in self.requests and
+                inp.request_id in self.finished}
+        if gone:
+            return self._verify_past_finish(inputs, gone, plain_steps, feature_rows)
         if plain_steps == 1:
             return last_feature_rows(self._verify_once(inputs), feature_rows)
         self._check_batch(inputs)
@@ -197,11 +199,10 @@ class TargetEngine:
             outputs = run_plain_steps(lambda live, _k: self._verify_checked(live), inputs, plain_steps)  # host draws
         return last_feature_rows(outputs, feature_rows)
 
-    def _verify_past_finish(self, inputs: list[VerifyInput], plain_steps: int, feature_rows: int) -> list[VerifyOutput]:
-        """A plain call (empty trees) naming requests that an earlier call finished: each of those gets an empty
-        output with its finish reason, the others run. Trees for a finished request are still refused."""
-        gone = {inp.request_id for inp in inputs if inp.request_id not in self.requests and inp.request_id in
-                self.finished}
+    def _verify_past_finish(self, inputs: list[VerifyInput], gone: set[str], plain_steps: int,
+                            feature_rows: int) -> list[VerifyOutput]:
+        """A plain call (empty trees) naming requests that an earlier call finished (`gone`): each of those gets an
+        empty output with its finish reason, the others run. Trees for a finished request are still refused."""
         if any(inp.draft_tokens for inp in inputs):
             raise UnknownRequest(f"request {sorted(gone)[0]!r} has finished (only a plain call may still name it)")
         live = [inp for inp in inputs if inp.request_id not in gone]

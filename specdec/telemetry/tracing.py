@@ -155,25 +155,17 @@ class StepSpanSampler:
         `context`: the parent (default: the current context). `links` can point at the spans of the requests
         in the batch (`trace.Link(span_context)`); `batch_parent` gives both for a batch.
         """
-        if not sampled:
-            return _NULL_SPAN
-        assert self._tracer is not None  # sampled is only ever True with a tracer
-        return self._tracer.start_as_current_span(name, context=context, links=links, attributes=attributes)
+        span = self.start_span(name, sampled, links, context, **attributes)
+        return _NULL_SPAN if span is None else trace.use_span(span, end_on_exit=True)
 
-    def start_span(
-        self,
-        name: str,
-        sampled: bool,
-        links: Sequence[trace.Link] = (),
-        context: otel_context.Context | None = None,
-        **attributes: Any,
-    ) -> trace.Span | None:
-        """Like `span`, but started without becoming current, for work that ends elsewhere (a verify sent now and
+    def start_span(self, name: str, sampled: bool, links: Sequence[trace.Link] = (),
+                   context: otel_context.Context | None = None, **attributes: Any) -> trace.Span | None:
+        """`span`'s span, started without becoming current, for work that ends elsewhere (a verify sent now and
         collected later): the caller makes it current where needed (`trace.use_span(span, end_on_exit=False)`)
         and ends it. None when not `sampled`."""
         if not sampled:
             return None
-        assert self._tracer is not None
+        assert self._tracer is not None  # sampled is only ever True with a tracer
         return self._tracer.start_span(name, context=context, links=links, attributes=attributes)
 
 
