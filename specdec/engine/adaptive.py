@@ -25,7 +25,13 @@ within half of its rate.
 Plain calls leave the draft behind (it skips their tokens but the last: `Scheduler._hold`), so a plain call costs
 what the target's own plain decoding costs plus a round trip, and a speculative step after plain ones pays a
 one-token catch-up and acceptance a little lower for the skipped context: each budget's rate holds its own costs.
-Re-measuring costs (a rival's slower step), so the interval backs off: it
+Not a switch's, though: the first landing of a budget after another one's (in a bucket) fills the pipeline (the
+draft settles and catches up, the first micro-batch's verify has nothing to overlap) and is left out of the
+averages, so a re-measurement runs the rival for `probe_choices` (2) choices, the second one measured. Averaged in,
+the first two landings after each switch (2.4x and 1.7x a steady micro-step: 8B shape, tau 5, 64 requests, 2 x
+H200) pulled the whole chain's rate under plain decoding's, though its steady steps ran 1.5x plain's rate; the
+stretches between switches are long (16-256 choices), so the steady rates are what decide.
+Re-measuring costs (a rival's slower steps), so the interval backs off: it
 starts at `explore_every` steps, doubles (up to `max_explore_every`) each time a re-measurement confirms the
 choice, and resets when one overturns it; a rival overturns it only by measuring `switch_margin` faster (3%: near
 ties otherwise flip on every re-measurement). Buckets are powers of two. The menu (`budget_menu`) is plain, about half
@@ -66,6 +72,7 @@ class SpeculationPolicy:
     # other (the whole tree and plain at 128 requests on the H200 measured 0.4% apart) otherwise trade places on
     # every re-measurement, each flip paying a switch and resetting the re-measurement interval
     switch_margin: float = 0.03
+    probe_choices: int = 2  # choices a re-measurement of a rival lasts: the first after a switch only warms up
     rates: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, budget) -> tokens/s
     seconds: dict[tuple[int, int], float] = field(default_factory=dict)  # -> seconds per request-step
     tokens: dict[tuple[int, int], float] = field(default_factory=dict)  # -> tokens per request-step
@@ -76,6 +83,8 @@ class SpeculationPolicy:
     challenged: dict[int, int] = field(default_factory=dict)  # bucket -> the choice a pending re-measurement tests
     turn: dict[int, int] = field(default_factory=dict)  # bucket -> which other budget is re-measured next
     followed: dict[int, int] = field(default_factory=dict)  # bucket -> the budget it last followed
+    probing: dict[int, tuple[int, int]] = field(default_factory=dict)  # bucket -> (rival, its choices still to run)
+    recorded: dict[int, int] = field(default_factory=dict)  # bucket -> the budget of its latest record
     history: list | None = None  # a list: every record is appended to it (benchmarks' diagnosis)
 
     @staticmethod
@@ -88,13 +97,22 @@ class SpeculationPolicy:
         unmeasured = self._next_unmeasured(b)
         if unmeasured is not None:
             return unmeasured
+        probe = self.probing.pop(b, None)
+        if probe is not None:  # a re-measurement goes on
+            rival, left = probe
+            if left > 1:
+                self.probing[b] = (rival, left - 1)
+            return rival
         best = self.followed[b] = self._best(b)
         since = self.since.get(b, 0) + 1
         if since >= self.intervals.get(b, self.explore_every):
             others = self._rivals(b, best)
             turn = self.turn.get(b, 0)
             self.since[b], self.challenged[b], self.turn[b] = 0, best, turn + 1
-            return others[turn % len(others)]
+            rival = others[turn % len(others)]
+            if self.probe_choices > 1:
+                self.probing[b] = (rival, self.probe_choices - 1)
+            return rival
         self.since[b] = since
         return best
 
@@ -157,8 +175,13 @@ class SpeculationPolicy:
         key = (self.bucket(chosen_at), budget)
         if seconds <= 0 or batch_size < 1 or (yielding < 1 and key not in self.tokens):
             return
+        b = key[0]
+        switched, self.recorded[b] = self.recorded.get(b, budget) != budget, budget
         if self.history is not None:
-            self.history.append(("step", batch_size, budget, tokens, round(seconds, 6), steps, yielding, chosen_at))
+            self.history.append(("warm-up" if switched and key in self.seconds else "step", batch_size, budget,
+                                 tokens, round(seconds, 6), steps, yielding, chosen_at))
+        if switched and key in self.seconds:  # the pipeline fills after a switch: not this budget's steady rate
+            return
         steps = max(1, steps)
         step_s = seconds / (batch_size * steps)
         first = self.samples.get(key, 0) <= 1  # sample 0 (lazy inits, graph capture) is overwritten by sample 1
@@ -176,7 +199,6 @@ class SpeculationPolicy:
                 self.counted[key] = n + yielding
         self._rate(key)
         self.samples[key] = self.samples.get(key, 0) + 1
-        b = key[0]
         if b in self.challenged and budget != self.challenged[b]:  # the re-measurement came back
             held = self._best(b) == self.challenged.pop(b)
             interval = self.intervals.get(b, self.explore_every)

@@ -20,10 +20,11 @@ def test_policy_measures_both_modes_then_follows_the_faster_and_keeps_exploring(
         p.record(4, mode, tokens=(40 if mode else 10) if i % 2 else 1, seconds=1.0)
     assert sorted(seen) == sorted([0, 0, FULL, FULL])
     later = [p.choose(4) for _ in range(16)]
-    assert later.count(FULL) == 14 and later.count(0) == 2  # speculation wins; plain re-measured 1 in 8
+    # speculation wins; plain re-measured every 8 choices, for two choices (the first after a switch warms up)
+    assert later == [FULL] * 7 + [0, 0] + [FULL] * 7
     for _ in range(10):  # acceptance collapses: plain becomes faster at this batch size
         p.record(4, FULL, tokens=5, seconds=1.0)
-    assert [p.choose(4) for _ in range(7)].count(0) >= 6
+    assert [p.choose(4) for _ in range(7)].count(0) >= 5  # (a re-measurement of the tree falls due in them)
     assert p.bucket(3) == 4 and p.bucket(4) == 4 and p.bucket(5) == 8 and p.bucket(1) == 1
 
 
@@ -91,8 +92,10 @@ def test_policy_backs_off_re_measuring_while_the_choice_holds_and_resets_when_it
         if mode == 0:
             explores.append(step)
         p.record(1, mode, tokens=30 if mode else 10, seconds=1.0)
-    gaps = [b - a for a, b in zip(explores, explores[1:], strict=False)]
-    assert gaps[:3] == [8, 16, 16], explores  # 4 -> 8 -> 16 (capped)
+    starts = [x for i, x in enumerate(explores) if not i or explores[i - 1] != x - 1]
+    assert all(x + 1 in explores for x in starts)  # each re-measurement runs plain twice (a warm-up, a measure)
+    gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    assert gaps[:3] == [9, 17, 17], explores  # 4 -> 8 -> 16 (capped) choices, plus the re-measurement's second
     # plain steps turn 10x faster: the re-measurements pull plain's average up until the choice flips, and the
     # interval starts over
     for _ in range(100):
@@ -221,9 +224,10 @@ def test_the_whole_tree_is_measured_even_where_half_the_tree_loses_to_plain():
     finds it; where the whole tree loses narrowly it is re-measured in turn, at the backed-off interval."""
     p = SpeculationPolicy(budgets=budget_menu(8), explore_every=4, max_explore_every=4, min_samples=2)
     chosen = _drive(p, 1, {0: 87, 4: 67, FULL: 96})
-    assert chosen[10:].count(FULL) >= 35 and {0, 4} <= set(chosen[10:])
+    # every 4 choices a rival runs for two (the first only warms up): the whole chain 3 of every 5 choices
+    assert chosen[10:].count(FULL) >= 30 and {0, 4} <= set(chosen[10:])
     chosen = _drive(p, 64, {0: 30, 4: 20, FULL: 15})  # plain wins narrowly
-    assert chosen[10:].count(0) >= 35 and 3 <= chosen[10:].count(FULL) <= 8
+    assert chosen[10:].count(0) >= 30 and 6 <= chosen[10:].count(FULL) <= 12
 
 
 def test_where_half_the_tree_loses_badly_the_whole_tree_is_not_probed_until_half_the_tree_wins():
@@ -232,9 +236,9 @@ def test_where_half_the_tree_loses_badly_the_whole_tree_is_not_probed_until_half
     once acceptance rises and half the tree wins, the whole tree is measured next."""
     p = SpeculationPolicy(budgets=budget_menu(8), explore_every=4, max_explore_every=4, min_samples=2)
     chosen = _drive(p, 128, {0: 30, 4: 10, FULL: 8})
-    assert FULL not in chosen and chosen[10:].count(0) >= 35  # half the tree re-measured 1 in 4
+    assert FULL not in chosen and chosen[10:].count(0) >= 30  # half the tree re-measured 2 in 5
     later = _drive(p, 128, {0: 30, 4: 45, FULL: 60})  # acceptance rises
-    assert FULL in later and later[-20:].count(FULL) >= 14
+    assert FULL in later and later[-20:].count(FULL) >= 12
 
 
 def test_a_plain_call_that_ends_requests_is_not_read_as_a_low_yield():
@@ -289,3 +293,26 @@ def test_a_one_off_stall_moves_a_budgets_time_a_bounded_step():
     for _ in range(8):  # a real slow-down to 0.2 s a step
         p.record(128, FULL, tokens=640, seconds=0.2)
     assert p.seconds[(128, FULL)] * 128 > 0.18
+
+
+def test_the_first_landing_after_a_switch_only_warms_up():
+    """Seen through the services (8B shape, tau 5, 64 requests, 2 x H200): the first two landings of the whole
+    chain after a plain stretch took 24 and 17 ms against 10 ms steady (the draft settles and catches up, the first
+    micro-batch's verify has nothing to overlap); averaged in, they pulled its rate under plain decoding's, though
+    its steady steps ran at 1.5x. A budget's first landing after another budget's stays out of its averages, and a
+    re-measurement runs the rival for two choices, so it still measures one steady landing."""
+    p = SpeculationPolicy(explore_every=4, max_explore_every=4, min_samples=2, min_request_steps=1, history=[])
+    chosen, last = [], None
+    for _ in range(60):
+        budget = p.choose(4)
+        chosen.append(budget)
+        seconds = 1.0 if budget == last or last is None else 3.0  # a switch's first landing: 3x slower
+        p.record(4, budget, tokens=15 if budget else 10, seconds=seconds)
+        last = budget
+    assert p.rates[(4, FULL)] == 15.0 and p.rates[(4, 0)] == 10.0  # the steady rates
+    assert chosen[10:].count(FULL) >= 30  # followed; plain re-measured for 2 of every 5 choices
+    warm = [h for h in p.history if h[0] == "warm-up"]
+    assert warm and all(h[4] == 3.0 for h in warm)  # every slow landing, and only those, was left out
+    # after the first measurement (whose first sample is overwritten by the next anyway) every averaged landing
+    # was a steady one
+    assert all(h[4] == 1.0 for h in p.history[4:] if h[0] == "step")
