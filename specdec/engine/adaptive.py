@@ -4,14 +4,14 @@ verify of empty trees, a smaller budget verifies the draft's best `budget` nodes
 
 Throughput is measured, not modelled: each call records (batch size, budget, tokens committed, seconds, target
 steps), and per (batch-size bucket, budget) the policy keeps two averages whose ratio is the budget's tokens/s:
-seconds per request-step (an exponential moving average, weight `ema`: a step's time varies little; a step enters
-clipped to `max_step_ratio` times the average, so a one-off stall does not halve a rate until its next
-re-measurement), and tokens per request-step (the acceptance; a running mean that turns into a moving average in
-which each request of a step weighs `yield_ema`). A plain call of k steps is k request-steps per request, and
-the yield counts only requests that did not finish in the call (a last call is cut short by a length limit: one
-such call at 128 requests once halved plain's rate). Tokens per step vary a lot from step to step (0 to all draft
-tokens accepted), and a moving average of per-step rates kept that noise: simulating the tiny pair at batch 1, its
-estimate strayed 15-18% on average (up to 60%), the averages above 4-7% (a test).
+seconds per request-step (a running mean over its first samples, then an exponential moving average, weight `ema`: a
+step's time varies little; a step then enters clipped to `max_step_ratio` times the average, so a one-off stall does
+not halve a rate until its next re-measurement), and tokens per request-step (the acceptance; a running mean that
+turns into a moving average in which each request of a step weighs `yield_ema`). A plain call of k steps is k
+request-steps per request, and the yield counts only requests that did not finish in the call (a last call is cut
+short by a length limit: one such call at 128 requests once halved plain's rate). Tokens per step vary a lot from
+step to step (0 to all draft tokens accepted), and a moving average of per-step rates kept that noise: simulating
+the tiny pair at batch 1, its estimate strayed 15-18% on average (up to 60%), the averages above 4-7% (a test).
 
 A bucket measures the menu's budgets in order (`min_samples` steps each, and `min_request_steps` request-steps of
 a speculative one: at batch 1, three steps read tau 4.8 as 3.3), then follows the fastest and keeps re-measuring
@@ -184,10 +184,15 @@ class SpeculationPolicy:
             return
         steps = max(1, steps)
         step_s = seconds / (batch_size * steps)
-        first = self.samples.get(key, 0) <= 1  # sample 0 (lazy inits, graph capture) is overwritten by sample 1
-        if not first:  # a one-off stall (a 200 ms pause among 40 ms steps on the H200) moves it at most this far
+        done = self.samples.get(key, 0)
+        first = done <= 1  # sample 0 (lazy inits, graph capture) is overwritten by sample 1
+        # a running mean over the first samples, then a moving average: a pipelined call can land right after
+        # the one before it (the draft's landing, not the target, was the bottleneck: 2 ms after 224 ms on the
+        # CPU), and such a sample alone was the baseline that the clip below then held for dozens of samples
+        weight = 1.0 if first else max(1.0 / done, self.ema)
+        if weight == self.ema:  # a one-off stall (a 200 ms pause among 40 ms steps on the H200) moves it this far
             step_s = min(step_s, self.max_step_ratio * self.seconds[key])
-        self.seconds[key] = step_s if first else self.seconds[key] + self.ema * (step_s - self.seconds[key])
+        self.seconds[key] = step_s if first else self.seconds[key] + weight * (step_s - self.seconds[key])
         if yielding:
             step_tokens = tokens / (yielding * steps)
             if first or key not in self.tokens:
