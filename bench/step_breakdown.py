@@ -2,7 +2,8 @@
 
     python bench/step_breakdown.py --out breakdown.json
 
-For plain decode (1 token) and a chain verify (1 + 8 tokens) at batch 1 it reports:
+For plain decode (1 token) and a chain verify (1 + 8 tokens) at each of `--batch-sizes` (default 1; requests of
+`--context` prompt tokens) it reports:
 - `replay_ms`: the captured forward alone, replayed back to back (pure GPU time of the graph);
 - `step_ms`: a whole `TargetEngine.verify` call (host work + graph + logits + acceptance), synced;
 - `host_ms`: step_ms - replay_ms - logits_ms, the host time the GPU waits for;
@@ -81,33 +82,45 @@ def host_profile(fn, repeats: int, path: Path) -> None:
 
 
 def target_rows(args, out_dir: Path) -> dict:
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    new_tokens = 2048  # ~120 verify calls of up to 9 tokens each per row
+    pages_per_request = -(-(args.context + new_tokens + 80) // 16) + 2
     opts = EngineOptions(device="cuda", dtype="bfloat16", attention_backend="flashinfer", dummy_weights=True,
-                         max_batch_size=8, max_context=4096, num_pages=4096)
+                         max_batch_size=max(sizes), max_context=4096,
+                         num_pages=max(4096, max(sizes) * pages_per_request + 64))
     target = build_target("llama3-8b", opts)
     res = {}
-    prompt = list(range(1000, 1512))
-    for label, n_draft in (("decode", 0), ("verify8", 8)):
-        rid = f"r-{label}"
-        target.prefill([PrefillInput(rid, prompt, SamplingParams(max_new_tokens=100000, ignore_eos=True))])
-        inp = [VerifyInput(rid, [7] * n_draft, list(range(-1, n_draft - 1)))]
-        for _ in range(3):
-            target.verify(inp)  # captures the graphs on first use
-        g = target.graphs.graphs[(1, n_draft + 1, (), True)] if target.graphs else None
-        row = {}
-        if g is not None:
-            row["replay_ms"] = round(timed(g.graph.replay, args.repeats) * 1e3, 3)
-            row["replay_kernels"] = kernel_table(g.graph.replay)
-            hid = g.hidden[: n_draft + 1]
-            row["logits_argmax_ms"] = round(timed(lambda h=hid: target.model.compute_logits(h).argmax(-1),
-                                                  args.repeats) * 1e3, 3)
-        row["step_ms"] = round(timed(lambda inp=inp: target.verify(inp), args.repeats) * 1e3, 3)
-        if g is not None:
-            row["host_ms"] = round(row["step_ms"] - row["replay_ms"] - row["logits_argmax_ms"], 3)
-        row["step_kernels"] = kernel_table(lambda inp=inp: target.verify(inp))
-        host_profile(lambda inp=inp: target.verify(inp), 50, out_dir / f"host_{label}.txt")
-        target.release(rid)
-        res[label] = row
-        print(label, json.dumps(row)[:3000], flush=True)
+    prompt = [1000 + i % 20000 for i in range(args.context)]
+    for b in sizes:
+        for label, n_draft in (("decode", 0), ("verify8", 8), ("verify5", 5)):
+            if b == 1 and label == "verify5":
+                continue  # batch 1 keeps its historical rows (decode, verify8)
+            key = label if b == 1 else f"{label}_bs{b}"
+            rids = [f"r-{key}-{i}" for i in range(b)]
+            target.prefill([PrefillInput(rid, prompt, SamplingParams(max_new_tokens=new_tokens,
+                                                                          ignore_eos=True)) for rid in rids])
+            inp = [VerifyInput(rid, [7] * n_draft, list(range(-1, n_draft - 1))) for rid in rids]
+            for _ in range(3):
+                target.verify(inp)  # captures the graphs on first use
+            graphs = target.graphs
+            bucket = next((x for x in graphs.ladder if x >= b), None) if graphs else None
+            g = graphs.graphs.get((bucket, n_draft + 1, (), True)) if graphs else None
+            row = {"batch": b, "tokens_per_request": n_draft + 1, "context": args.context}
+            if g is not None:
+                row["replay_ms"] = round(timed(g.graph.replay, args.repeats) * 1e3, 3)
+                row["replay_kernels"] = kernel_table(g.graph.replay)
+                hid = g.hidden[: b * (n_draft + 1)]
+                row["logits_argmax_ms"] = round(timed(lambda h=hid: target.model.compute_logits(h).argmax(-1),
+                                                      args.repeats) * 1e3, 3)
+            row["step_ms"] = round(timed(lambda inp=inp: target.verify(inp), args.repeats) * 1e3, 3)
+            if g is not None:
+                row["host_ms"] = round(row["step_ms"] - row["replay_ms"] - row["logits_argmax_ms"], 3)
+            row["step_kernels"] = kernel_table(lambda inp=inp: target.verify(inp))
+            host_profile(lambda inp=inp: target.verify(inp), 50, out_dir / f"host_{key}.txt")
+            for rid in rids:
+                target.release(rid)
+            res[key] = row
+            print(key, json.dumps(row)[:3000], flush=True)
     res["weight_GB"] = round(sum(p.numel() * p.element_size() for p in target.model.parameters()) / 1e9, 3)
     return res, target
 
@@ -145,13 +158,17 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="breakdown.json")
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--batch-sizes", default="1", help="target rows at these batch sizes, e.g. 1,32,128")
+    ap.add_argument("--context", type=int, default=512, help="prompt tokens of each request")
+    ap.add_argument("--skip-draft", action="store_true", help="target rows only")
     args = ap.parse_args()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     res["target"], target = target_rows(args, out.parent)
     out.write_text(json.dumps(res, indent=1))
-    res["draft"] = draft_rows(args, out.parent, target)
+    if not args.skip_draft:
+        res["draft"] = draft_rows(args, out.parent, target)
     out.write_text(json.dumps(res, indent=1))
     return 0
 

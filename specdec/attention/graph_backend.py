@@ -9,6 +9,7 @@ the engine's scratch pages.
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import torch
@@ -60,7 +61,8 @@ class GraphAttention:
         ps, n = self.kv.page_size, self.n
         assert self.causal
         plan_pages(self.wrapper, self.kv, self.num_qo_heads, [n] * len(lens), lens,
-                   lambda first: [page_lists[i][j // ps] for i, j in first])
+                   lambda npages: list(itertools.chain.from_iterable(
+                       pages[:k] for pages, k in zip(page_lists, npages, strict=True))))
         write = [pages[p // ps] * ps + p % ps for pages, end in zip(page_lists, lens, strict=True)
                  for p in range(end - n, end)]
         copy_in(self.write_slots, write)

@@ -6,6 +6,7 @@ Engines are synchronous and single-threaded; the service runs them on a worker t
 from __future__ import annotations
 
 import itertools
+import random
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -56,6 +57,7 @@ class TargetRequest:
     num_generated: int
     feature_wire: str = ""  # kept for the service: how its features travel (PrefillInput.feature_wire)
     features: bool = True  # its verify outputs carry features (False: plain Generate, no draft reads them)
+    simulation: random.Random | None = None  # draws of `--simulate-accept-len` (seeded from `generator`)
 
 
 class TargetEngine:
@@ -232,13 +234,13 @@ class TargetEngine:
             self.kv.resize(inp.request_id, req.kv_len + n)
             ctx = self.kv.slots(inp.request_id, 0, req.kv_len + n)
             ids += [req.root] + list(inp.draft_tokens)
-            pos.append(req.kv_len + torch.tensor([0] + depths(inp.parents)))
+            pos += [req.kv_len] + [req.kv_len + d for d in depths(inp.parents)]  # one tensor for the batch below
             # a chain's tree mask is causal: no mask to build, pack and apply
             mask = None if is_chain(inp.parents) else ancestor_mask(inp.parents)
             seqs.append(SeqAttention(ctx, n, mask))
             slots.append(ctx[req.kv_len :])
             rows.append(n)
-        hidden, aux = self._forward(ids, torch.cat(pos), seqs, torch.cat(slots), inputs, graphable=True)
+        hidden, aux = self._forward(ids, torch.tensor(pos), seqs, torch.cat(slots), inputs, graphable=True)
         logits = self.model.compute_logits(hidden)  # [num_tokens, vocab]
         # greedy (and simulated) acceptance reads the whole batch's argmax in one host sync
         greedy = self.simulate_accept_len or any(self.requests[i.request_id].sampling.greedy for i in inputs)
@@ -256,7 +258,9 @@ class TargetEngine:
         req = self.requests[inp.request_id]
         tokens, parents = list(inp.draft_tokens), list(inp.parents)
         if self.simulate_accept_len:
-            return verify_simulated(tokens, parents, top1, self.simulate_accept_len, req.generator)
+            if req.simulation is None:
+                req.simulation = random.Random(req.generator.initial_seed())
+            return verify_simulated(tokens, parents, top1, self.simulate_accept_len, req.simulation)
         if req.sampling.greedy:
             return verify_greedy(tokens, parents, top1)
         return verify_stochastic(tokens, parents, _host_probs(logits, req.sampling), req.generator)
