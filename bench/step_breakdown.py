@@ -125,31 +125,40 @@ def target_rows(args, out_dir: Path) -> dict:
     return res, target
 
 
-def draft_rows(args, out_dir: Path, target) -> dict:
+def draft_rows(args, out_dir: Path, max_context: int) -> dict:
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    pages_per_request = -(-(args.context + 3000) // 16) + 2
     opts = EngineOptions(device="cuda", dtype="bfloat16", attention_backend="flashinfer", dummy_weights=True,
-                         max_batch_size=8, max_context=4096, num_pages=2048)
-    draft = build_draft("llama3-8b-eagle1", "llama3-8b", SpecConfig(6, 1, 6), opts, target.max_context)
-    rid = "d0"
-    draft.add(rid, 3000)
-    feats = torch.randn(512, 4096, device="cuda", dtype=torch.bfloat16)
-    draft.extend([(rid, list(range(512)), feats)])
+                         max_batch_size=max(sizes), max_context=4096,
+                         num_pages=max(2048, max(sizes) * pages_per_request + 64))
+    draft = build_draft("llama3-8b-eagle1", "llama3-8b", SpecConfig(6, 1, 6), opts, max_context)
+    feats = torch.randn(max(args.context, 512), 4096, device="cuda", dtype=torch.bfloat16)
     res = {}
-    for _ in range(3):
-        draft.propose([rid])
-    res["propose_ms"] = round(timed(lambda: draft.propose([rid]), args.repeats) * 1e3, 3)
-    res["propose_kernels"] = kernel_table(lambda: draft.propose([rid]))
-    host_profile(lambda: draft.propose([rid]), 50, out_dir / "host_propose.txt")
+    for b in sizes:
+        sfx = "" if b == 1 else f"_bs{b}"
+        rids = [f"d{b}-{i}" for i in range(b)]
+        for rid in rids:
+            draft.add(rid, 3000)
+        draft.extend([(rid, list(range(args.context)), feats[: args.context]) for rid in rids])
+        for _ in range(3):
+            draft.propose(rids)
+        res["propose_ms" + sfx] = round(timed(lambda rids=rids: draft.propose(rids), args.repeats) * 1e3, 3)
+        res["propose_kernels" + sfx] = kernel_table(lambda rids=rids: draft.propose(rids))
+        host_profile(lambda rids=rids: draft.propose(rids), 50, out_dir / f"host_propose{sfx}.txt")
+        lens = {rid: draft.requests[rid].kv_len for rid in rids}
 
-    def extend4():
-        n = draft.requests[rid].kv_len
-        draft.extend([(rid, [5, 6, 7, 8], feats[:4])])
-        draft.kv.resize(rid, n)
-        draft.requests[rid].kv_len = n
+        def extend4(rids=rids, lens=lens):
+            draft.extend([(rid, [5, 6, 7, 8], feats[:4]) for rid in rids])
+            for rid in rids:
+                draft.kv.resize(rid, lens[rid])
+                draft.requests[rid].kv_len = lens[rid]
 
-    res["extend4_ms"] = round(timed(extend4, args.repeats) * 1e3, 3)
-    res["extend4_kernels"] = kernel_table(extend4)
-    host_profile(extend4, 50, out_dir / "host_extend.txt")
-    print("draft", json.dumps(res)[:3000], flush=True)
+        res["extend4_ms" + sfx] = round(timed(extend4, args.repeats) * 1e3, 3)
+        res["extend4_kernels" + sfx] = kernel_table(extend4)
+        host_profile(extend4, 50, out_dir / f"host_extend{sfx}.txt")
+        for rid in rids:
+            draft.release(rid)
+        print("draft", b, res["propose_ms" + sfx], res["extend4_ms" + sfx], flush=True)
     return res
 
 
@@ -161,14 +170,19 @@ def main() -> int:
     ap.add_argument("--batch-sizes", default="1", help="target rows at these batch sizes, e.g. 1,32,128")
     ap.add_argument("--context", type=int, default=512, help="prompt tokens of each request")
     ap.add_argument("--skip-draft", action="store_true", help="target rows only")
+    ap.add_argument("--skip-target", action="store_true", help="draft rows only")
     args = ap.parse_args()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
-    res["target"], target = target_rows(args, out.parent)
+    max_context = 4096
+    if not args.skip_target:
+        res["target"], target = target_rows(args, out.parent)
+        max_context = target.max_context
+        del target
     out.write_text(json.dumps(res, indent=1))
     if not args.skip_draft:
-        res["draft"] = draft_rows(args, out.parent, target)
+        res["draft"] = draft_rows(args, out.parent, max_context)
     out.write_text(json.dumps(res, indent=1))
     return 0
 

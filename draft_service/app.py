@@ -6,6 +6,8 @@ import asyncio
 import logging
 import time
 
+import torch
+
 from draft_service.servicer import DraftServicer
 from draft_service.target_client import TargetClient
 from specdec.config import ModelConfig
@@ -70,6 +72,8 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
         raise ConfigError(f"--admission-gather-ms {args.admission_gather_ms}: milliseconds >= 0 (0 = off)")
     if args.two_batch_overlap < 0:
         raise ConfigError(f"--two-batch-overlap {args.two_batch_overlap}: a request count >= 0 (0 = off)")
+    if args.prompt_feature_mb < 0:
+        raise ConfigError(f"--prompt-feature-mb {args.prompt_feature_mb}: megabytes >= 0 (0 = whole prompts)")
     if args.plain_calls_in_flight < 1:
         raise ConfigError(f"--plain-calls-in-flight {args.plain_calls_in_flight}: a call count >= 1 (1 = one at a "
                           "time)")
@@ -86,6 +90,8 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
                           () if off else feature_layers_for(engine),
                           max_queue_wait_s=args.max_queue_wait_seconds, plain_steps=steps,
                           gather_s=args.admission_gather_ms / 1e3,
+                          prompt_feature_bytes=int(args.prompt_feature_mb * 2**20),
+                          feature_row_bytes=feature_row_bytes(client, engine),
                           step_spans=StepSpanSampler.from_config(TelemetryConfig.from_env()), policy=policy,
                           overlap=TwoBatchOverlap(0 if off else args.two_batch_overlap, engine.device,
                                                   args.plain_calls_in_flight))
@@ -116,6 +122,14 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
         metrics_port=args.metrics_port, drain_s=args.drain_seconds,
         trace_parent_required=(f"/{HEALTH_NAME}/GetModelInfo",),
     ), shutdown, ready)
+
+
+def feature_row_bytes(client: TargetClient, engine) -> int:
+    """Bytes of one token's features on the wire: the target's compute dtype (taken to be the draft's), or 8-bit
+    floats plus a float32 scale (`--feature-wire fp8`)."""
+    if client.feature_wire == FP8_ROWS:
+        return client.feature_dim + 4
+    return client.feature_dim * torch.empty((), dtype=engine.dtype).element_size()
 
 
 class StepPhases:

@@ -157,6 +157,15 @@ def test_plain_calls_in_flight_default_to_two_and_zero_is_refused():
     assert proc.returncode != 0 and "plainCallsInFlight" in proc.stderr
 
 
+def test_the_prompt_feature_budget_reaches_the_draft_and_a_negative_one_is_refused():
+    pair = one(render("default"), "StatefulSet", f"{FULL}-pair")
+    assert flag(container(pair, "draft"), "prompt-feature-mb") == "64"
+    pair = one(render("default", "--set", "draft.promptFeatureMb=0"), "StatefulSet", f"{FULL}-pair")
+    assert flag(container(pair, "draft"), "prompt-feature-mb") == "0"
+    proc = run_helm(*template_args("default", "--set", "draft.promptFeatureMb=-1"), check=False)
+    assert proc.returncode != 0 and "promptFeatureMb" in proc.stderr
+
+
 def test_speculation_can_be_switched_off_and_other_modes_are_refused():
     pair = one(render("default", "--set", "draft.speculation=off"), "StatefulSet", f"{FULL}-pair")
     assert flag(container(pair, "draft"), "speculation") == "off"

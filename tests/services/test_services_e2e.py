@@ -360,6 +360,20 @@ def test_the_drafts_client_takes_trimmed_feature_rows_from_prefill_and_verify(st
     assert asyncio.run(_kv_free(stack))[0]
 
 
+def test_a_small_prompt_feature_budget_stays_lossless_and_a_negative_one_is_refused(stack, prompts):
+    """`--prompt-feature-mb`: with a budget this small every prompt of a wave brings its last 64 tokens' features
+    only (the draft skips the rest); 8 streams still equal target Generate, and nothing leaks."""
+    target, _ = stack
+    windowed = start_draft(target.addr, "--prompt-feature-mb", "0.001", "--max-batch-size", "8")
+    try:
+        spec, plain, draft_free = asyncio.run(_pairs(windowed.addr, target.addr, prompts[:8], [20] * 8, "window"))
+        assert spec == plain and draft_free
+    finally:
+        windowed.stop()
+    with pytest.raises(RuntimeError, match="prompt-feature-mb"):
+        start_draft(target.addr, "--prompt-feature-mb", "-1")
+
+
 def test_burst_gathering_service_is_lossless_and_a_negative_window_is_refused(stack, prompts):
     """`--admission-gather-ms`: an idle draft waits for the rest of a burst before admitting it; 10 streams opened
     at once still equal target Generate with a long window, and a negative window stops start-up with a message

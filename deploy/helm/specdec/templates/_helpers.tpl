@@ -311,6 +311,7 @@ lifecycle:
     - --two-batch-overlap={{ $v.draft.twoBatchOverlap }}
     {{- end }}
     - --feature-wire={{ $v.draft.featureWire }}
+    - --prompt-feature-mb={{ $v.draft.promptFeatureMb }}
     - --admission-gather-ms={{ $v.draft.admissionGatherMs }}
     - --plain-calls-in-flight={{ $v.draft.plainCallsInFlight }}
     - --speculation={{ $v.draft.speculation }}
