@@ -358,17 +358,21 @@ def log_row(row: Row, quiet: bool) -> None:
 
 
 def log_policy(draft) -> None:
-    """`--speculation auto`'s measured rates so far (a draft in its own process: from its /metrics), to stderr."""
+    """`--speculation auto`'s measured rates so far and the target steps each budget ran (cumulative over the
+    service's life; a draft in its own process: from its /metrics), to stderr."""
     if not hasattr(draft, "metrics_text"):
         return
-    out = []
+    rates, steps = [], []
     for line in draft.metrics_text().splitlines():
-        if line.startswith("specdec:speculation_policy"):
+        budget = re.search(r'budget="([^"]+)"', line)
+        value = line.rsplit(" ", 1)[-1]
+        if line.startswith("specdec:speculation_policy_tokens_per_second{"):
             bucket = re.search(r'batch_bucket="(\d+)"', line).group(1)
-            budget = re.search(r'budget="([^"]+)"', line).group(1)
-            out.append(f"bs{bucket} {budget} {float(line.rsplit(' ', 1)[1]):.1f}")
-    if out:
-        print("policy:", "; ".join(out), file=sys.stderr, flush=True)
+            rates.append(f"bs{bucket} {budget.group(1)} {float(value):.1f}")
+        elif line.startswith("specdec:speculation_policy_target_steps_total{"):
+            steps.append(f"{budget.group(1)} {float(value):.0f}")
+    if rates:
+        print("policy:", "; ".join(rates), "| target steps:", ", ".join(steps), file=sys.stderr, flush=True)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -41,7 +41,10 @@ verified, so a shorter chain can beat both extremes.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
 
 FULL = -1  # budget: the draft's whole tree (its --num-draft-tokens)
 
@@ -85,6 +88,7 @@ class SpeculationPolicy:
     followed: dict[int, int] = field(default_factory=dict)  # bucket -> the budget it last followed
     probing: dict[int, tuple[int, int]] = field(default_factory=dict)  # bucket -> (rival, its choices still to run)
     recorded: dict[int, int] = field(default_factory=dict)  # bucket -> the budget of its latest record
+    target_steps: dict[int, int] = field(default_factory=dict)  # budget -> target steps recorded with it
     history: list | None = None  # a list: every record is appended to it (benchmarks' diagnosis)
 
     @staticmethod
@@ -103,7 +107,12 @@ class SpeculationPolicy:
             if left > 1:
                 self.probing[b] = (rival, left - 1)
             return rival
-        best = self.followed[b] = self._best(b)
+        best = self._best(b)
+        if self.followed.get(b) != best:  # operators see each change of course (rare: `switch_margin`)
+            rates = ", ".join(f"{budget_name(x)} {self.rates[(b, x)]:.0f}" for x in self._measured(b))
+            log.info("speculation policy: batch-size bucket %d follows %s now (tokens/s %s)", b, budget_name(best),
+                     rates, extra={"batch_bucket": b, "budget": budget_name(best)})
+        self.followed[b] = best
         since = self.since.get(b, 0) + 1
         if since >= self.intervals.get(b, self.explore_every):
             others = self._rivals(b, best)
@@ -176,6 +185,7 @@ class SpeculationPolicy:
         if seconds <= 0 or batch_size < 1 or (yielding < 1 and key not in self.tokens):
             return
         b = key[0]
+        self.target_steps[budget] = self.target_steps.get(budget, 0) + max(1, steps)
         switched, self.recorded[b] = self.recorded.get(b, budget) != budget, budget
         if self.history is not None:
             self.history.append(("warm-up" if switched and key in self.seconds else "step", batch_size, budget,

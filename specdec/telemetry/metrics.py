@@ -244,7 +244,7 @@ class _PolicyCollector:
         self.policy, self.base = policy, base
 
     def collect(self):
-        from prometheus_client.core import GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         from specdec.engine.adaptive import budget_name
 
@@ -253,7 +253,12 @@ class _PolicyCollector:
                                   labels=(*BASE_LABELS, "batch_bucket", "budget"))
         for (bucket, budget), rate in sorted(dict(self.policy.rates).items()):
             rates.add_metric((*self.base, str(bucket), budget_name(budget)), rate)
-        return [rates]
+        steps = CounterMetricFamily(PREFIX + "speculation_policy_target_steps",
+                                    "--speculation auto: target steps run with each budget (a plain call of k "
+                                    "steps counts k).", labels=(*BASE_LABELS, "budget"))
+        for budget, n in sorted(dict(self.policy.target_steps).items()):
+            steps.add_metric((*self.base, budget_name(budget)), n)
+        return [rates, steps]
 
     def describe(self):
         return []  # registered without a description: collected only when scraped

@@ -136,3 +136,7 @@ def test_auto_policy_rates_are_read_when_scraped(scrape):
     rate = "specdec:speculation_policy_tokens_per_second"
     assert got[(rate, labels(batch_bucket="8", budget="plain"))] == 16.0
     assert got[(rate, labels(batch_bucket="8", budget="full"))] == 40.0
+    policy.record(8, 0, tokens=64, seconds=1.0, steps=16)  # a plain call of 16 steps
+    steps = "specdec:speculation_policy_target_steps_total"
+    got = samples()
+    assert got[(steps, labels(budget="plain"))] == 18.0 and got[(steps, labels(budget="full"))] == 2.0
