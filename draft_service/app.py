@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import time
 
 import torch
@@ -29,6 +31,7 @@ from specdec.telemetry import StepSpanSampler, TelemetryConfig
 from specdec.v1 import draft_pb2_grpc
 
 log = logging.getLogger(__name__)
+HISTORY_ENV = "SPECDEC_POLICY_HISTORY"  # diagnosis: where `--speculation auto` writes its records at shutdown
 HEALTH_NAME = "specdec.v1.DraftService"
 
 
@@ -84,6 +87,8 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
     async def load(metrics) -> str:
         client, engine, max_context, info = await asyncio.to_thread(_load, args, opts, spec, off)
         policy = SpeculationPolicy(budget_menu(spec.num_draft_tokens)) if args.speculation == "auto" else None
+        if policy is not None and os.environ.get(HISTORY_ENV):
+            policy.history = []  # written out at shutdown (`close`)
         if policy is not None:
             metrics.track_policy(policy)
         sched = Scheduler(client, None if off else engine, max_context, opts.max_batch_size,
@@ -114,6 +119,7 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
         if "loop" in state:
             await asyncio.to_thread(state["loop"].stop)
             state["client"].close()
+            write_history(state["loop"].scheduler.policy)
 
     await run_service(ServiceSpec(
         name="draft", health_name=HEALTH_NAME,
@@ -122,6 +128,18 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
         metrics_port=args.metrics_port, drain_s=args.drain_seconds,
         trace_parent_required=(f"/{HEALTH_NAME}/GetModelInfo",),
     ), shutdown, ready)
+
+
+def write_history(policy) -> None:
+    """Diagnosis: `--speculation auto`'s every record and the admissions (`SpeculationPolicy.history`) as JSON
+    lines to the file named by SPECDEC_POLICY_HISTORY, at shutdown."""
+    path = os.environ.get(HISTORY_ENV)
+    if policy is None or policy.history is None or not path:
+        return
+    with open(path, "w") as out:
+        for entry in policy.history:
+            out.write(json.dumps(entry) + "\n")
+    log.info("wrote %d policy records to %s", len(policy.history), path)
 
 
 def feature_row_bytes(client: TargetClient, engine) -> int:

@@ -42,6 +42,7 @@ verified, so a shorter chain can beat both extremes.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,10 @@ class SpeculationPolicy:
     probing: dict[int, tuple[int, int]] = field(default_factory=dict)  # bucket -> (rival, its choices still to run)
     recorded: dict[int, int] = field(default_factory=dict)  # bucket -> the budget of its latest record
     target_steps: dict[int, int] = field(default_factory=dict)  # budget -> target steps recorded with it
-    history: list | None = None  # a list: every record is appended to it (benchmarks' diagnosis)
+    # a list: every record is appended to it, (kind, batch size, budget, tokens, seconds, steps, yielding, chosen at,
+    # time.perf_counter()), and the scheduler's admissions as ("admission", start, seconds, admitted) (diagnosis:
+    # benchmarks, and the draft service's SPECDEC_POLICY_HISTORY)
+    history: list | None = None
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -189,7 +193,7 @@ class SpeculationPolicy:
         switched, self.recorded[b] = self.recorded.get(b, budget) != budget, budget
         if self.history is not None:
             self.history.append(("warm-up" if switched and key in self.seconds else "step", batch_size, budget,
-                                 tokens, round(seconds, 6), steps, yielding, chosen_at))
+                                 tokens, round(seconds, 6), steps, yielding, chosen_at, time.perf_counter()))
         if switched and key in self.seconds:  # the pipeline fills after a switch: not this budget's steady rate
             return
         steps = max(1, steps)

@@ -129,6 +129,8 @@ class Scheduler(Admission):
         self.timings.admit_s += took
         if took > ADMISSION_NOTICED_S:
             self._admissions.append((t0, took))
+            if self.policy is not None and self.policy.history is not None:
+                self.policy.history.append(("admission", t0, took, len(self.running)))
         if self.running:
             events += self._decode()
         elif self.waiting and self._retry_at:  # waiting for pages held elsewhere: do not spin

@@ -328,3 +328,20 @@ def test_a_pipelined_call_landing_right_after_the_one_before_it_does_not_set_the
         p.record(2, 0, tokens=8, seconds=seconds, steps=4)
     true_rate = 2 * 4 / ((0.002 + 0.143) / 2)  # each pair of landings: two calls of 4 steps of 2 requests
     assert 0.6 * true_rate < p.rates[(2, 0)] < 1.6 * true_rate, (p.rates, true_rate)
+
+
+def test_the_history_holds_each_record_with_its_time_and_each_admission(dev_prompts, tiny_tokenizer):
+    """`SpeculationPolicy.history` (the draft service's SPECDEC_POLICY_HISTORY): records in time order with the
+    admissions between them, so a diagnosis can tell which intervals an admission shared."""
+    target, draft = tiny_target(), tiny_draft()
+    policy = SpeculationPolicy(budget_menu(5))
+    policy.history = []
+    sched = Scheduler(target, draft, target.max_context, 4, feature_layers_for(draft), policy=policy)
+    prompts = [tiny_tokenizer.encode(p)[-60:] for p in dev_prompts[40:43]]
+    drive(sched, prompts, [SamplingParams(max_new_tokens=20, ignore_eos=True)] * 3)
+    admissions = [h for h in policy.history if h[0] == "admission"]
+    records = [h for h in policy.history if h[0] != "admission"]
+    assert admissions and admissions[0][3] == 3 and admissions[0][2] > 0  # 3 requests running after it
+    assert records and all(len(h) == 9 for h in records)
+    times = [h[1] if h[0] == "admission" else h[8] for h in policy.history]
+    assert times == sorted(times) and admissions[0][1] < records[0][8]
