@@ -219,3 +219,21 @@ def test_an_admission_between_landings_is_not_a_steps_time(dev_prompts, tiny_tok
     assert recorded and max(recorded) < 0.2, recorded  # each call takes ~10-30 ms; the 0.3 s admission is out
     assert sched.timings.admit_s > 0.3
     assert _free(engine, draft)
+
+
+def test_a_pipelined_call_of_the_last_requests_is_recorded_at_its_own_size(dev_prompts, tiny_tokenizer):
+    """At a run's end the pipeline's next call names only the requests the call before it leaves running: seen on
+    the H200, 9 of 128, each of its request-steps ~10x a full batch's. Recorded at the batch the choice was made
+    for (128), it pulled plain decoding's rate there under the whole chain's; it is recorded at its own size."""
+    engine, draft = tiny_target(), tiny_draft()
+    prompts = _prompts(dev_prompts, tiny_tokenizer, 6)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (9, 9, 9, 9, 33, 41)]
+    policy = Plain(budgets=(0, FULL), history=[])
+    sched = Scheduler(OrderedTarget(engine), draft, engine.max_context, 8, feature_layers_for(draft), policy=policy,
+                      plain_steps=8, overlap=TwoBatchOverlap(0))
+    out = _run(sched, prompts, params)
+    assert [len(out[f"r{i}"][0]) for i in range(6)] == [9, 9, 9, 9, 33, 41]
+    steps = [h for h in policy.history if h[0] in ("step", "warm-up")]
+    assert any(h[1] <= 2 for h in steps)  # calls of the last two requests, then the last one
+    assert all(policy.bucket(h[7]) == policy.bucket(h[1]) for h in steps), steps
+    assert _free(engine, draft)
