@@ -10,7 +10,7 @@ def test_worked_example_layout():
     # root r; a, b children of r; c child of a; d child of c
     parents = [-1, -1, 0, 2]
     assert depths(parents) == [1, 1, 2, 3]
-    assert children_lists(parents) == [[1, 2], [3], [], [4], []]
+    assert children_lists(parents) == ((1, 2), (3,), (), (4,), ())
     expected = torch.tensor([
         [1, 0, 0, 0, 0],
         [1, 1, 0, 0, 0],
