@@ -17,17 +17,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tiny_pair import dev_prompts, tiny_pair  # noqa: E402
+
 from specdec.engine import scheduler as scheduler_module  # noqa: E402
 from specdec.engine.adaptive import FULL, SpeculationPolicy  # noqa: E402
-from specdec.engine.draft_engine import SpecConfig  # noqa: E402
-from specdec.engine.factory import EngineOptions, build_draft, build_target  # noqa: E402
 from specdec.engine.generate import feature_layers_for  # noqa: E402
 from specdec.sampling_params import SamplingParams  # noqa: E402
-from specdec.tokenizer import load_tokenizer  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "models" / "tiny-code"
-DEV_PROMPTS = ROOT.parent / "shared" / "prompts" / "dev.jsonl"
 PLAIN_STEPS = 4
 
 
@@ -73,13 +69,8 @@ def main(argv=None) -> int:
     ap.add_argument("--stretches", default="32,96", help="plain tokens per request in the stretch")
     ap.add_argument("--new-tokens", type=int, default=256)
     args = ap.parse_args(argv)
-    opts = EngineOptions(device="cpu", dtype="float32", attention_backend="torch", max_batch_size=args.prompts,
-                         num_pages=8192)
-    target = build_target(str(TINY / "target"), opts)
-    draft = build_draft(str(TINY / args.draft), str(TINY / "target"), SpecConfig(5, 1, 5), opts, target.max_context)
-    tok = load_tokenizer(TINY / "target")
-    lines = [json.loads(x)["prompt"] for x in DEV_PROMPTS.read_text().splitlines() if x.strip()]
-    prompts = [tok.encode(lines[60 + i])[-200:] for i in range(args.prompts)]
+    target, draft = tiny_pair(args.draft, args.prompts)
+    prompts = dev_prompts(args.prompts, 200)
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     for stretch in (int(x) for x in args.stretches.split(",")):
         row = {"draft": args.draft, "plain_tokens": stretch}
