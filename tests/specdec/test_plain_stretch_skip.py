@@ -214,7 +214,7 @@ def test_a_feature_budget_shares_the_prompts_features_among_the_requests_admitte
     from specdec.engine.admission import MIN_PROMPT_FEATURE_ROWS
 
     target, draft = tiny_target(), tiny_draft()
-    tokens = [tiny_tokenizer.encode(p) for p in dev_prompts[54:58]]
+    tokens = [tiny_tokenizer.encode("\n\n".join(dev_prompts[54 + 4 * i : 58 + 4 * i])) for i in range(4)]  # long
     prompts = [tokens[0][-150:], tokens[1][-150:], tokens[2][-40:], tokens[3][-150:]]
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (24, 30, 20, 12)]
     row_bytes = 1000
