@@ -105,7 +105,9 @@ def _with_stops(engine, prompts, lengths):
     ref = _run(Scheduler(engine, None, engine.max_context, 8), prompts, params)
     for i in (1, 3):  # a stop token met a few tokens in: inside the first or second call of 8
         tokens = ref[f"r{i}"][0]
-        stop = next(t for t in tokens[5 + 4 * i:] if t not in tokens[: 5 + 4 * i])
+        # a token's first occurrence from position 5 + 4i on, else the latest before it (a looping output)
+        firsts = [p for p in range(1, len(tokens)) if tokens[p] not in tokens[:p]]
+        stop = tokens[next((p for p in firsts if p >= 5 + 4 * i), firsts[-1])]
         params[i] = SamplingParams(max_new_tokens=lengths[i], stop_token_ids=(stop,))
     return params, _run(Scheduler(engine, None, engine.max_context, 8), prompts, params)
 
@@ -191,7 +193,7 @@ def test_a_request_aborted_mid_pipeline_leaves_the_next_calls_and_frees_its_page
 
 def test_an_admission_between_landings_is_not_a_steps_time(dev_prompts, tiny_tokenizer):
     """Requests admitted while plain calls are in flight: the policy never reads the admission (a slow prefill
-    here, 0.3 s) as decoding time. An interval that was mostly admission is not recorded; a short one is taken out
+    here, 0.6 s) as decoding time. An interval that was mostly admission is not recorded; a short one is taken out
     (seen through the services: a whole-chain micro-step read as 195 ms with an admission in it, 10-20 ms
     steady)."""
     engine, draft = tiny_target(), tiny_draft()
@@ -201,7 +203,7 @@ def test_an_admission_between_landings_is_not_a_steps_time(dev_prompts, tiny_tok
     class SlowPrefill(OrderedTarget):
         def prefill(self, inputs):
             if any(i.request_id == "late" for i in inputs):
-                time.sleep(0.3)
+                time.sleep(0.6)
             return super().prefill(inputs)
 
     target = SlowPrefill(engine, delay_s=0.01)
@@ -216,8 +218,9 @@ def test_an_admission_between_landings_is_not_a_steps_time(dev_prompts, tiny_tok
     out = _run(sched, prompts, params, late_arrival)
     assert len(out["late"][0]) == 20 and all(len(out[f"r{i}"][0]) == 40 for i in range(3))
     recorded = [h[4] for h in policy.history if h[0] == "step"]
-    assert recorded and max(recorded) < 0.2, recorded  # each call takes ~10-30 ms; the 0.3 s admission is out
-    assert sched.timings.admit_s > 0.3
+    # a call of 4 steps takes 0.1-0.2 s on a 2-core CPU (more under load); one with the admission in it over 0.6 s
+    assert recorded and max(recorded) < 0.45, recorded
+    assert sched.timings.admit_s > 0.6
     assert _free(engine, draft)
 
 
