@@ -148,22 +148,17 @@ def test_plain_steps_reach_both_services_when_set():
     assert proc.returncode != 0 and "plainSteps" in proc.stderr
 
 
-def test_plain_calls_in_flight_default_to_two_and_zero_is_refused():
+@pytest.mark.parametrize("key, flag_name, default, other, bad", [
+    ("plainCallsInFlight", "plain-calls-in-flight", "2", "1", "0"),  # calls in flight: at least one
+    ("promptFeatureMb", "prompt-feature-mb", "64", "0", "-1"),  # the admission's feature budget: 0 = whole prompts
+])
+def test_a_draft_value_reaches_its_flag_and_a_bad_one_is_refused(key, flag_name, default, other, bad):
     pair = one(render("default"), "StatefulSet", f"{FULL}-pair")
-    assert flag(container(pair, "draft"), "plain-calls-in-flight") == "2"
-    pair = one(render("default", "--set", "draft.plainCallsInFlight=1"), "StatefulSet", f"{FULL}-pair")
-    assert flag(container(pair, "draft"), "plain-calls-in-flight") == "1"
-    proc = run_helm(*template_args("default", "--set", "draft.plainCallsInFlight=0"), check=False)
-    assert proc.returncode != 0 and "plainCallsInFlight" in proc.stderr
-
-
-def test_the_prompt_feature_budget_reaches_the_draft_and_a_negative_one_is_refused():
-    pair = one(render("default"), "StatefulSet", f"{FULL}-pair")
-    assert flag(container(pair, "draft"), "prompt-feature-mb") == "64"
-    pair = one(render("default", "--set", "draft.promptFeatureMb=0"), "StatefulSet", f"{FULL}-pair")
-    assert flag(container(pair, "draft"), "prompt-feature-mb") == "0"
-    proc = run_helm(*template_args("default", "--set", "draft.promptFeatureMb=-1"), check=False)
-    assert proc.returncode != 0 and "promptFeatureMb" in proc.stderr
+    assert flag(container(pair, "draft"), flag_name) == default
+    pair = one(render("default", "--set", f"draft.{key}={other}"), "StatefulSet", f"{FULL}-pair")
+    assert flag(container(pair, "draft"), flag_name) == other
+    proc = run_helm(*template_args("default", "--set", f"draft.{key}={bad}"), check=False)
+    assert proc.returncode != 0 and key in proc.stderr
 
 
 def test_speculation_can_be_switched_off_and_other_modes_are_refused():

@@ -360,30 +360,30 @@ def test_the_drafts_client_takes_trimmed_feature_rows_from_prefill_and_verify(st
     assert asyncio.run(_kv_free(stack))[0]
 
 
+def _lossless_with_and_refused(target, prompts, new_tokens: int, option: str, value: str, bad: str,
+                               max_batch: int) -> None:
+    """A draft started with `option value` streams what target Generate streams for every prompt (`new_tokens`
+    each, all at once) and frees its pages; started with `option bad` it stops start-up naming the option."""
+    draft = start_draft(target.addr, option, value, "--max-batch-size", str(max_batch))
+    try:
+        tag = option.lstrip("-")
+        spec, plain, draft_free = asyncio.run(_pairs(draft.addr, target.addr, prompts, [new_tokens] * len(prompts),
+                                                     tag))
+        assert spec == plain and draft_free
+    finally:
+        draft.stop()
+    with pytest.raises(RuntimeError, match=tag):
+        start_draft(target.addr, option, bad)
+
+
 def test_a_small_prompt_feature_budget_stays_lossless_and_a_negative_one_is_refused(stack, prompts):
     """`--prompt-feature-mb`: with a budget this small every prompt of a wave brings its last 64 tokens' features
     only (the draft skips the rest); 8 streams still equal target Generate, and nothing leaks."""
-    target, _ = stack
-    windowed = start_draft(target.addr, "--prompt-feature-mb", "0.001", "--max-batch-size", "8")
-    try:
-        spec, plain, draft_free = asyncio.run(_pairs(windowed.addr, target.addr, prompts[:8], [20] * 8, "window"))
-        assert spec == plain and draft_free
-    finally:
-        windowed.stop()
-    with pytest.raises(RuntimeError, match="prompt-feature-mb"):
-        start_draft(target.addr, "--prompt-feature-mb", "-1")
+    _lossless_with_and_refused(stack[0], prompts[:8], 20, "--prompt-feature-mb", "0.001", "-1", 8)
 
 
 def test_burst_gathering_service_is_lossless_and_a_negative_window_is_refused(stack, prompts):
     """`--admission-gather-ms`: an idle draft waits for the rest of a burst before admitting it; 10 streams opened
     at once still equal target Generate with a long window, and a negative window stops start-up with a message
     naming the flag."""
-    target, _ = stack
-    gathering = start_draft(target.addr, "--admission-gather-ms", "200", "--max-batch-size", "16")
-    try:
-        spec, plain, draft_free = asyncio.run(_pairs(gathering.addr, target.addr, prompts[:10], [16] * 10, "gather"))
-        assert spec == plain and draft_free
-    finally:
-        gathering.stop()
-    with pytest.raises(RuntimeError, match="admission-gather-ms"):
-        start_draft(target.addr, "--admission-gather-ms", "-1")
+    _lossless_with_and_refused(stack[0], prompts[:10], 16, "--admission-gather-ms", "200", "-1", 16)
