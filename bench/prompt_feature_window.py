@@ -52,11 +52,10 @@ def main(argv=None) -> int:
     target, draft = tiny_pair(args.draft, args.prompts)
     prompts = dev_prompts(args.prompts, args.prompt_tokens)
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
-    row_bytes = 1000  # any: the budget below is sized so that each prompt of the batch gets `window` rows
     for window in [0] + [int(x) for x in args.windows.split(",")]:
         policy = Counting()
         sched = Scheduler(target, draft, target.max_context, len(prompts), feature_layers_for(draft), policy=policy,
-                          prompt_feature_bytes=window * len(prompts) * row_bytes, feature_row_bytes=row_bytes)
+                          prompt_feature_rows=window * len(prompts))
         sched._window = lambda wave, w=window: w  # exactly `window` (the scheduler's floor is 64 rows)
         for i, prompt in enumerate(prompts):
             sched.add(f"r{i}", prompt, params)

@@ -8,8 +8,6 @@ import logging
 import os
 import time
 
-import torch
-
 from draft_service.servicer import DraftServicer
 from draft_service.target_client import TargetClient
 from specdec.config import ModelConfig
@@ -95,8 +93,7 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
                           () if off else feature_layers_for(engine),
                           max_queue_wait_s=args.max_queue_wait_seconds, plain_steps=steps,
                           gather_s=args.admission_gather_ms / 1e3,
-                          prompt_feature_bytes=int(args.prompt_feature_mb * 2**20),
-                          feature_row_bytes=feature_row_bytes(client, engine),
+                          prompt_feature_rows=int(args.prompt_feature_mb * 2**20) // feature_row_bytes(client, engine),
                           step_spans=StepSpanSampler.from_config(TelemetryConfig.from_env()), policy=policy,
                           overlap=TwoBatchOverlap(0 if off else args.two_batch_overlap, engine.device,
                                                   args.plain_calls_in_flight))
@@ -147,7 +144,7 @@ def feature_row_bytes(client: TargetClient, engine) -> int:
     floats plus a float32 scale (`--feature-wire fp8`)."""
     if client.feature_wire == FP8_ROWS:
         return client.feature_dim + 4
-    return client.feature_dim * torch.empty((), dtype=engine.dtype).element_size()
+    return client.feature_dim * engine.dtype.itemsize
 
 
 class StepPhases:

@@ -21,7 +21,7 @@ from specdec.telemetry.tracing import attached
 QUEUE_POLL_S = 0.01  # how often a request waiting for KV pages retries its admission
 MAX_PREFILL_TOKENS = 16384  # prompt tokens admitted in one target prefill call
 GATHER_GAP_S = 0.001  # an idle scheduler gathering a burst admits once no request came for this long
-# The fewest prompt tokens whose features a prompt brings when a feature budget is set (`prompt_feature_bytes`):
+# The fewest prompt tokens whose features a prompt brings when a feature budget is set (`prompt_feature_rows`):
 # the tiny pair (EAGLE-1, 16 dev prompts of 256 tokens, chain of 5, 128 new tokens) committed 4.23 tokens a step
 # with whole prompts, 4.19 with the last 128, 4.09 with 64, 3.93 with 32 and 3.66 with the last one only.
 MIN_PROMPT_FEATURE_ROWS = 64
@@ -128,14 +128,14 @@ class Admission:
         return window if 0 < window < len(state.prompt_ids) else 0
 
     def _window(self, wave: int) -> int:
-        """Feature rows per prompt when `wave` prompts are admitted together under `prompt_feature_bytes` (0: no
+        """Feature rows per prompt when `wave` prompts are admitted together under `prompt_feature_rows` (0: no
         budget, whole prompts), at least MIN_PROMPT_FEATURE_ROWS. The features of whole prompts were what made
         admission under speculation slow at large batch: 128 prompts of ~256 tokens of an 8B shape are 268 MB
         (1.13-1.35 s of admission against 0.80-0.84 s without them, 2 x H200, eleventh pass), while the draft's
         acceptance gains little from tokens far back (see MIN_PROMPT_FEATURE_ROWS)."""
-        if not self.prompt_feature_bytes or not self.feature_row_bytes or wave < 1:
+        if not self.prompt_feature_rows or wave < 1:
             return 0
-        return max(MIN_PROMPT_FEATURE_ROWS, int(self.prompt_feature_bytes // (wave * self.feature_row_bytes)))
+        return max(MIN_PROMPT_FEATURE_ROWS, self.prompt_feature_rows // wave)
 
     def _prefill_together(self, group: list[RunState]):
         """Outputs for the whole group from one target call, or None (one request, or any failure: nothing of

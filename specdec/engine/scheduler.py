@@ -61,8 +61,7 @@ class Scheduler(Admission):
                  feature_layers: tuple[int, ...] = (), max_queue_wait_s: float = 0.0,
                  step_spans: StepSpanSampler | None = None, policy: SpeculationPolicy | None = None,
                  timings: StepTimings | None = None, overlap: TwoBatchOverlap | None = None,
-                 plain_steps: int = PLAIN_STEPS, gather_s: float = 0.0, prompt_feature_bytes: int = 0,
-                 feature_row_bytes: int = 0):
+                 plain_steps: int = PLAIN_STEPS, gather_s: float = 0.0, prompt_feature_rows: int = 0):
         self.target, self.draft = target, draft
         # tokens a plain step commits per request in one target call (one host sync; one RPC through the draft)
         self.plain_steps = plain_steps
@@ -89,9 +88,10 @@ class Scheduler(Admission):
         # an idle scheduler waits up to this long for the rest of a burst before admitting (`Admission._admit`)
         self.gather_s = gather_s
         self._admissions: deque[tuple[float, float]] = deque(maxlen=16)  # (start, seconds) of recent admissions
-        # the most feature bytes (`feature_row_bytes` a prompt token) one admission asks of the target: a wave of
-        # prompts shares it, each bringing its last tokens' features only (`Admission._window`); 0: whole prompts
-        self.prompt_feature_bytes, self.feature_row_bytes = prompt_feature_bytes, feature_row_bytes
+        # the most prompt tokens' features one admission asks of the target (the draft's --prompt-feature-mb over a
+        # token's feature bytes): a wave of prompts shares it, each bringing its last tokens' features only
+        # (`Admission._window`); 0: whole prompts
+        self.prompt_feature_rows = prompt_feature_rows
         self._prompt_window = 0  # feature rows per prompt of the admission under way (0: whole prompts)
 
     # ---- queue ----------------------------------------------------------------------------------------------

@@ -208,21 +208,20 @@ def test_a_seeded_sampled_request_brings_its_whole_prompt_even_where_plain_decod
 
 def test_a_feature_budget_shares_the_prompts_features_among_the_requests_admitted_together(dev_prompts,
                                                                                           tiny_tokenizer):
-    """With `prompt_feature_bytes`, each of a wave of prompts brings the features of its last budget / (wave x
-    row bytes) tokens (at least MIN_PROMPT_FEATURE_ROWS), a shorter prompt all of its own, a request admitted alone
-    later a bigger share; the draft skips the rest, and the tokens stay plain decoding's."""
+    """With `prompt_feature_rows`, each of a wave of prompts brings the features of its last budget / wave tokens
+    (at least MIN_PROMPT_FEATURE_ROWS), a shorter prompt all of its own, a request admitted alone later a bigger
+    share; the draft skips the rest, and the tokens stay plain decoding's."""
     from specdec.engine.admission import MIN_PROMPT_FEATURE_ROWS
 
     target, draft = tiny_target(), tiny_draft()
     tokens = [tiny_tokenizer.encode("\n\n".join(dev_prompts[54 + 4 * i : 58 + 4 * i])) for i in range(4)]  # long
     prompts = [tokens[0][-150:], tokens[1][-150:], tokens[2][-40:], tokens[3][-150:]]
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (24, 30, 20, 12)]
-    row_bytes = 1000
     plain = drive(Scheduler(target, None, target.max_context, 4), prompts, params)
     recorder = Recording(target)
     # room for 3: the first three are admitted together (a budget of 100 rows each), the fourth alone (300 rows)
     sched = Scheduler(recorder, draft, target.max_context, 3, feature_layers_for(draft),
-                      prompt_feature_bytes=300 * row_bytes, feature_row_bytes=row_bytes)
+                      prompt_feature_rows=300)
     skipped = {}
 
     def check(s) -> None:
@@ -234,6 +233,6 @@ def test_a_feature_budget_shares_the_prompts_features_among_the_requests_admitte
     assert skipped == {"r0": 50, "r1": 50, "r2": 0, "r3": 0}
     assert not draft.requests and draft.kv.num_free_pages == draft.kv.num_total_pages
     assert target.kv.num_free_pages == target.kv.num_total_pages
-    wide = Scheduler(target, draft, target.max_context, 64, prompt_feature_bytes=1000, feature_row_bytes=row_bytes)
+    wide = Scheduler(target, draft, target.max_context, 64, prompt_feature_rows=1)
     assert wide._window(64) == MIN_PROMPT_FEATURE_ROWS and wide._window(1) == MIN_PROMPT_FEATURE_ROWS
     assert Scheduler(target, draft, target.max_context, 4)._window(4) == 0  # no budget: whole prompts
