@@ -7,6 +7,9 @@ For plain decode (1 token) and a chain verify (1 + 8 tokens) at each of `--batch
 - `replay_ms`: the captured forward alone, replayed back to back (pure GPU time of the graph);
 - `step_ms`: a whole `TargetEngine.verify` call (host work + graph + logits + acceptance), synced;
 - `host_ms`: step_ms - replay_ms - logits_ms, the host time the GPU waits for;
+- `pre_launch_ms` / `post_sync_ms`: of that host time, what runs before the graph is launched (parsing, page tables,
+  the attention plan, input copies) and after the step's one sync (acceptance, features, commit);
+  `features_to_host_ms`: the target service's copy of a step's features to host memory (its engine thread);
 - the GPU kernels of one replay by category (GEMM, attention, elementwise), from the profiler;
 - the top host functions of 50 steps (cProfile, cumulative), written next to `--out`.
 The same for the draft head's propose and extend. Numbers are means over `--repeats` calls after warm-up.
@@ -81,6 +84,42 @@ def host_profile(fn, repeats: int, path: Path) -> None:
     path.write_text(s.getvalue())
 
 
+def timeline(target, inp, repeats: int) -> dict:
+    """Mean host ms of one verify before its graph launch and after its sync (the first acceptance walk)."""
+    from specdec.rpc.target_codec import features_to_host
+
+    marks: dict[str, float] = {}
+    replay, verdict = torch.cuda.CUDAGraph.replay, target._verdict
+
+    def timed_replay(graph):
+        marks.setdefault("launch", time.perf_counter())
+        return replay(graph)
+
+    def timed_verdict(*a, **k):
+        marks.setdefault("synced", time.perf_counter())
+        return verdict(*a, **k)
+
+    pre, post, feats = [], [], []
+    torch.cuda.CUDAGraph.replay, target._verdict = timed_replay, timed_verdict
+    try:
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            marks.clear()
+            t0 = time.perf_counter()
+            outs = target.verify(inp)
+            t1 = time.perf_counter()
+            features_to_host(outs)
+            feats.append(time.perf_counter() - t1)
+            if "launch" in marks and "synced" in marks:
+                pre.append(marks["launch"] - t0)
+                post.append(t1 - marks["synced"])
+    finally:
+        torch.cuda.CUDAGraph.replay = replay
+        del target._verdict
+    mean = (lambda xs: round(1e3 * sum(xs) / len(xs), 3) if xs else None)
+    return {"pre_launch_ms": mean(pre), "post_sync_ms": mean(post), "features_to_host_ms": mean(feats)}
+
+
 def target_rows(args, out_dir: Path) -> dict:
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     new_tokens = 2048  # ~120 verify calls of up to 9 tokens each per row
@@ -115,6 +154,7 @@ def target_rows(args, out_dir: Path) -> dict:
             row["step_ms"] = round(timed(lambda inp=inp: target.verify(inp), args.repeats) * 1e3, 3)
             if g is not None:
                 row["host_ms"] = round(row["step_ms"] - row["replay_ms"] - row["logits_argmax_ms"], 3)
+            row.update(timeline(target, inp, args.repeats))
             row["step_kernels"] = kernel_table(lambda inp=inp: target.verify(inp))
             host_profile(lambda inp=inp: target.verify(inp), 50, out_dir / f"host_{key}.txt")
             for rid in rids:

@@ -10,6 +10,7 @@ planners copy through pinned memory, non-blocking: torch keeps the pinned block 
 
 from __future__ import annotations
 
+import array
 import collections
 import warnings
 from pathlib import Path
@@ -17,11 +18,23 @@ from pathlib import Path
 import torch
 
 SYNC_COPIES = False  # True: every copy here blocks like torch's default (bench/sync_audit.py's "before" rows)
+_ARRAY_CODES = {torch.int32: "i", torch.int64: "q"}
+
+
+def host_tensor(values, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`torch.as_tensor(values, dtype=dtype)`; a list of ints goes through `array.array`, which reads it ~3.5x
+    faster (4100 page ids: ~100 us against ~340 on a 2-core CPU; a verify of 128 requests converts ~5000 ids)."""
+    if type(values) is list and len(values) > 32 and type(values[0]) is int and dtype in (None, *_ARRAY_CODES):
+        try:
+            return torch.frombuffer(array.array(_ARRAY_CODES[dtype or torch.int64], values), dtype=dtype or torch.int64)
+        except (TypeError, OverflowError):  # not all ints, or too large for the type: torch says what is wrong
+            pass
+    return torch.as_tensor(values, dtype=dtype)
 
 
 def to_device(values, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
     """`values` (a list or a tensor) as a tensor on `device`, queued without a host sync when it is a GPU."""
-    t = torch.as_tensor(values, dtype=dtype)
+    t = host_tensor(values, dtype)
     device = torch.device(device)
     if device.type != "cuda" or t.device.type != "cpu" or SYNC_COPIES:
         return t.to(device)
@@ -30,7 +43,7 @@ def to_device(values, device: torch.device | str, dtype: torch.dtype | None = No
 
 def copy_in(dst: torch.Tensor, values) -> torch.Tensor:
     """`dst.copy_(values)` from the host (a list or a CPU tensor), queued without a host sync on a GPU."""
-    src = torch.as_tensor(values)
+    src = host_tensor(values)
     if SYNC_COPIES:
         return dst.copy_(src)
     if dst.device.type == "cuda" and src.device.type == "cpu":

@@ -40,8 +40,11 @@ class PageTable:
     pages: list[int] = field(default_factory=list)
     length: int = 0  # tokens whose K/V slots are reserved (committed + temporary)
     reserved_pages: int = 0  # admission budget: the most pages this request may ever hold
-    # slot of every position the pages hold, kept in step with `pages`: slices of it are free every step
-    slot_ids: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))  # [pages * size]
+    # slot of every position the first `slot_pages` pages hold, brought up to date when slots are asked for (a
+    # resize is list work only: a verify of 128 chains grows and shrinks every request, and the captured paths
+    # read page lists, not slots)
+    slot_ids: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))  # [>= slot_pages * size]
+    slot_pages: int = 0
 
 
 class PagedKVCache:
@@ -114,21 +117,27 @@ class PagedKVCache:
         ps = self.page_size
         need_pages = -(-new_len // ps)
         if need_pages > len(table.pages):
-            new_pages = self.pool.alloc(need_pages - len(table.pages))
-            table.pages.extend(new_pages)
-            new_slots = (torch.tensor(new_pages, dtype=torch.int64)[:, None] * ps + torch.arange(ps)).reshape(-1)
-            table.slot_ids = torch.cat([table.slot_ids, new_slots])
+            table.pages.extend(self.pool.alloc(need_pages - len(table.pages)))
         elif need_pages < len(table.pages):
             self.pool.free(table.pages[need_pages:])
             del table.pages[need_pages:]
-            table.slot_ids = table.slot_ids[: need_pages * ps]
+            table.slot_pages = min(table.slot_pages, need_pages)  # the pages after it may come back different
         table.length = new_len
+
+    def _slot_ids(self, table: PageTable) -> torch.Tensor:
+        """The slot of every position the request's pages hold. # [pages * page_size] int64"""
+        ps, have, pages = self.page_size, table.slot_pages, table.pages
+        if have < len(pages) or table.slot_ids.shape[0] != len(pages) * ps:
+            new = (torch.tensor(pages[have:], dtype=torch.int64)[:, None] * ps + torch.arange(ps)).reshape(-1)
+            table.slot_ids = torch.cat([table.slot_ids[: have * ps], new])
+            table.slot_pages = len(pages)
+        return table.slot_ids
 
     # ---- addressing ---------------------------------------------------------------------------------------
     def slots(self, rid: str, start: int, end: int) -> torch.Tensor:
         """Slot ids of positions [start, end) of a request. # [end - start] int64 on the CPU (attention
         backends move what they need to the device once per forward)"""
-        slot_ids = self.table(rid).slot_ids
+        slot_ids = self._slot_ids(self.table(rid))
         if not 0 <= start <= end <= slot_ids.shape[0]:
             raise IndexError(f"positions [{start}, {end}) of {rid!r} outside its {slot_ids.shape[0]} slots")
         return slot_ids[start:end]
@@ -141,7 +150,7 @@ class PagedKVCache:
         keep = [(s, dst_start + i) for i, s in enumerate(src_positions) if s != dst_start + i]
         if not keep:
             return
-        slot_ids = self.table(rid).slot_ids
+        slot_ids = self._slot_ids(self.table(rid))
         src = to_device(slot_ids[torch.tensor([s for s, _ in keep])], self.k.device)
         dst = to_device(slot_ids[torch.tensor([d for _, d in keep])], self.k.device)
         self.k[:, dst] = self.k[:, src]

@@ -31,11 +31,18 @@ def validate_tree(tokens, parents, vocab_size: int, max_nodes: int) -> None:
         raise InvalidInput(f"tree has {len(tokens)} tokens but {len(parents)} parents")
     if len(tokens) > max_nodes:
         raise InvalidInput(f"tree has {len(tokens)} draft tokens, more than the maximum {max_nodes}")
-    for i, (tok, par) in enumerate(zip(tokens, parents, strict=True)):
-        if not 0 <= tok < vocab_size:
-            raise InvalidInput(f"draft token {tok} at index {i} outside the vocabulary [0, {vocab_size})")
-        if not -1 <= par < i:
-            raise InvalidInput(f"parent {par} of draft node {i} must be -1 (root) or an earlier node index")
+    if tokens and not (min(tokens) >= 0 and max(tokens) < vocab_size):
+        i, tok = next((i, t) for i, t in enumerate(tokens) if not 0 <= t < vocab_size)
+        raise InvalidInput(f"draft token {tok} at index {i} outside the vocabulary [0, {vocab_size})")
+    bad = _bad_parent(tuple(parents))
+    if bad is not None:
+        raise InvalidInput(f"parent {parents[bad]} of draft node {bad} must be -1 (root) or an earlier node index")
+
+
+@functools.lru_cache(maxsize=4096)
+def _bad_parent(parents: tuple[int, ...]) -> int | None:
+    """Index of the first node whose parent is neither the root (-1) nor an earlier node, or None."""
+    return next((i for i, p in enumerate(parents) if not -1 <= p < i), None)
 
 
 # The helpers below read a tree's shape only, and a batch repeats one shape (a chain, the same top-k tree) for every
@@ -52,6 +59,11 @@ def _depths(parents: tuple[int, ...]) -> tuple[int, ...]:
     for p in parents:
         out.append(1 if p < 0 else out[p] + 1)
     return tuple(out)
+
+
+def max_depth(parents) -> int:
+    """Depth of the deepest draft node (0 for no draft nodes)."""
+    return max(_depths(tuple(parents)), default=0)
 
 
 def is_chain(parents) -> bool:

@@ -15,7 +15,7 @@ import logging
 import torch
 
 from specdec.attention.batch import SeqAttention
-from specdec.attention.flashinfer_backend import paged_attention, plan_paged, plan_pages
+from specdec.attention.flashinfer_backend import import_flashinfer, paged_attention, plan_paged, plan_pages
 from specdec.errors import ConfigError
 from specdec.host_copy import copy_in
 
@@ -27,7 +27,7 @@ class GraphAttention:
 
     def __init__(self, kv_cache, num_qo_heads: int, batch_size: int, tokens_per_seq: int, max_pages_per_seq: int,
                  workspace: torch.Tensor, causal: bool = False):
-        import flashinfer
+        flashinfer = import_flashinfer()
 
         self.kv, self.num_qo_heads = kv_cache, num_qo_heads
         self.batch_size, self.n = batch_size, tokens_per_seq

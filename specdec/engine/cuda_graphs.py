@@ -72,26 +72,43 @@ class TargetGraphs:
         with torch.cuda.device(self.kv.k.device):  # capture and replay on the engine's GPU, whatever the thread's
             return self._run(ids, positions, seqs, write_slots, n, aux_layers, causal or n == 1, inputs_taken)
 
+    def run_causal(self, ids: list[int] | torch.Tensor, positions: torch.Tensor, page_lists: list[list[int]],
+                   lens: list[int], n: int, aux_layers: tuple[int, ...], inputs_taken=None):
+        """`run` for causal sequences (chains, plain decode) from their page lists: sequence i's n new tokens sit
+        at positions lens[i] - n .. lens[i] - 1 of the pages `page_lists[i]` (no slot tensors, no per-request
+        tensor work on the host: at 128 requests that was most of a verify's host time)."""
+        with torch.cuda.device(self.kv.k.device):
+            g, pad = self._graph(len(lens), n, aux_layers, True)
+            g.attn.plan_causal(page_lists + [self.scratch_pages] * pad, lens + [n] * pad)
+            return self._replay(g, ids, positions, len(lens) * n, n, pad, inputs_taken)
+
     def _run(self, ids, positions, seqs, write_slots, n, aux_layers, causal, inputs_taken):
         b = len(seqs)
+        g, pad = self._graph(b, n, aux_layers, causal)
+        if pad:
+            seqs = seqs + [self._scratch_seq(n, causal) for _ in range(pad)]
+            write_slots = torch.cat([write_slots, self._scratch_slots(n).repeat(pad)])
+        g.attn.plan(seqs, write_slots)
+        return self._replay(g, ids, positions, b * n, n, pad, inputs_taken)
+
+    def _graph(self, b: int, n: int, aux_layers: tuple[int, ...], causal: bool) -> tuple[_Graph, int]:
+        """The captured graph for b requests of n tokens (captured now if its shape is new), and its padding."""
         bucket = next(x for x in ladder_for(self.ladder, n) if x >= b)
         key = (bucket, n, aux_layers, causal)
         if key not in self.graphs:
             what = f"the target's {n}-token {'causal ' if causal else ''}forwards"
             capture_or_go_eager(lambda: self._capture_ladder(n, aux_layers, causal), what,
                                 lambda: self._forget(n, aux_layers, causal))
-        g = self.graphs[key]
-        pad = bucket - b
-        pad_seqs = [self._scratch_seq(n, causal) for _ in range(pad)]
-        pad_slots = self._scratch_slots(n).repeat(pad)
-        g.attn.plan(seqs + pad_seqs, torch.cat([write_slots, pad_slots]))
-        dev = g.ids.device
-        t = b * n
+        return self.graphs[key], bucket - b
+
+    @staticmethod
+    def _replay(g: _Graph, ids, positions, t: int, n: int, pad: int, inputs_taken):
+        """Copy the first t tokens' ids and positions in (padding rows: token 0 at positions 0..n-1), replay."""
         copy_in(g.ids[:t], ids)
         g.ids[t:].zero_()
         copy_in(g.positions[:t], positions)
         if pad:
-            g.positions[t:].copy_(torch.arange(n, device=dev).repeat(pad))
+            g.positions[t:].copy_(torch.arange(n, device=g.ids.device).repeat(pad))
         if inputs_taken is not None:
             inputs_taken.record()
         g.graph.replay()

@@ -32,12 +32,12 @@ from specdec.engine.requests import (
     kept_feature_rows,
 )
 from specdec.errors import DuplicateRequest, InvalidInput, UnknownRequest
-from specdec.host_copy import to_device
+from specdec.host_copy import host_tensor, to_device
 from specdec.kv_cache import PagedKVCache
 from specdec.models.llama import LlamaForCausalLM
 from specdec.sampling import make_generator, sample, target_probs
 from specdec.sampling_params import SamplingParams
-from specdec.tree import ancestor_mask, depths, is_chain, validate_tree
+from specdec.tree import ancestor_mask, depths, is_chain, max_depth, validate_tree
 from specdec.verify import verify_greedy, verify_simulated, verify_stochastic
 
 # Requests the target finished itself (stop token, length) whose ids a later plain call may still name: a draft
@@ -216,7 +216,7 @@ class TargetEngine:
         for inp in inputs:
             req = self._get(inp.request_id)
             validate_tree(inp.draft_tokens, inp.parents, self.cfg.vocab_size, self.max_draft_tokens)
-            if inp.draft_tokens and req.kv_len + max(depths(inp.parents)) >= self.max_context:
+            if inp.draft_tokens and req.kv_len + max_depth(inp.parents) >= self.max_context:
                 raise InvalidInput(f"tree of request {inp.request_id!r} reaches past the context length")
         if len({inp.request_id for inp in inputs}) != len(inputs):
             raise InvalidInput("a request id appears twice in one verify batch")
@@ -227,6 +227,35 @@ class TargetEngine:
 
     def _verify_checked(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
         """One forward over inputs that `_check_batch` accepted (a live subset of them stays accepted)."""
+        shapes = {tuple(inp.parents) for inp in inputs}
+        if len(shapes) == 1 and is_chain(next(iter(shapes))):  # chains of one length (or plain steps): causal
+            n = len(inputs[0].draft_tokens) + 1
+            rows = [n] * len(inputs)
+            reqs = [self.requests[inp.request_id] for inp in inputs]
+            starts = [req.kv_len for req in reqs]
+            for inp, start in zip(inputs, starts, strict=True):
+                self.kv.resize(inp.request_id, start + n)
+            ids = [t for inp, req in zip(inputs, reqs, strict=True) for t in (req.root, *inp.draft_tokens)]
+            positions = (torch.tensor(starts)[:, None] + torch.arange(n)).reshape(-1)
+            hidden, aux = self._forward_causal(ids, positions, inputs, starts, n)
+        else:
+            hidden, aux, rows = self._forward_trees(inputs)
+        logits = self.model.compute_logits(hidden)  # [num_tokens, vocab]
+        # greedy (and simulated) acceptance reads the whole batch's argmax in one host sync
+        greedy = self.simulate_accept_len or any(self.requests[i.request_id].sampling.greedy for i in inputs)
+        top1 = logits.argmax(-1).tolist() if greedy else None
+        verdicts, committed, start = [], [], 0
+        for inp, n in zip(inputs, rows, strict=True):
+            verdict = self._verdict(inp, logits[start : start + n], top1[start : start + n] if top1 else None)
+            verdicts.append(verdict)
+            committed.append([0] + verdict.accepted)  # tree rows whose K/V stay: root, then the accepted path
+            start += n
+        feats = self._batch_features(inputs, rows, committed, hidden, aux)
+        return [self._accept(inp, v, c, f) for inp, v, c, f in zip(inputs, verdicts, committed, feats, strict=True)]
+
+    def _forward_trees(self, inputs: list[VerifyInput]):
+        """The forward of a verify whose trees differ in shape or are not chains: a tree mask per request.
+        (hidden, aux, tree rows per request)"""
         ids, pos, seqs, slots, rows = [], [], [], [], []
         for inp in inputs:
             req = self.requests[inp.request_id]
@@ -241,18 +270,7 @@ class TargetEngine:
             slots.append(ctx[req.kv_len :])
             rows.append(n)
         hidden, aux = self._forward(ids, torch.tensor(pos), seqs, torch.cat(slots), inputs, graphable=True)
-        logits = self.model.compute_logits(hidden)  # [num_tokens, vocab]
-        # greedy (and simulated) acceptance reads the whole batch's argmax in one host sync
-        greedy = self.simulate_accept_len or any(self.requests[i.request_id].sampling.greedy for i in inputs)
-        top1 = logits.argmax(-1).tolist() if greedy else None
-        verdicts, committed, start = [], [], 0
-        for inp, n in zip(inputs, rows, strict=True):
-            verdict = self._verdict(inp, logits[start : start + n], top1[start : start + n] if top1 else None)
-            verdicts.append(verdict)
-            committed.append([0] + verdict.accepted)  # tree rows whose K/V stay: root, then the accepted path
-            start += n
-        feats = self._batch_features(inputs, rows, committed, hidden, aux)
-        return [self._accept(inp, v, c, f) for inp, v, c, f in zip(inputs, verdicts, committed, feats, strict=True)]
+        return hidden, aux, rows
 
     def _verdict(self, inp: VerifyInput, logits, top1: list[int] | None):
         req = self.requests[inp.request_id]
@@ -282,18 +300,21 @@ class TargetEngine:
         if len({r.feature_layers for r in reqs}) > 1:
             return [self._features(r, hidden, aux, s + torch.tensor(c)) for r, s, c in zip(reqs, starts, committed,
                                                                                           strict=True)]
-        flat = torch.tensor([s + r for s, c in zip(starts, committed, strict=True) for r in c])
+        flat = host_tensor([s + r for s, c in zip(starts, committed, strict=True) for r in c])
         return list(self._features(reqs[0], hidden, aux, flat).split([len(c) for c in committed]))
 
     def _accept(self, inp: VerifyInput, verdict, committed_rows: list[int], feats) -> VerifyOutput:
         rid, req = inp.request_id, self.requests[inp.request_id]
         new_tokens = [inp.draft_tokens[a - 1] for a in verdict.accepted] + [verdict.bonus]
-        self.kv.move(rid, [req.kv_len + r for r in committed_rows], req.kv_len)
+        if committed_rows[-1] != len(committed_rows) - 1:  # rows 0..m (a chain's path) already sit in place
+            self.kv.move(rid, [req.kv_len + r for r in committed_rows], req.kv_len)
         req.kv_len += len(committed_rows)
         self.kv.resize(rid, req.kv_len)  # frees the slots of rejected nodes
         kept, reason = self._commit_tokens(rid, req, new_tokens)
         num_acc = min(len(verdict.accepted), len(kept))
-        return VerifyOutput(rid, kept, num_acc, None if feats is None else feats[: len(kept)], reason)
+        if feats is not None and len(kept) < len(new_tokens):  # cut at a stop token or a length limit
+            feats = feats[: len(kept)]
+        return VerifyOutput(rid, kept, num_acc, feats, reason)
 
     def _commit_tokens(self, rid: str, req: TargetRequest, new_tokens: list[int]) -> tuple[list[int], str]:
         total = req.prompt_len + req.num_generated
@@ -320,22 +341,19 @@ class TargetEngine:
         request's `_steps_left`, so no step runs past a length limit; tokens after a stop token are dropped with
         the request's pages when it is released."""
         reqs = [self.requests[inp.request_id] for inp in inputs]
-        ctxs = []
         for inp, req in zip(inputs, reqs, strict=True):
             self.kv.resize(inp.request_id, req.kv_len + k)
-            ctxs.append(self.kv.slots(inp.request_id, 0, req.kv_len + k))
+        starts = torch.tensor([req.kv_len for req in reqs])
         ids: list[int] | torch.Tensor = [req.root for req in reqs]
         picked, feats, taken, chunk = [], [], None, None
         wanted = any(r.features for r in reqs)  # plain Generate: none, and no per-step feature work at all
         uniform = wanted and all(r.features for r in reqs) and len({r.feature_layers for r in reqs}) == 1
         for i in range(k):
-            seqs = [SeqAttention(ctx[: req.kv_len + i + 1], 1) for ctx, req in zip(ctxs, reqs, strict=True)]
-            write = torch.stack([ctx[req.kv_len + i] for ctx, req in zip(ctxs, reqs, strict=True)])
-            positions = torch.tensor([req.kv_len + i for req in reqs])
+            positions = starts + i
             if taken is not None:
                 taken.synchronize()  # the GPU holds step i - 1's inputs: the planner's host buffers are free again
             taken = torch.cuda.Event() if self.device.type == "cuda" else None
-            hidden, aux = self._forward(ids, positions, seqs, write, inputs, graphable=True, inputs_taken=taken)
+            hidden, aux = self._forward_causal(ids, positions, inputs, positions.tolist(), 1, taken)
             ids = self.model.compute_logits(hidden).argmax(-1)
             picked.append(ids)
             if uniform:  # row r of the step is request r's: one copy per step into the chunk's [B, k, F]
@@ -378,10 +396,28 @@ class TargetEngine:
             raise UnknownRequest(f"unknown request id {rid!r}")
         return req
 
+    def _forward_causal(self, ids, positions: torch.Tensor, inputs, starts: list[int], n: int, inputs_taken=None):
+        """`_forward` for causal sequences of n new tokens each (chains, plain steps), request i's at positions
+        starts[i] .. starts[i] + n - 1 (pages already grown to hold them): a captured forward reads the requests'
+        page lists; the eager one gets slot tensors."""
+        layers = self._aux_layers(inputs)
+        if self.graphs is not None and self.graphs.usable(len(inputs), n, layers, True):
+            pages = [self.kv.table(inp.request_id).pages for inp in inputs]
+            try:
+                hidden, aux_cat = self.graphs.run_causal(ids, positions, pages, [s + n for s in starts], n, layers,
+                                                         inputs_taken)
+                return hidden, self._split_aux(aux_cat, layers)
+            except GraphCaptureError:
+                pass  # logged by the graphs; this shape runs eagerly from now on
+        ctxs = [self.kv.slots(inp.request_id, 0, s + n) for inp, s in zip(inputs, starts, strict=True)]
+        seqs = [SeqAttention(ctx, n) for ctx in ctxs]
+        write = torch.cat([ctx[s:] for ctx, s in zip(ctxs, starts, strict=True)])
+        return self._forward(ids, positions, seqs, write, inputs, inputs_taken=inputs_taken)
+
     def _forward(self, ids, positions, seqs, write_slots, inputs, graphable: bool = False, inputs_taken=None):
         """hidden [T, H] and aux {layer: [T, H]}. `ids`: a list or a device tensor. `inputs_taken` (a CUDA event)
         is recorded once the forward's inputs and plan are on the GPU, before it runs."""
-        layers = tuple(sorted({i for inp in inputs for i in self.requests[inp.request_id].feature_layers}))
+        layers = self._aux_layers(inputs)
         n = seqs[0].num_q
         hidden = None
         causal = all(s.tail_mask is None for s in seqs)
@@ -399,9 +435,15 @@ class TargetEngine:
                 inputs_taken.record()
             out = self.model(ids, positions, self.backend, batch, layers)
             hidden, aux_cat = out.hidden, out.aux
+        return hidden, self._split_aux(aux_cat, layers)
+
+    def _aux_layers(self, inputs) -> tuple[int, ...]:
+        """The layers whose outputs the batch's features read, sorted (the forward returns them concatenated)."""
+        return tuple(sorted({i for inp in inputs for i in self.requests[inp.request_id].feature_layers}))
+
+    def _split_aux(self, aux_cat, layers: tuple[int, ...]) -> dict:
         h = self.cfg.hidden_size
-        aux = {layer: aux_cat[:, j * h : (j + 1) * h] for j, layer in enumerate(layers)} if layers else {}
-        return hidden, aux
+        return {layer: aux_cat[:, j * h : (j + 1) * h] for j, layer in enumerate(layers)} if layers else {}
 
     @staticmethod
     def _features(req: TargetRequest, hidden, aux: dict, rows: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,7 @@ planner itself is GPU-only; `tests/gpu` checks the attention it plans against th
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specdec.attention.batch import SeqAttention
@@ -65,14 +66,32 @@ def test_a_shorter_context_than_the_request_holds_plans_only_its_pages():
     assert (rec.kv_indices, rec.kv_indptr, rec.last) == _expected(kv, lengths, [1, 1])
 
 
-def test_graph_plan_from_page_lists_matches_the_plan_from_slots():
+@pytest.mark.parametrize("n", [1, 3])
+def test_graph_plan_from_page_lists_matches_the_plan_from_slots(n):
+    """What a captured causal forward plans from page lists (the target's chains and plain steps, the draft's
+    proposals) is what the slot path plans: same page tables, queries and K/V write slots."""
     lengths = [PAGE + 1, 2 * PAGE, 5]
     kv = _cache_with_interleaved_pages(lengths)
     attn = GraphAttention.__new__(GraphAttention)  # no flashinfer on the CPU: only the planning state
-    attn.kv, attn.num_qo_heads, attn.n, attn.causal = kv, 2, 1, True
-    attn.wrapper, attn.write_slots = Recorder(), torch.zeros(len(lengths), dtype=torch.int64)
+    attn.kv, attn.num_qo_heads, attn.n, attn.causal = kv, 2, n, True
+    attn.wrapper, attn.write_slots = Recorder(), torch.zeros(n * len(lengths), dtype=torch.int64)
     attn.plan_causal([kv.table(f"r{i}").pages for i in range(len(lengths))], lengths)
     from_slots = Recorder()
-    plan_paged(from_slots, kv, 2, [SeqAttention(kv.slots(f"r{i}", 0, n), 1) for i, n in enumerate(lengths)], True)
-    assert attn.wrapper.kv_indices == from_slots.kv_indices == _expected(kv, lengths, [1, 1, 1])[0]
-    assert attn.write_slots.tolist() == [kv.slots(f"r{i}", n - 1, n).item() for i, n in enumerate(lengths)]
+    plan_paged(from_slots, kv, 2, [SeqAttention(kv.slots(f"r{i}", 0, m), n) for i, m in enumerate(lengths)], True)
+    assert attn.wrapper.kv_indices == from_slots.kv_indices == _expected(kv, lengths, [n] * 3)[0]
+    assert (attn.wrapper.qo_indptr, attn.wrapper.kv_indptr, attn.wrapper.last) == \
+        (from_slots.qo_indptr, from_slots.kv_indptr, from_slots.last)
+    assert attn.write_slots.tolist() == [s for i, m in enumerate(lengths) for s in kv.slots(f"r{i}", m - n, m).tolist()]
+
+
+def test_the_planners_max_reads_tensors_as_the_builtin_does():
+    """flashinfer's planner takes `max` of host tensors (largest query and KV lengths); `_tensor_max` stands in for
+    it there with the same value, and is the builtin for anything else."""
+    from specdec.attention.flashinfer_backend import _tensor_max
+
+    lens = torch.tensor([5, 17, 3, 17, 9], dtype=torch.int32)
+    assert _tensor_max(lens).item() == max(lens).item() == 17
+    assert _tensor_max(lens[1:] - lens[:-1]).item() == max(lens[1:] - lens[:-1]).item()
+    assert _tensor_max(3, 128) == 128 and _tensor_max([4, 9, 2]) == 9 and _tensor_max([], default=0) == 0
+    with pytest.raises(ValueError):
+        _tensor_max(torch.tensor([], dtype=torch.int32))

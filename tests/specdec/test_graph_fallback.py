@@ -27,7 +27,7 @@ class FailingGraphs:
         self.calls += 1
         raise GraphCaptureError("capture failed")
 
-    propose = extend = run
+    propose = extend = run_causal = run
 
     def capture_startup(self):
         raise RuntimeError("CUDA error: out of memory")

@@ -33,6 +33,23 @@ def test_slots_follow_page_table():
     assert kv.slots("a", 0, 6).tolist() == [pa[0] * 4 + i for i in range(4)] + [pa[1] * 4, pa[1] * 4 + 1]
 
 
+def test_slots_follow_pages_freed_and_taken_again_between_reads():
+    """Slot ids are brought up to date when read: a request that shrinks and grows again without a read in between
+    (a verify's tree pages, freed, then the next verify's) gets the slots of the pages it holds now."""
+    kv = _cache(page_size=4)
+    for rid in ("a", "b"):
+        kv.add(rid)
+    kv.resize("a", 12)
+    assert kv.slots("a", 0, 12).shape[0] == 12
+    kv.resize("a", 5)
+    kv.resize("b", 8)  # takes the pages a gave back
+    kv.resize("a", 16)  # a's third and fourth pages are new ones
+    for rid, n in (("a", 16), ("b", 8)):
+        pages = kv.table(rid).pages
+        assert kv.slots(rid, 0, n).tolist() == [pages[p // 4] * 4 + p % 4 for p in range(n)]
+    assert not set(kv.table("a").pages) & set(kv.table("b").pages)
+
+
 def test_move_compacts_accepted_nodes():
     kv = _cache()
     kv.add("a")
