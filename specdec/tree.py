@@ -34,15 +34,19 @@ def validate_tree(tokens, parents, vocab_size: int, max_nodes: int) -> None:
     if tokens and not (min(tokens) >= 0 and max(tokens) < vocab_size):
         i, tok = next((i, t) for i, t in enumerate(tokens) if not 0 <= t < vocab_size)
         raise InvalidInput(f"draft token {tok} at index {i} outside the vocabulary [0, {vocab_size})")
-    bad = _bad_parent(tuple(parents))
-    if bad is not None:
-        raise InvalidInput(f"parent {parents[bad]} of draft node {bad} must be -1 (root) or an earlier node index")
+    error = tree_shape_error(tuple(parents))
+    if error is not None:
+        raise InvalidInput(error)
 
 
 @functools.lru_cache(maxsize=4096)
-def _bad_parent(parents: tuple[int, ...]) -> int | None:
-    """Index of the first node whose parent is neither the root (-1) nor an earlier node, or None."""
-    return next((i for i, p in enumerate(parents) if not -1 <= p < i), None)
+def tree_shape_error(parents: tuple[int, ...]) -> str | None:
+    """What is wrong with a tree's parents (a node whose parent is neither the root, -1, nor an earlier node), or
+    None. Cached: a batch repeats a few shapes."""
+    bad = next((i for i, p in enumerate(parents) if not -1 <= p < i), None)
+    if bad is None:
+        return None
+    return f"parent {parents[bad]} of draft node {bad} must be -1 (root) or an earlier node index"
 
 
 # The helpers below read a tree's shape only, and a batch repeats one shape (a chain, the same top-k tree) for every

@@ -171,8 +171,19 @@ def features_to_host(outputs: list, packed: frozenset | set = frozenset()) -> li
         if f is not None and (pack or f.device.type != "cpu"):
             groups.setdefault((f.dtype, tuple(f.shape[1:]), pack), []).append(out)
     for (_, _, pack), group in groups.items():
-        rows = torch.cat([o.features for o in group])
-        host = (pack_fp8_rows(rows) if pack else rows).cpu()
+        rows = rows_of_one([o.features for o in group])  # a verify's features: one tensor's rows, no copy
+        host = _to_host(pack_fp8_rows(rows) if pack else rows)
         for out, part in zip(group, host.split([o.features.shape[0] for o in group]), strict=True):
             out.features = part
     return outputs
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """`t.cpu()`; from a GPU into pinned memory (torch's host cache: no new allocation once warm), about twice
+    as fast as a copy into pageable memory for the MBs a large batch's features take."""
+    if t.device.type != "cuda":
+        return t.cpu()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    torch.cuda.current_stream(t.device).synchronize()
+    return host
