@@ -37,15 +37,30 @@ def test_max_new_tokens_crossed_inside_a_run(prompts, reference):
     _assert_pools_whole(target, draft)
 
 
+def _first_seen_inside_a_run(out) -> int | None:
+    """Index of a token that a verify step committed after another token of the same step (inside an accepted run,
+    not its first) and that occurs there for the first time in the output; None if no step committed such a run."""
+    start = len(out.tokens) - sum(out.accept_lengths)  # before the verify steps: the prefill's token
+    for n in out.accept_lengths:
+        for i in range(start + 1, start + n):
+            if out.tokens.index(out.tokens[i]) == i:
+                return i
+        start += n
+    return None
+
+
 def test_stop_token_inside_accepted_run(prompts, reference):
-    """A stop id (treated like EOS) that first occurs mid-generation ends the request right after it."""
+    """A stop id (treated like EOS) that first occurs mid-generation ends the request right after it, also when it
+    sits inside a run of tokens one verify step accepted (stop ids are chosen there, from a speculative run
+    without them: greedy, so the same tokens and steps up to the stop)."""
     target, draft = tiny_target(), tiny_draft()
+    free = generate(target, draft, prompts, SamplingParams(max_new_tokens=32), max_batch_size=4)
     cases = []
-    for prompt, ref in zip(prompts, reference, strict=True):
-        pos = len(ref.tokens) // 2
-        stop = ref.tokens[pos]
-        first = ref.tokens.index(stop)
-        cases.append((prompt, stop, ref.tokens[: first + 1]))
+    for prompt, ref, run in zip(prompts, reference, free, strict=True):
+        assert run.tokens == ref.tokens
+        inside = _first_seen_inside_a_run(run)
+        stop = ref.tokens[inside if inside is not None else len(ref.tokens) // 2]
+        cases.append((prompt, stop, ref.tokens[: ref.tokens.index(stop) + 1]))
     params = [SamplingParams(max_new_tokens=32, stop_token_ids=(stop,)) for _, stop, _ in cases]
     out = generate(target, draft, [c[0] for c in cases], params, max_batch_size=4)
     mid_run = 0
