@@ -9,6 +9,7 @@ the engine's scratch pages.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 
@@ -117,7 +118,17 @@ def capture_graph(body, pool) -> tuple[torch.cuda.CUDAGraph, object]:
             body()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    # our own stream: torch's default capture stream is one per process, made on whichever GPU captured first
-    with torch.cuda.graph(graph, pool=pool, stream=stream):
-        out = body()
+    # No garbage collection while capturing: an engine collected then (tests build and drop them) destroys its graphs
+    # mid-capture ("operation not permitted when stream is capturing (function reset)" warnings at the failures),
+    # and the capture fails ("operation failed due to a previous error during capture"). `tests/gpu` lost the
+    # EAGLE-3 draft's chain capture so in 3 of 4 runs without this guard and in 0 of 2 with it (session 13).
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        # our own stream: torch's default capture stream is one per process, made on whichever GPU captured first
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            out = body()
+    finally:
+        if collecting:
+            gc.enable()
     return graph, out

@@ -83,15 +83,15 @@ def test_seeded_sampling_stays_speculative_under_the_policy():
 
 def test_policy_backs_off_re_measuring_while_the_choice_holds_and_resets_when_it_flips():
     p = SpeculationPolicy(explore_every=4, max_explore_every=16, min_samples=2)
-    for _i in range(4):  # warm-up: speculation 30 tok/s, plain 10 tok/s
+    for _i in range(4):  # warm-up: speculation 30 tok/s, plain 20 tok/s (within half: re-measured from 4 steps up)
         mode = p.choose(1)
-        p.record(1, mode, tokens=30 if mode else 10, seconds=1.0)
+        p.record(1, mode, tokens=30 if mode else 20, seconds=1.0)
     explores = []
     for step in range(60):
         mode = p.choose(1)
         if mode == 0:
             explores.append(step)
-        p.record(1, mode, tokens=30 if mode else 10, seconds=1.0)
+        p.record(1, mode, tokens=30 if mode else 20, seconds=1.0)
     starts = [x for i, x in enumerate(explores) if not i or explores[i - 1] != x - 1]
     assert all(x + 1 in explores for x in starts)  # each re-measurement runs plain twice (a warm-up, a measure)
     gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
@@ -100,11 +100,27 @@ def test_policy_backs_off_re_measuring_while_the_choice_holds_and_resets_when_it
     # interval starts over
     for _ in range(100):
         mode = p.choose(1)
-        p.record(1, mode, tokens=30 if mode else 10, seconds=1.0 if mode else 0.1)
+        p.record(1, mode, tokens=30 if mode else 20, seconds=1.0 if mode else 0.1)
         if p._best(1) == 0:
             break
     assert p._best(1) == 0 and p.intervals[1] == 4
     assert [p.choose(1) for _ in range(3)] == [0, 0, 0]
+
+
+def test_rivals_far_behind_are_re_measured_at_the_longest_interval():
+    """Where every rival measured under half the choice's rate (the tiny pair at batch 1 on a GPU: the half chain at a
+    quarter of plain decoding's rate, its re-measurements ~20% of a 128-token run), they are re-measured every
+    `max_explore_every` steps instead of backing off from `explore_every`; still re-measured, and followed once
+    they lead."""
+    p = SpeculationPolicy(explore_every=4, max_explore_every=16, min_samples=2)
+    speed = {0: 100.0, FULL: 20.0}
+    chosen = _drive(p, 1, speed, steps=90)
+    full = [i for i, b in enumerate(chosen) if b == FULL]
+    starts = [x for i, x in enumerate(full) if not i or full[i - 1] != x - 1][1:]  # after its first measurement
+    gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    assert len(starts) >= 3 and set(gaps) == {17}, chosen  # 16 choices, plus the re-measurement's second
+    speed[FULL] = 400.0  # speculation turns 20x faster: the next re-measurements find it
+    assert _drive(p, 1, speed, steps=60)[-5:] == [FULL] * 5
 
 
 def test_near_ties_do_not_flip_the_choice_but_a_clear_lead_does():
