@@ -147,9 +147,9 @@ class PagedKVCache:
 
         Used after verification: the accepted tree nodes move down to sit right after the committed prefix.
         """
+        if not src_positions or src_positions[-1] == dst_start + len(src_positions) - 1:  # ascending, each >= its
+            return  # destination: all in place (a chain's accepted path, every verify)
         keep = [(s, dst_start + i) for i, s in enumerate(src_positions) if s != dst_start + i]
-        if not keep:
-            return
         slot_ids = self._slot_ids(self.table(rid))
         src = to_device(slot_ids[torch.tensor([s for s, _ in keep])], self.k.device)
         dst = to_device(slot_ids[torch.tensor([d for _, d in keep])], self.k.device)

@@ -26,27 +26,39 @@ class TokenTree:
         return len(self.tokens)
 
 
+def trees_valid(trees, vocab_size: int, max_nodes: int) -> bool:
+    """Are all of `trees` ((tokens, parents) pairs) well formed? Each shape is checked once and the tokens' range
+    over all of them at once (a verify of 128 requests repeats one shape: one by one it cost ~0.4 ms of host time);
+    `validate_tree` says what is wrong with one."""
+    shapes, tokens = set(), []
+    for toks, parents in trees:
+        if len(toks) != len(parents):
+            return False
+        shapes.add(tuple(parents))
+        tokens += toks
+    if any(len(p) > max_nodes or _bad_parent(p) is not None for p in shapes):
+        return False
+    return not tokens or (min(tokens) >= 0 and max(tokens) < vocab_size)
+
+
 def validate_tree(tokens, parents, vocab_size: int, max_nodes: int) -> None:
+    """InvalidInput naming the first thing wrong with one tree."""
     if len(tokens) != len(parents):
         raise InvalidInput(f"tree has {len(tokens)} tokens but {len(parents)} parents")
     if len(tokens) > max_nodes:
         raise InvalidInput(f"tree has {len(tokens)} draft tokens, more than the maximum {max_nodes}")
-    if tokens and not (min(tokens) >= 0 and max(tokens) < vocab_size):
-        i, tok = next((i, t) for i, t in enumerate(tokens) if not 0 <= t < vocab_size)
-        raise InvalidInput(f"draft token {tok} at index {i} outside the vocabulary [0, {vocab_size})")
-    error = tree_shape_error(tuple(parents))
-    if error is not None:
-        raise InvalidInput(error)
+    for i, tok in enumerate(tokens):
+        if not 0 <= tok < vocab_size:
+            raise InvalidInput(f"draft token {tok} at index {i} outside the vocabulary [0, {vocab_size})")
+    bad = _bad_parent(tuple(parents))
+    if bad is not None:
+        raise InvalidInput(f"parent {parents[bad]} of draft node {bad} must be -1 (root) or an earlier node index")
 
 
 @functools.lru_cache(maxsize=4096)
-def tree_shape_error(parents: tuple[int, ...]) -> str | None:
-    """What is wrong with a tree's parents (a node whose parent is neither the root, -1, nor an earlier node), or
-    None. Cached: a batch repeats a few shapes."""
-    bad = next((i for i, p in enumerate(parents) if not -1 <= p < i), None)
-    if bad is None:
-        return None
-    return f"parent {parents[bad]} of draft node {bad} must be -1 (root) or an earlier node index"
+def _bad_parent(parents: tuple[int, ...]) -> int | None:
+    """The first node whose parent is neither the root (-1) nor an earlier node, or None."""
+    return next((i for i, p in enumerate(parents) if not -1 <= p < i), None)
 
 
 # The helpers below read a tree's shape only, and a batch repeats one shape (a chain, the same top-k tree) for every
