@@ -1,12 +1,18 @@
 """What a gRPC round trip costs when the server's handler takes a while: a bare echo (no specdec code), a 6 KB
 reply, the handler returning at once or after `--work-ms` (a target's forward). Server kinds: the aio server on
 uvloop (as the services run), the same with the work on another thread (the engine thread's hop), and the sync
-server. Prints the round trip minus the work, median of `--calls`.
+server. Prints the round trip minus the work as the server measured it (the reply's first 8 bytes: an earlier
+version subtracted the nominal sleep and counted its overshoot, ~0.1 ms, as gRPC's), median of `--calls`; and the
+same for a bare TCP socket echo (no gRPC) and for a wake-up of one thread by another (the hand-offs inside a
+service).
 
     python bench/idle_rtt.py [--work-ms 0,17] [--calls 150]
 
 At batch 1 a Verify's "rest" (round trip minus the target's queue, forward and reply phases) was 1.4-1.7 ms on
-both this CPU and the H200 host; this separates what gRPC itself costs after an idle wait from specdec's layers.
+both the 2-core CPU and the H200 host; this separates what gRPC itself costs after an idle wait from specdec's
+layers. The H200 host (a VM, session 14): aio 0.64 ms at once / 0.94 after 6 ms of work, with the thread hop 0.77 /
+1.19, TCP socket 0.02 / 0.12, a thread's wake-up 0.010 / 0.064 ms: a sleeping thread costs ~60 us to wake there,
+and a gRPC round trip wakes several.
 """
 
 from __future__ import annotations
@@ -15,8 +21,11 @@ import argparse
 import asyncio
 import concurrent.futures as cf
 import multiprocessing as mp
+import socket
 import statistics
+import struct
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -28,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specdec.rpc.options import channel_options, server_options  # noqa: E402
 
 REPLY = bytes(6000)
+CALLS_WARMUP = 10
 KINDS = ("aio-uvloop", "aio-uvloop-thread-hop", "sync")
 
 
@@ -35,9 +45,10 @@ def _serve(kind: str, work_s: float, port_out) -> None:
     pool = cf.ThreadPoolExecutor(1)
 
     def work(*_):
+        t0 = time.perf_counter()
         if work_s:
             time.sleep(work_s)
-        return REPLY
+        return struct.pack("d", time.perf_counter() - t0) + REPLY
 
     async def handler(request, context):
         return await asyncio.get_running_loop().run_in_executor(pool, work) if "hop" in kind else work()
@@ -74,17 +85,77 @@ def measure(kind: str, work_ms: float, calls: int) -> float:
     try:
         channel = grpc.insecure_channel(f"127.0.0.1:{port_out.get(timeout=30)}", options=channel_options())
         echo = channel.unary_unary("/bench.Echo/Echo")
-        for _ in range(10):
+        for _ in range(CALLS_WARMUP):
             echo(b"x")
-        times = []
+        rests = []
         for _ in range(calls):
             t0 = time.perf_counter()
-            echo(b"x")
-            times.append(time.perf_counter() - t0)
+            reply = echo(b"x")
+            rests.append(time.perf_counter() - t0 - struct.unpack("d", reply[:8])[0])
         channel.close()
-        return 1e3 * statistics.median(times) - work_ms
+        return 1e3 * statistics.median(rests)
     finally:
         proc.terminate()
+
+
+def _socket_serve(work_s: float, port_out) -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    port_out.put(listener.getsockname()[1])
+    conn, _ = listener.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while conn.recv(64):
+        t0 = time.perf_counter()
+        if work_s:
+            time.sleep(work_s)
+        conn.sendall(struct.pack("d", time.perf_counter() - t0) + REPLY)
+
+
+def measure_socket(work_ms: float, calls: int) -> float:
+    """The same echo over a bare TCP socket (no gRPC, no event loop): what the network stack itself costs."""
+    port_out = mp.Queue()
+    proc = mp.Process(target=_socket_serve, args=(work_ms / 1e3, port_out), daemon=True)
+    proc.start()
+    try:
+        conn = socket.create_connection(("127.0.0.1", port_out.get(timeout=30)))
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        rests = []
+        for i in range(CALLS_WARMUP + calls):
+            t0 = time.perf_counter()
+            conn.sendall(b"x")
+            data = b""
+            while len(data) < 8 + len(REPLY):
+                data += conn.recv(1 << 16)
+            if i >= CALLS_WARMUP:
+                rests.append(time.perf_counter() - t0 - struct.unpack("d", data[:8])[0])
+        conn.close()
+        return 1e3 * statistics.median(rests)
+    finally:
+        proc.terminate()
+
+
+def measure_wakeup(work_ms: float, calls: int) -> float:
+    """One thread waking another through a condition after `work_ms` idle (ms from notify to running)."""
+    cond, box, delays = threading.Condition(), [], []
+
+    def waiter():
+        for _ in range(CALLS_WARMUP + calls):
+            with cond:
+                while not box:
+                    cond.wait()
+                delays.append(time.perf_counter() - box.pop())
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    for _ in range(CALLS_WARMUP + calls):
+        if work_ms:
+            time.sleep(work_ms / 1e3)
+        with cond:
+            box.append(time.perf_counter())
+            cond.notify()
+        while box:
+            time.sleep(0)
+    thread.join()
+    return 1e3 * statistics.median(delays[CALLS_WARMUP:])
 
 
 def main(argv=None) -> int:
@@ -92,10 +163,14 @@ def main(argv=None) -> int:
     ap.add_argument("--work-ms", default="0,17")
     ap.add_argument("--calls", type=int, default=150)
     args = ap.parse_args(argv)
-    for kind in KINDS:
-        for work_ms in (float(x) for x in args.work_ms.split(",")):
+    for work_ms in (float(x) for x in args.work_ms.split(",")):
+        for kind in KINDS:
             print(f"{kind:22s} work {work_ms:5.1f} ms: round trip - work {measure(kind, work_ms, args.calls):.3f} ms",
                   flush=True)
+        sock = measure_socket(work_ms, args.calls)
+        print(f"{'tcp socket':22s} work {work_ms:5.1f} ms: round trip - work {sock:.3f} ms")
+        wake = measure_wakeup(work_ms, args.calls)
+        print(f"{'thread wake-up':22s} after {work_ms:5.1f} ms: {wake:.3f} ms", flush=True)
     return 0
 
 

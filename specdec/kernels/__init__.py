@@ -2,10 +2,11 @@
 
 At batch 1 an 8B forward is ~130 weight-bound matmuls plus, unfused, ~900 tiny element-wise kernels (norm casts,
 rotary halves, residual adds, SiLU) that cost more GPU time than the attention itself. Each kernel here replaces
-one such group with one launch and keeps the eager torch rounding where it can (see each module). Used on CUDA
-tensors when Triton is importable; `SPECDEC_FUSED_KERNELS=0` turns them off (the torch code paths are the
-reference and what CPUs run). `tests/specdec/test_kernels.py` checks them against the torch code on CPU through
-Triton's interpreter, `tests/gpu` on the GPU.
+one such group with one launch and keeps the eager torch rounding where it can (see each module); `linear`
+sends one-row projections (batch-1 decode, a draft's chain steps) to `gemv.py`. Used on CUDA tensors when Triton is
+importable; `SPECDEC_FUSED_KERNELS=0` turns them all off, `SPECDEC_GEMV=0` only the one-row projections (the torch
+code paths are the reference and what CPUs run). `tests/specdec/test_kernels.py` checks them against the torch
+code on CPU through Triton's interpreter, `tests/gpu` on the GPU.
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ def _triton_ok() -> bool:
     return True
 
 
+@functools.cache
+def _gemv_on() -> bool:
+    return os.environ.get("SPECDEC_GEMV", "1") != "0"
+
+
 def on_device(t: torch.Tensor):
     """Triton launches on the current CUDA device: make it the tensor's (a service on cuda:1)."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
@@ -43,3 +49,13 @@ def fused(t: torch.Tensor) -> bool:
     if t.is_cuda or interpreted():
         return _triton_ok()
     return False
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias), as `torch.nn.functional.linear`; one 16-bit row without a bias through `gemv.py`."""
+    if bias is None and x.dim() == 2 and x.shape[0] == 1 and fused(x) and _gemv_on():
+        from specdec.kernels.gemv import applies, gemv
+
+        if applies(x, weight):
+            return gemv(x, weight)
+    return torch.nn.functional.linear(x, weight, bias)

@@ -16,7 +16,7 @@ from torch import nn
 
 from specdec.attention.batch import AttentionBatch
 from specdec.config import ModelConfig
-from specdec.models.layers import MLP, Attention, RMSNorm, RotaryEmbedding
+from specdec.models.layers import MLP, Attention, Linear, RMSNorm, RotaryEmbedding
 
 
 class Eagle1Layer(nn.Module):
@@ -56,14 +56,14 @@ class EagleDraft(nn.Module):
         h = cfg.hidden_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, h)
         if cfg.kind == "eagle1":
-            self.fc = nn.Linear(2 * h, h, bias=cfg.eagle1_fc_bias)
+            self.fc = Linear(2 * h, h, bias=cfg.eagle1_fc_bias)
             self.layers = nn.ModuleList([Eagle1Layer(cfg)])
-            self.lm_head = nn.Linear(h, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(h, cfg.vocab_size, bias=False)
         else:
-            self.fc = nn.Linear(len(cfg.aux_layer_inputs or (0, 0, 0)) * h, h, bias=False)
+            self.fc = Linear(len(cfg.aux_layer_inputs or (0, 0, 0)) * h, h, bias=False)
             self.midlayer = Eagle3MidLayer(cfg)
             self.norm = RMSNorm(h, cfg.rms_norm_eps)
-            self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
+            self.lm_head = Linear(h, cfg.draft_vocab_size, bias=False)
             self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.rope = RotaryEmbedding(
             cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling

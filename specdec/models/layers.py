@@ -9,7 +9,14 @@ from torch import nn
 
 from specdec.attention.batch import AttentionBatch
 from specdec.config import ModelConfig, RopeScaling
-from specdec.kernels import fused
+from specdec.kernels import fused, linear
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` (same parameters and checkpoint names) whose one-row products go through `kernels.linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -101,9 +108,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = Linear(hidden, intermediate, bias=False)
+        self.up_proj = Linear(hidden, intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
 
         self.gate_up: torch.Tensor | None = None  # [2 * intermediate, hidden] after fuse()
 
@@ -117,7 +124,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate_up = nn.functional.linear(x, self.gate_up)
+        gate_up = linear(x, self.gate_up)
         if fused(gate_up):
             from specdec.kernels.activation import silu_mul
 
@@ -134,10 +141,10 @@ class Attention(nn.Module):
         in_size = input_size or cfg.hidden_size
         self.layer_id = layer_id
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(in_size, cfg.num_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(in_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(in_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.q_proj = Linear(in_size, cfg.num_heads * cfg.head_dim, bias=False)
+        self.k_proj = Linear(in_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = Linear(in_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
         self.qkv: torch.Tensor | None = None  # [(heads + 2 * kv_heads) * head_dim, in] after fuse()
 
@@ -153,7 +160,7 @@ class Attention(nn.Module):
         if self.qkv is None:
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
         nq, nk = self.q_proj.out_features, self.k_proj.out_features
-        return nn.functional.linear(x, self.qkv).split([nq, nk, nk], dim=-1)
+        return linear(x, self.qkv).split([nq, nk, nk], dim=-1)
 
     def forward(self, x, rot: Rotation, backend, batch: AttentionBatch) -> torch.Tensor:
         n = x.shape[0]
@@ -170,7 +177,9 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm Llama decoder layer."""
+    """Pre-norm Llama decoder layer after its input norm. The residual add that ends a layer runs fused with the
+    norm that begins the next one (or the final norm), so `forward` returns the MLP's output and the residual
+    stream apart."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -179,7 +188,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, rot: Rotation, backend, batch):
-        h = self.self_attn(self.input_layernorm(x), rot, backend, batch)
-        normed, x = self.post_attention_layernorm.add(h, x)
-        return x + self.mlp(normed)
+    def forward(self, normed, stream, rot, backend, batch):
+        """normed = input_layernorm(stream) (see `enter_layer`), stream = the layer's input. Returns (the MLP's
+        output, the residual stream it is to be added to)."""
+        h = self.self_attn(normed, rot, backend, batch)
+        normed, stream = self.post_attention_layernorm.add(h, stream)
+        return self.mlp(normed), stream
+
+
+def enter_layer(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None):
+    """(norm(x + residual), x + residual): a layer's input norm over the previous layer's last add (one kernel on
+    the GPU), or (norm(x), x) for the embeddings."""
+    return (norm(x), x) if residual is None else norm.add(x, residual)

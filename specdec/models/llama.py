@@ -9,7 +9,7 @@ from torch import nn
 
 from specdec.attention.batch import AttentionBatch
 from specdec.config import ModelConfig
-from specdec.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from specdec.models.layers import DecoderLayer, Linear, RMSNorm, RotaryEmbedding, enter_layer
 
 
 @dataclass
@@ -31,7 +31,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = LlamaBackbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(
             cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
@@ -49,19 +49,22 @@ class LlamaForCausalLM(nn.Module):
         aux_layers: tuple[int, ...] = (),
     ) -> TargetOutput:
         x = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
+        residual = None  # the residual stream x is still to be added to (each layer's last add is fused forward)
         aux = []
         rot = self.rope.at(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
+            normed, stream = enter_layer(layer.input_layernorm, x, residual)  # stream: the input of layer i
             if i in aux_layers:
-                aux.append(x)
-            x = layer(x, rot, backend, batch)
+                aux.append(stream)
+            x, residual = layer(normed, stream, rot, backend, batch)
+        hidden, stream = enter_layer(self.model.norm, x, residual)
         if len(self.model.layers) in aux_layers:  # "input of layer L" = the residual stream before the final norm
-            aux.append(x)
+            aux.append(stream)
         aux_out = None
         if aux_layers:
             by_layer = dict(zip(sorted(set(aux_layers)), aux, strict=True))
             aux_out = torch.cat([by_layer[i] for i in aux_layers], dim=-1)
-        return TargetOutput(hidden=self.model.norm(x), aux=aux_out)
+        return TargetOutput(hidden=hidden, aux=aux_out)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
         return self.lm_head(hidden).float()

@@ -8,6 +8,7 @@ import sys
 import torch
 
 from specdec.kernels.activation import silu_mul
+from specdec.kernels.gemv import gemv
 from specdec.kernels.norm import rmsnorm
 from specdec.kernels.paged_decode import paged_decode
 from specdec.kernels.rope import rope_store
@@ -73,7 +74,21 @@ def main(device: str, dtype: torch.dtype) -> None:
     check("other slots untouched", k_cache[untouched], torch.zeros_like(k_cache[untouched]), 0.0)
     check_paged_decode(device, dtype, g)
     check_chain_step(device, dtype, g)
+    check_gemv(device, dtype, g)
     print("all kernel checks passed")
+
+
+def check_gemv(device, dtype, g):
+    """One row times a weight: chunks of 128, 256 and 512 columns, row counts that are not a multiple of the
+    kernel's rows a program (masked), the wide-matrix configuration (n > 8192); against the float64 product,
+    within the dtype's rounding of the result (float32: the sum's order only)."""
+    for n, k in ((48, 256), (50, 1024), (8200, 256), (40, 384)):
+        x = torch.randn(1, k, generator=g).to(device, dtype)
+        w = torch.randn(n, k, generator=g).to(device, dtype)
+        want = (x.double() @ w.double().T).float()
+        scale = want.abs().max().item()
+        atol, rtol = (1e-5 * scale, 1e-5) if dtype == torch.float32 else (1e-2, 2**-7)
+        check(f"gemv {n}x{k}", gemv(x, w), want, atol, rtol)
 
 
 def torch_decode(q, k_cache, v_cache, pages, n, page_size, scale):
