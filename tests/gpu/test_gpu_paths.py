@@ -247,6 +247,26 @@ def test_fused_kernels_match_torch_on_gpu():
         assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def test_one_row_projections_go_through_the_kernel_on_gpu(monkeypatch):
+    """Every projection of the tiny target at one row (fused qkv and gate_up included): `kernels.linear` runs
+    kernels/gemv.py (counted) and equals cuBLAS within the bf16 rounding of the result."""
+    from specdec import kernels
+    from specdec.kernels import gemv as gemv_module
+    from specdec.models.layers import Linear
+
+    eng = _engine("flashinfer")
+    calls, real = [], gemv_module.gemv
+    monkeypatch.setattr(gemv_module, "gemv", lambda x, w: calls.append(tuple(w.shape)) or real(x, w))
+    weights = [m.weight for m in eng.model.modules() if isinstance(m, Linear)]
+    weights += [t for layer in eng.model.model.layers for t in (layer.self_attn.qkv, layer.mlp.gate_up)
+                if t is not None]
+    for w in weights:
+        x = torch.randn(1, w.shape[1], device="cuda", dtype=w.dtype)
+        got, want = kernels.linear(x, w).float(), torch.nn.functional.linear(x, w).float()
+        assert ((got - want).abs() <= 1e-2 + 2**-7 * want.abs()).all(), tuple(w.shape)
+    assert len(calls) == len(weights)
+
+
 def test_fused_forward_matches_unfused(monkeypatch):
     """A whole target forward with the fused kernels on vs off (SPECDEC_FUSED_KERNELS=0): bf16 tolerance."""
     from specdec import kernels
