@@ -48,11 +48,10 @@ def config(n: int, k: int) -> tuple[int, int, int, int] | None:
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """One contiguous row of a 16-bit dtype against a contiguous weight of the same dtype and a shape `config`
-    takes."""
-    return (x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.dtype == x.dtype and x.is_contiguous() and weight.is_contiguous()
-            and weight.shape[1] == x.shape[1] and config(*weight.shape) is not None)
+    """For a one-row x (`kernels.linear` checks the rows): a contiguous 16-bit x against a contiguous weight of the
+    same dtype and a shape `config` takes."""
+    return (x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and x.is_contiguous()
+            and weight.is_contiguous() and weight.shape[1] == x.shape[1] and config(*weight.shape) is not None)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
