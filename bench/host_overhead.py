@@ -52,6 +52,7 @@ def stub_graphs(target, b: int, shapes: list[tuple[int, bool]]):
     torch.cuda.device = lambda _device: contextlib.nullcontext()  # CPU stand-in for the graphs' device scope
     graphs = cuda_graphs.TargetGraphs.__new__(cuda_graphs.TargetGraphs)
     graphs.model, graphs.kv, graphs.failed, graphs.graphs = target.model, target.kv, set(), {}
+    graphs.decode_graphs = {}  # flashinfer's path only
     graphs.scratch_pages = target.kv.set_aside(2)
     graphs.ladder = tuple(x for x in cuda_graphs.BATCH_LADDER if x <= b) or (1,)
     for n, causal in shapes:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.kernels.paged_decode import paged_decode
+from specdec.kernels.paged_decode import decode_counters, paged_decode
 from specdec.kernels.rope import rope_store
 
 
@@ -24,6 +24,7 @@ class ChainStepAttention:
         self.table = table  # [B, max_pages] int32: each request's pages, in order
         self.base = base  # [B] int64: committed draft length of each request
         self.step = step  # d >= 1
+        self.counters = decode_counters(table.shape[0], kv_cache.k.shape[2], table.device)
 
     def _where(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(lengths [B] int32 this step sees, K/V write slots [B] int64 of its query)."""
@@ -37,7 +38,8 @@ class ChainStepAttention:
         lens, slots = self._where()
         k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]
         q = rope_store(q, k, v, rot.positions, rot.cos_table, rot.sin_table, k_cache, v_cache, slots)
-        return paged_decode(q, k_cache, v_cache, self.table, lens, self.kv.page_size, q.shape[-1] ** -0.5)
+        return paged_decode(q, k_cache, v_cache, self.table, lens, self.kv.page_size, q.shape[-1] ** -0.5,
+                            self.counters)
 
     def forward(self, layer: int, q, k, v, batch, scale: float) -> torch.Tensor:
         lens, slots = self._where()
@@ -45,4 +47,4 @@ class ChainStepAttention:
         k_cache[slots] = k.to(k_cache.dtype)
         v_cache[slots] = v.to(v_cache.dtype)
         return paged_decode(q.to(k_cache.dtype).contiguous(), k_cache, v_cache, self.table, lens,
-                            self.kv.page_size, scale).to(q.dtype)
+                            self.kv.page_size, scale, self.counters).to(q.dtype)

@@ -1,6 +1,7 @@
 """flashinfer attention over the paged cache (GPU): one BatchPrefillWithPagedKVCacheWrapper plan per forward,
 shared by all layers. Tree verify, draft extend and draft tree steps pass the tail mask as flashinfer's custom
-mask; batches with only causal sequences (prefill, plain decode) use its causal mode.
+mask; batches with only causal sequences (prefill, plain decode) use its causal mode. Plain decode of a few
+requests goes to the Triton decode kernel instead, as in the captured graphs (`triton_decode.py`).
 
 Each sequence's visible context is positions 0..L-1 of one request, so its pages are read straight off the
 slot ids: page = slot // page_size at every page_size-th position.
@@ -14,7 +15,7 @@ import weakref
 
 import torch
 
-from specdec.attention import register_backend
+from specdec.attention import register_backend, triton_decode
 from specdec.attention.batch import AttentionBatch, SeqAttention
 from specdec.attention.torch_backend import visibility_mask
 from specdec.host_copy import host_tensor, to_device
@@ -55,8 +56,15 @@ class FlashInferAttention:
         # fa2: flashinfer 0.5.3's SM90 (fa3) kernels reject custom masks ("operation not supported")
         self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, kv_layout="NHD", backend="fa2")
         self._write_slots: torch.Tensor | None = None
+        self._decode: triton_decode.TritonDecodeAttention | None = None  # this forward's, when it serves it
 
     def plan(self, batch: AttentionBatch) -> AttentionBatch:
+        self._decode = None
+        if triton_decode.takes(self.kv, batch.seqs):
+            width = max(-(-s.ctx_slots.shape[0] // self.kv.page_size) for s in batch.seqs)
+            self._decode = triton_decode.TritonDecodeAttention(self.kv, len(batch.seqs), width)
+            self._decode.plan(batch.seqs, batch.write_slots)
+            return batch
         custom = any(s.tail_mask is not None for s in batch.seqs)
         plan_paged(self.wrapper, self.kv, self.num_qo_heads, batch.seqs, causal=not custom)
         self._write_slots = to_device(batch.write_slots, self.kv.k.device)
@@ -65,9 +73,13 @@ class FlashInferAttention:
     fuses_rope = True
 
     def forward(self, layer: int, q, k, v, batch: AttentionBatch, scale: float) -> torch.Tensor:
+        if self._decode is not None:
+            return self._decode.forward(layer, q, k, v, batch, scale)
         return paged_attention(self.wrapper, self.kv, layer, q, k, v, self._write_slots)
 
     def forward_rope(self, layer: int, q, k, v, rot, batch: AttentionBatch) -> torch.Tensor:
+        if self._decode is not None:
+            return self._decode.forward_rope(layer, q, k, v, rot, batch)
         return paged_attention(self.wrapper, self.kv, layer, q, k, v, self._write_slots, rot)
 
 

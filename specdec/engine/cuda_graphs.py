@@ -1,5 +1,7 @@
 """CUDA-graph replay of the target forward for uniform batches: B requests x n new tokens each (plain decode:
-n = 1; tree verify: n = num_draft_tokens + 1), with the flashinfer backend.
+n = 1; tree verify: n = num_draft_tokens + 1), with the flashinfer backend. Plain decode at small batch attends
+through the one-kernel Triton decode attention instead when the contexts are short (`attention/triton_decode.py`:
+a second set of graphs, `decode_graphs`, chosen per step; `SPECDEC_DECODE_KERNEL=0`: flashinfer there too).
 
 Graphs are captured for a ladder of batch sizes the first time a (n, aux layers, causal) shape is seen, largest
 first, sharing one memory pool (causal: every request's new tokens are a chain, so no tree mask is packed or
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.attention import triton_decode
 from specdec.attention.batch import SeqAttention
 from specdec.attention.graph_backend import GraphAttention, capture_graph, capture_or_go_eager, scratch_slots
 from specdec.host_copy import copy_in
@@ -36,7 +39,7 @@ def ladder_for(ladder: tuple[int, ...], n: int) -> tuple[int, ...]:
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    attn: GraphAttention
+    attn: GraphAttention | triton_decode.TritonDecodeAttention
     ids: torch.Tensor  # [B * n] int64
     positions: torch.Tensor  # [B * n] int64
     hidden: torch.Tensor  # [B * n, hidden]
@@ -50,6 +53,7 @@ class TargetGraphs:
         self.max_pages_per_seq = -(-max_context // kv.page_size) + 1
         self.ladder = tuple(b for b in BATCH_LADDER if b <= max_batch_size) or (1,)
         self.graphs: dict[tuple[int, int, tuple[int, ...], bool], _Graph] = {}
+        self.decode_graphs: dict[tuple[int, tuple[int, ...]], _Graph] = {}  # (bucket, aux): Triton decode, n = 1
         self.failed: set[tuple[int, tuple[int, ...], bool]] = set()  # (n, aux, causal) whose capture failed: eager
         self.pool = None
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=kv.k.device)
@@ -78,27 +82,31 @@ class TargetGraphs:
         at positions lens[i] - n .. lens[i] - 1 of the pages `page_lists[i]` (no slot tensors, no per-request
         tensor work on the host: at 128 requests that was most of a verify's host time)."""
         with torch.cuda.device(self.kv.k.device):
-            g, pad = self._graph(len(lens), n, aux_layers, True)
+            g, pad = self._graph(len(lens), n, aux_layers, True, max(lens))
             g.attn.plan_causal(page_lists + [self.scratch_pages] * pad, lens + [n] * pad)
             return self._replay(g, ids, positions, len(lens) * n, n, pad, inputs_taken)
 
     def _run(self, ids, positions, seqs, write_slots, n, aux_layers, causal, inputs_taken):
         b = len(seqs)
-        g, pad = self._graph(b, n, aux_layers, causal)
+        g, pad = self._graph(b, n, aux_layers, causal, max(s.ctx_slots.shape[0] for s in seqs))
         if pad:
             seqs = seqs + [self._scratch_seq(n, causal) for _ in range(pad)]
             write_slots = torch.cat([write_slots, self._scratch_slots(n).repeat(pad)])
         g.attn.plan(seqs, write_slots)
         return self._replay(g, ids, positions, b * n, n, pad, inputs_taken)
 
-    def _graph(self, b: int, n: int, aux_layers: tuple[int, ...], causal: bool) -> tuple[_Graph, int]:
-        """The captured graph for b requests of n tokens (captured now if its shape is new), and its padding."""
+    def _graph(self, b: int, n: int, aux_layers: tuple[int, ...], causal: bool,
+               max_len: int) -> tuple[_Graph, int]:
+        """The captured graph for b requests of n tokens whose longest context is `max_len` positions (captured
+        now if its shape is new), and its padding."""
         bucket = next(x for x in ladder_for(self.ladder, n) if x >= b)
         key = (bucket, n, aux_layers, causal)
         if key not in self.graphs:
             what = f"the target's {n}-token {'causal ' if causal else ''}forwards"
             capture_or_go_eager(lambda: self._capture_ladder(n, aux_layers, causal), what,
                                 lambda: self._forget(n, aux_layers, causal))
+        if n == 1 and (bucket, aux_layers) in self.decode_graphs and triton_decode.serves(self.kv, b, max_len):
+            return self.decode_graphs[(bucket, aux_layers)], bucket - b
         return self.graphs[key], bucket - b
 
     @staticmethod
@@ -119,6 +127,9 @@ class TargetGraphs:
         self.failed.add((n, aux_layers, causal))
         for k in [k for k in self.graphs if k[1:] == (n, aux_layers, causal)]:
             del self.graphs[k]
+        if n == 1:
+            for k in [k for k in self.decode_graphs if k[1] == aux_layers]:
+                del self.decode_graphs[k]
 
     def _scratch_slots(self, n: int) -> torch.Tensor:
         return scratch_slots(self.scratch_pages, self.kv.page_size, n)
@@ -133,15 +144,22 @@ class TargetGraphs:
         ladder = ladder_for(self.ladder, n)
         for bucket in sorted(ladder, reverse=True):
             self.graphs[(bucket, n, aux_layers, causal)] = self._capture(bucket, n, aux_layers, causal)
+        if n == 1:  # short contexts of a few requests: the Triton decode attention, one more graph each
+            for bucket in sorted((b for b in ladder if triton_decode.serves(self.kv, b, 1)), reverse=True):
+                self.decode_graphs[(bucket, aux_layers)] = self._capture(bucket, 1, aux_layers, True, True)
         log.info("captured target CUDA graphs for n=%d tokens/request%s, batch sizes %s, aux %s in %.1f s "
                  "(+%.0f MiB)", n, " (causal)" if causal and n > 1 else "", list(ladder), list(aux_layers),
                  time.perf_counter() - t0, (torch.cuda.memory_allocated() - mem0) / 2**20)
 
     @torch.inference_mode()
-    def _capture(self, bucket: int, n: int, aux_layers: tuple[int, ...], causal: bool) -> _Graph:
+    def _capture(self, bucket: int, n: int, aux_layers: tuple[int, ...], causal: bool,
+                 triton: bool = False) -> _Graph:
         dev = self.kv.k.device
-        attn = GraphAttention(self.kv, self.model.cfg.num_heads, bucket, n, self.max_pages_per_seq, self.workspace,
-                              causal)
+        if triton:
+            attn = triton_decode.TritonDecodeAttention(self.kv, bucket, self.max_pages_per_seq)
+        else:
+            attn = GraphAttention(self.kv, self.model.cfg.num_heads, bucket, n, self.max_pages_per_seq,
+                                  self.workspace, causal)
         ids = torch.zeros(bucket * n, dtype=torch.int64, device=dev)
         positions = torch.arange(n, device=dev).repeat(bucket)
         attn.plan([self._scratch_seq(n, causal) for _ in range(bucket)], self._scratch_slots(n).repeat(bucket))

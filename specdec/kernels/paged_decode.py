@@ -1,11 +1,17 @@
-"""Decode attention over the paged KV cache that needs no host-side plan: one query token per sequence, the page
-table and the lengths read from device tensors. The draft's captured chain proposal uses it, so a proposal of
-`num_steps` tokens costs no attention planning on the host (flashinfer plans each step on the host: ~0.3 ms
-each, which the GPU waits for at small batch) and the lengths of step d are computed inside the graph.
+"""Decode attention over the paged KV cache in one kernel that needs no host-side plan: one query token per
+sequence, the page table and the lengths read from device tensors. The draft's captured chain proposal uses it (a
+proposal of `num_steps` tokens costs no attention planning on the host, and the lengths of step d are computed
+inside the graph), and so does the target's captured plain decode at small batch (`attention/triton_decode.py`).
 
-Split-KV: program (b, kv head, s) attends the query heads of one KV head over split s (a fixed run of pages) of
-sequence b's context with an online softmax and writes a partial output and its log-sum-exp; a second kernel
-merges the splits. The number of splits is fixed per page-table width, so the launch shape never changes.
+Split-KV with the merge in the same launch: program (b, kv head, s) attends the query heads of one KV head over
+split s of sequence b's context with an online softmax (a split is a whole number of 128-position units, as few
+as keep a context within 32 splits: its length depends on the sequence's length alone, so any two callers that
+attend the same context round alike, whatever their table width or batch), writes a partial output and its
+log-sum-exp, then takes a ticket from a per-(b, kv head) counter; the program that draws the last ticket merges
+the splits that reach into the context and puts the counter back to 0 for the next launch. The grid is fixed per
+page-table width, so the launch shape never changes (CUDA graphs), and splits past a sequence's end cost a ticket
+and two small stores. One launch instead of a split kernel and a merge kernel: at batch 1 a layer's
+attention is a few microseconds of work, so each launch's latency counts.
 """
 
 from __future__ import annotations
@@ -16,21 +22,26 @@ import triton.language as tl
 
 from specdec.kernels import interpreted, on_device
 
-SPLITS = 32  # most splits a sequence's context is cut into (fewer when the page table is narrower)
-BLOCK = 32  # context positions per inner step
+SPLITS = 32  # most splits a sequence's context is cut into
+UNIT = 128  # positions: a split is a whole number of units, as few as keep the splits within SPLITS
+BLOCK = 128  # context positions per inner step (one unit: measured faster than 64 or 32 at batch 1-2)
 
 
 @triton.jit
-def _split_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, table_stride, lens_ptr, o_ptr, lse_ptr, sm_scale,
-                  S: tl.constexpr, CHUNK: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                  D: tl.constexpr, PS: tl.constexpr, BLOCK: tl.constexpr, PREC: tl.constexpr,
-                  DYNAMIC: tl.constexpr):
+def _decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, table_stride, lens_ptr, o_ptr, lse_ptr, count_ptr, out_ptr,
+                   sm_scale, S: tl.constexpr, MAX_S: tl.constexpr, UNIT: tl.constexpr, MAX_CHUNK: tl.constexpr,
+                   KV: tl.constexpr, G: tl.constexpr,
+                   GP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, BLOCK: tl.constexpr, PREC: tl.constexpr,
+                   DYNAMIC: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
     n = tl.load(lens_ptr + b)
-    start = s * CHUNK
-    end = tl.minimum(n, start + CHUNK)
+    # the split length depends on this sequence's length only (not on the grid or the table's width), so every
+    # caller that attends the same context gets the same splits and the same rounding
+    chunk = tl.cdiv(tl.cdiv(n, UNIT), MAX_S) * UNIT
+    start = s * chunk
+    end = tl.minimum(n, start + chunk)
     g = tl.arange(0, GP)
     d = tl.arange(0, D)
     rows = b * KV * G + kvh * G + g  # this KV head's query heads
@@ -40,7 +51,7 @@ def _split_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, table_stride, lens_ptr, o_pt
     total = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
     # on the GPU only the blocks the sequence reaches; Triton's CPU interpreter wants fixed bounds: all, masked
-    for i in range(0, tl.cdiv(end - start, BLOCK) if DYNAMIC else (CHUNK + BLOCK - 1) // BLOCK):
+    for i in range(0, tl.cdiv(end - start, BLOCK) if DYNAMIC else (MAX_CHUNK + BLOCK - 1) // BLOCK):
         t = start + i * BLOCK + tl.arange(0, BLOCK)
         ok = t < end
         page = tl.load(table_ptr + b * table_stride + t // PS, mask=ok, other=0).to(tl.int64)
@@ -58,42 +69,64 @@ def _split_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, table_stride, lens_ptr, o_pt
         m = m_new
     seen = total > 0  # False: the split lies past the sequence's end (weight 0 in the merge)
     safe = tl.where(seen, total, 1.0)
-    out = rows * S + s
-    tl.store(o_ptr + out[:, None] * D + d[None, :], acc / safe[:, None], mask=live[:, None])
-    tl.store(lse_ptr + out, tl.where(seen, m + tl.log(safe), float("-inf")), mask=live)
+    part = rows * S + s
+    tl.store(o_ptr + part[:, None] * D + d[None, :], acc / safe[:, None], mask=live[:, None])
+    tl.store(lse_ptr + part, tl.where(seen, m + tl.log(safe), float("-inf")), mask=live)
+    # every thread's stores before the ticket (a CTA barrier, then one thread's acq_rel atomic at GPU scope: the
+    # partials of all programs with earlier tickets are visible to the one that draws the last)
+    tl.debug_barrier()
+    ticket = tl.atomic_add(count_ptr + b * KV + kvh, 1)
+    if ticket == S - 1:
+        tl.debug_barrier()
+        tl.store(count_ptr + b * KV + kvh, 0)
+        mx = tl.full([GP], float("-inf"), tl.float32)
+        wsum = tl.zeros([GP], tl.float32)
+        merged = tl.zeros([GP, D], tl.float32)
+        for j in range(0, tl.cdiv(n, chunk) if DYNAMIC else S):  # splits past the end have weight 0
+            at = rows * S + j
+            lse = tl.load(lse_ptr + at, mask=live, other=float("-inf"), cache_modifier=".cg")
+            o = tl.load(o_ptr + at[:, None] * D + d[None, :], mask=live[:, None], other=0.0, cache_modifier=".cg")
+            mx_new = tl.maximum(mx, lse)
+            mx_safe = tl.where(mx_new == float("-inf"), 0.0, mx_new)
+            scale_old = tl.exp(mx - mx_safe)
+            w = tl.exp(lse - mx_safe)
+            wsum = wsum * scale_old + w
+            merged = merged * scale_old[:, None] + o * w[:, None]
+            mx = mx_new
+        merged = merged / tl.where(wsum > 0, wsum, 1.0)[:, None]
+        tl.store(out_ptr + rows[:, None] * D + d[None, :], merged.to(out_ptr.dtype.element_ty), mask=live[:, None])
 
 
-@triton.jit
-def _merge_kernel(o_ptr, lse_ptr, out_ptr, S: tl.constexpr, SP: tl.constexpr, D: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)  # (sequence, query head)
-    s = tl.arange(0, SP)
-    d = tl.arange(0, D)
-    lse = tl.load(lse_ptr + row * S + s, mask=s < S, other=float("-inf"))
-    w = tl.exp(lse - tl.max(lse, 0))
-    w = w / tl.sum(w, 0)
-    o = tl.load(o_ptr + (row * S + s)[:, None] * D + d[None, :], mask=(s < S)[:, None], other=0.0)
-    tl.store(out_ptr + row * D + d, tl.sum(o * w[:, None], 0).to(out_ptr.dtype.element_ty))
+def decode_counters(batch_size: int, kv_heads: int, device) -> torch.Tensor:
+    """The ticket counters one caller of `paged_decode` keeps (all 0; the kernel leaves them 0). # [B * KV] int32"""
+    return torch.zeros(batch_size * kv_heads, dtype=torch.int32, device=device)
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-                 lens: torch.Tensor, page_size: int, sm_scale: float) -> torch.Tensor:
+                 lens: torch.Tensor, page_size: int, sm_scale: float, counters: torch.Tensor | None = None,
+                 block: int = BLOCK, num_warps: int = 4) -> torch.Tensor:
     """q: [B, H, D] (contiguous); k_cache, v_cache: [num_slots, KV, D] with slot = page * page_size + offset;
     page_table: [B, P] int32, row b's first ceil(lens[b] / page_size) entries are sequence b's pages in order;
-    lens: [B] int32, each >= 1 (the query sees positions 0..lens[b]-1). Returns [B, H, D] in q's dtype."""
+    lens: [B] int32, each >= 1 (the query sees positions 0..lens[b]-1). `counters`: from `decode_counters` for at
+    least B sequences, used by one stream at a time (None: fresh ones, a memset more). Returns [B, H, D] in q's
+    dtype."""
     b, h, d = q.shape
     kv = k_cache.shape[1]
-    width = page_table.shape[1]
-    chunk_pages = -(-width // SPLITS)
-    splits = -(-width // chunk_pages)
-    o_part = torch.empty(b, h, splits, d, dtype=torch.float32, device=q.device)
-    lse = torch.empty(b, h, splits, dtype=torch.float32, device=q.device)
+    max_ctx = page_table.shape[1] * page_size
+    units = -(-max_ctx // UNIT)
+    num_splits = min(SPLITS, units)  # enough for the longest context the table holds
+    max_chunk = -(-units // SPLITS) * UNIT
+    o_part = torch.empty(b, h, num_splits, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(b, h, num_splits, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
+    if counters is None:
+        counters = decode_counters(b, kv, q.device)
+    assert counters.numel() >= b * kv and counters.dtype == torch.int32
     if b:
         with on_device(q):
-            _split_kernel[(b, kv, splits)](
-                q, k_cache, v_cache, page_table, page_table.stride(0), lens, o_part, lse, sm_scale,
-                S=splits, CHUNK=chunk_pages * page_size, KV=kv, G=h // kv, GP=max(16, triton.next_power_of_2(h // kv)),
-                D=d, PS=page_size, BLOCK=BLOCK, PREC="ieee" if q.dtype == torch.float32 else "tf32",
-                DYNAMIC=not interpreted(), num_warps=4)
-            _merge_kernel[(b * h,)](o_part, lse, out, S=splits, SP=triton.next_power_of_2(splits), D=d, num_warps=4)
+            _decode_kernel[(b, kv, num_splits)](
+                q, k_cache, v_cache, page_table, page_table.stride(0), lens, o_part, lse, counters, out, sm_scale,
+                S=num_splits, MAX_S=SPLITS, UNIT=UNIT, MAX_CHUNK=max_chunk, KV=kv, G=h // kv,
+                GP=max(16, triton.next_power_of_2(h // kv)), D=d, PS=page_size, BLOCK=block,
+                PREC="ieee" if q.dtype == torch.float32 else "tf32", DYNAMIC=not interpreted(), num_warps=num_warps)
     return out

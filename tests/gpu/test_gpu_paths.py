@@ -115,6 +115,22 @@ def test_cuda_graph_replay_equals_eager(num_requests):
     assert {k[1:] for k in graphed.graphs.graphs} >= {(1, (), True), (7, (), False), (5, (), True)}
 
 
+def test_small_plain_decode_attends_through_the_triton_kernel():
+    """Captured plain decode up to MAX_BATCH requests has a second graph that attends through the Triton decode
+    kernel, replayed while the contexts are at most MAX_CONTEXT; the flashinfer graphs cover every size."""
+    from specdec.attention.graph_backend import GraphAttention
+    from specdec.attention.triton_decode import MAX_BATCH, MAX_CONTEXT, TritonDecodeAttention
+
+    eng = _engine("flashinfer")
+    graphs = eng.graphs
+    assert all(type(g.attn) is GraphAttention for g in graphs.graphs.values())
+    assert set(graphs.decode_graphs) == {(b, ()) for b in graphs.ladder if b <= MAX_BATCH}
+    assert all(type(g.attn) is TritonDecodeAttention for g in graphs.decode_graphs.values())
+    assert graphs._graph(3, 1, (), True, MAX_CONTEXT)[0] is graphs.decode_graphs[(4, ())]
+    assert graphs._graph(3, 1, (), True, MAX_CONTEXT + 1)[0] is graphs.graphs[(4, 1, (), True)]
+    assert graphs._graph(MAX_BATCH + 1, 1, (), True, 10)[0] is graphs.graphs[(8, 1, (), True)]
+
+
 @pytest.mark.parametrize("graphs", [True, False])
 def test_plain_step_chunks_equal_single_steps_on_gpu(graphs):
     """Greedy plain steps chained on the device (one host sync per chunk, the next step planned while the GPU runs
@@ -224,9 +240,16 @@ def test_draft_extend_graph_equals_eager(kind):
     same = sum(x.topk_index.tolist() == y.topk_index.tolist()
                for x, y in zip(graphed.requests.values(), eager.requests.values(), strict=True))
     assert same >= 2  # bf16: a near-tie may flip one
-    # the K/V both wrote: same proposals from here (chain graphs on both sides would hide a K/V difference less)
+    # the K/V both wrote, every layer, every position of each request
+    for rid in rids:
+        ka, kb = (torch.cat([e.kv.k[:, e.kv.slots(rid, 0, e.requests[rid].kv_len)],
+                             e.kv.v[:, e.kv.slots(rid, 0, e.requests[rid].kv_len)]]).float() for e in engines)
+        assert ((ka - kb).norm() / kb.norm()).item() < 2e-2, rid
+    # and proposals from there (the graphed chain attends through the Triton decode kernel, the eager one through
+    # flashinfer): with these random features the draft's chains pass near-ties (float32 top-2 margins down to
+    # 0.06 on the CPU), so bf16 may flip some; one chain of three must agree whole
     a, b = graphed.propose(rids), eager.propose(rids)
-    assert sum(x.tokens == y.tokens for x, y in zip(a, b, strict=True)) >= 2
+    assert sum(x.tokens == y.tokens for x, y in zip(a, b, strict=True)) >= 1, (a, b)
     aside = len(graphed.graphs.scratch_pages) + len(graphed.extend_graphs.scratch_pages)
     for rid in rids:
         graphed.release(rid)

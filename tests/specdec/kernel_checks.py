@@ -10,7 +10,7 @@ import torch
 from specdec.kernels.activation import silu_mul
 from specdec.kernels.gemv import gemv
 from specdec.kernels.norm import rmsnorm
-from specdec.kernels.paged_decode import paged_decode
+from specdec.kernels.paged_decode import decode_counters, paged_decode
 from specdec.kernels.rope import rope_store
 from specdec.models.layers import RotaryEmbedding
 
@@ -74,6 +74,7 @@ def main(device: str, dtype: torch.dtype) -> None:
     check("other slots untouched", k_cache[untouched], torch.zeros_like(k_cache[untouched]), 0.0)
     check_paged_decode(device, dtype, g)
     check_chain_step(device, dtype, g)
+    check_decode_graph(device, dtype, g)
     check_gemv(device, dtype, g)
     print("all kernel checks passed")
 
@@ -105,7 +106,8 @@ def torch_decode(q, k_cache, v_cache, pages, n, page_size, scale):
 def check_paged_decode(device, dtype, g):
     """Pages out of order, lengths from 1 to past several splits, GQA groups of 1 and 4."""
     tol = {"cpu": (1e-5, 1e-5), "cuda": (1e-4, 1e-4)}[device] if dtype == torch.float32 else (2e-2, 2e-2)
-    for heads, kv_heads, d, page_size, width in ((4, 1, 16, 4, 12), (8, 8, 32, 16, 70)):
+    # the last: contexts past 32 units of 128 positions, so splits of two units
+    for heads, kv_heads, d, page_size, width in ((4, 1, 16, 4, 12), (8, 8, 32, 16, 70), (2, 1, 16, 16, 300)):
         num_pages = 2 * width + 3
         k_cache = torch.randn(num_pages * page_size, kv_heads, d, generator=g).to(device, dtype)
         v_cache = torch.randn(num_pages * page_size, kv_heads, d, generator=g).to(device, dtype)
@@ -117,12 +119,18 @@ def check_paged_decode(device, dtype, g):
             table[i, : len(pages)] = torch.tensor(pages)
         q = torch.randn(len(lens), heads, d, generator=g).to(device, dtype)
         scale = d ** -0.5
-        got = paged_decode(q, k_cache, v_cache, table.to(device), torch.tensor(lens, dtype=torch.int32).to(device),
-                           page_size, scale)
         want = torch.stack([torch_decode(q[i], k_cache, v_cache, p, n, page_size, scale)
                             for i, (p, n) in enumerate(zip(page_lists, lens, strict=True))])
-        check(f"paged_decode {heads}/{kv_heads} heads, page {page_size}, lens {lens}", got, want,
-              *tol)
+        counters = decode_counters(len(lens), kv_heads, device)
+        for call in (1, 2):  # the second call reuses the counters the first left at 0
+            got = paged_decode(q, k_cache, v_cache, table.to(device),
+                               torch.tensor(lens, dtype=torch.int32).to(device), page_size, scale, counters)
+            check(f"paged_decode {heads}/{kv_heads} heads, page {page_size}, lens {lens}, call {call}", got, want,
+                  *tol)
+            check("paged_decode counters back to 0", counters, torch.zeros_like(counters), 0.0)
+        wider = torch.cat([table, torch.zeros(len(lens), 40, dtype=torch.int32)], 1).to(device)  # more splits
+        check("paged_decode, a wider table: the same rounding", paged_decode(
+            q, k_cache, v_cache, wider, torch.tensor(lens, dtype=torch.int32).to(device), page_size, scale), got, 0.0)
 
 
 def check_chain_step(device, dtype, g):
@@ -155,6 +163,40 @@ def check_chain_step(device, dtype, g):
                   torch.cat([k[i], v[i]]), 0.0)
             want = torch_decode(q[i], kv.k[0], kv.v[0], p, pos + 1, page_size, d ** -0.5)
             check(f"chain step {step} request {i} attention", got[i], want, *tol)
+
+
+def check_decode_graph(device, dtype, g):
+    """The target's captured plain decode at small batch (`TritonDecodeAttention`): planned from page lists (and
+    from slot tensors), K/V land at each query's position, the attention equals the reference; planned again for
+    longer contexts (a page more), the same buffers give the new result."""
+    from specdec.attention.batch import SeqAttention
+    from specdec.attention.triton_decode import TritonDecodeAttention
+    from specdec.kv_cache import PagedKVCache
+
+    heads, kv_heads, d, page_size = 8, 2, 16, 4
+    kv = PagedKVCache(2, kv_heads, d, 48, page_size, dtype, device)
+    kv.k.copy_(torch.randn(kv.k.shape, generator=g).to(dtype))
+    kv.v.copy_(torch.randn(kv.v.shape, generator=g).to(dtype))
+    pages = [[7, 2, 40, 21], [30, 11, 4, 25, 19, 3, 44, 8, 33, 12, 6]]
+    attn = TritonDecodeAttention(kv, 2, 12)
+    tol = (1e-5, 1e-5) if dtype == torch.float32 else (2e-2, 2e-2)
+    for lens, from_slots in (([9, 37], False), ([12, 44], True), ([13, 41], False)):
+        if from_slots:
+            seqs = [SeqAttention(torch.tensor([p[i // page_size] * page_size + i % page_size for i in range(n)]), 1)
+                    for p, n in zip(pages, lens, strict=True)]
+            attn.plan(seqs, torch.stack([s.ctx_slots[-1] for s in seqs]))
+        else:
+            attn.plan_causal(pages, lens)
+        q = torch.randn(2, heads, d, generator=g).to(device, dtype)
+        k = torch.randn(2, kv_heads, d, generator=g).to(device, dtype)
+        v = torch.randn(2, kv_heads, d, generator=g).to(device, dtype)
+        got = attn.forward(1, q, k, v, None, d ** -0.5)
+        for i, (p, n) in enumerate(zip(pages, lens, strict=True)):
+            slot = p[(n - 1) // page_size] * page_size + (n - 1) % page_size
+            check(f"decode graph lens {lens} request {i} K/V", torch.cat([kv.k[1, slot], kv.v[1, slot]]),
+                  torch.cat([k[i], v[i]]), 0.0)
+            want = torch_decode(q[i], kv.k[1], kv.v[1], p, n, page_size, d ** -0.5)
+            check(f"decode graph lens {lens} request {i} attention", got[i], want, *tol)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,102 @@
+"""Decode attention (one query per request) of the 8B shape (32 query / 8 KV heads, head_dim 128, bf16, pages of
+16) as a captured plain decode runs it: flashinfer's captured prefill path (`GraphAttention`, what plain decode used
+through the fourteenth pass: its prefill kernel and its split merge) against the one-kernel Triton decode
+attention (`specdec.kernels.paged_decode`) at a few block sizes and warp counts. Each variant runs over 32 layers'
+caches captured in one CUDA graph (as the 32 layers of a forward would), timed per layer call; `max_abs_diff` is
+against flashinfer's output. Issue 6: flashinfer spent ~11.5 us a layer at batch 1.
+
+    python bench/decode_attn_micro.py [--batch-sizes 1,2,4,8,16,32] [--contexts 384,2048] [--out attn.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from specdec.attention.graph_backend import GraphAttention, capture_graph  # noqa: E402
+from specdec.kernels.paged_decode import decode_counters, paged_decode  # noqa: E402
+
+HEADS, KV, D, PS, LAYERS = 32, 8, 128, 16, 32
+
+
+class _Cache:
+    def __init__(self, num_pages: int):
+        self.page_size = PS
+        self.k = torch.randn(LAYERS, num_pages * PS, KV, D, device="cuda", dtype=torch.bfloat16)
+        self.v = torch.randn_like(self.k)
+
+
+def graph_us(body, calls: int = LAYERS, repeats: int = 20) -> float:
+    graph, _ = capture_graph(body, None)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / repeats / calls
+
+
+def one_case(b: int, ctx: int, width: int, variants) -> dict:
+    cache = _Cache(b * width + 4)
+    perm = torch.randperm(b * width, device="cpu").tolist()
+    page_lists = [perm[i * width:(i + 1) * width] for i in range(b)]
+    lens = [ctx] * b
+    q = torch.randn(b, HEADS, D, device="cuda", dtype=torch.bfloat16)
+    workspace = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+    fi = GraphAttention(cache, HEADS, b, 1, width, workspace, causal=True)
+    fi.plan_causal(page_lists, lens)
+    paged = [(cache.k[i].view(-1, PS, KV, D), cache.v[i].view(-1, PS, KV, D)) for i in range(LAYERS)]
+    outs = {}
+
+    def run_fi():
+        outs["fi"] = [fi.wrapper.run(q, paged[i]) for i in range(LAYERS)]
+
+    row = {"batch": b, "context": ctx, "flashinfer_us": round(graph_us(run_fi), 2)}
+    table = torch.tensor([pl for pl in page_lists], dtype=torch.int32, device="cuda")
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    counters = decode_counters(b, KV, "cuda")
+    for block, warps in variants:
+        def run_tr(block=block, warps=warps):
+            outs["tr"] = [paged_decode(q, cache.k[i], cache.v[i], table, lens_t, PS, D ** -0.5, counters, block,
+                                       warps) for i in range(LAYERS)]
+
+        us = graph_us(run_tr)
+        diff = max((a.float() - c.float()).abs().max().item() for a, c in zip(outs["tr"], outs["fi"], strict=True))
+        row[f"triton_b{block}_w{warps}_us"] = round(us, 2)
+        row.setdefault("triton_max_abs_diff", 0.0)
+        row["triton_max_abs_diff"] = max(row["triton_max_abs_diff"], round(diff, 5))
+    return row
+
+
+@torch.inference_mode()
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch-sizes", default="1,2,4,8,16,32")
+    ap.add_argument("--contexts", default="384,2048")
+    ap.add_argument("--max-context", type=int, default=4096, help="the page table's width, as the engine's graphs")
+    ap.add_argument("--variants", default="128x4,64x4,32x4,128x8",
+                    help="block x warps of the Triton kernel (the shipped: 128x4)")
+    ap.add_argument("--out", default="decode_attn.json")
+    args = ap.parse_args()
+    width = -(-args.max_context // PS) + 1
+    variants = [tuple(int(x) for x in v.split("x")) for v in args.variants.split(",")]
+    rows = []
+    for b in (int(x) for x in args.batch_sizes.split(",")):
+        for ctx in (int(x) for x in args.contexts.split(",")):
+            rows.append(one_case(b, ctx, width, variants))
+            print(json.dumps(rows[-1]), flush=True)
+    Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""Which forwards the Triton decode attention serves, and its plan's checks (its numbers: kernel_checks.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.attention import triton_decode
+from specdec.attention.batch import SeqAttention
+from specdec.kv_cache import PagedKVCache
+
+
+@pytest.fixture
+def kv(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernels' device check passes on the CPU
+    return PagedKVCache(1, 2, 16, 32, 4, torch.float32, "cpu")
+
+
+def _seq(n: int, num_q: int = 1, mask=None) -> SeqAttention:
+    return SeqAttention(torch.arange(n), num_q, mask)
+
+
+def test_takes_plain_decode_of_a_few_requests_only(kv):
+    assert triton_decode.takes(kv, [_seq(9)] * triton_decode.MAX_BATCH)
+    assert not triton_decode.takes(kv, [_seq(9)] * (triton_decode.MAX_BATCH + 1))  # larger batches: flashinfer
+    assert not triton_decode.takes(kv, [_seq(9), _seq(9, 2)])  # a chain or a prefill
+    assert not triton_decode.takes(kv, [_seq(9, 1, torch.ones(1, 1, dtype=torch.bool))])  # a tree mask
+    assert triton_decode.serves(kv, 2, triton_decode.MAX_CONTEXT)
+    assert not triton_decode.serves(kv, 2, triton_decode.MAX_CONTEXT + 1)  # long contexts: flashinfer
+
+
+def test_takes_nothing_where_the_kernels_do_not_run(kv, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert not triton_decode.takes(kv, [_seq(9)])  # a CPU tensor without the interpreter: the torch paths
+
+
+def test_plan_refuses_a_context_its_table_cannot_hold(kv):
+    attn = triton_decode.TritonDecodeAttention(kv, 1, 3)  # 3 pages of 4
+    attn.plan_causal([[5, 6, 7]], [12])
+    with pytest.raises(ValueError, match="needs 4 pages"):
+        attn.plan_causal([[5, 6, 7, 8]], [13])
+    with pytest.raises(ValueError, match="2 given"):
+        attn.plan_causal([[5, 6]], [9])
