@@ -185,7 +185,8 @@ def _extend_and_rewind(draft, rid, feats):
 
 def simulated(res, args, target):
     """Plain vs speculative decoding at simulated acceptance, per batch size: speculation always on
-    (`--speculation always`) and adaptive (`auto`: per step, whichever mode measured faster)."""
+    (`--speculation always`) and adaptive (`auto`: per step, whichever mode measured faster), the latter from a
+    fresh policy (`auto_*`) and again with the policy that run left (`auto_warm_*`)."""
     opts = _opts(args.backend, dummy_weights=True, max_batch_size=max(args.batch_sizes), max_context=4096,
                  num_pages=8192)
     draft = build_draft(args.draft_config, "llama3-8b", SpecConfig(6, 1, 6), opts, target.max_context)
@@ -207,10 +208,14 @@ def simulated(res, args, target):
             spec, measured_tau = _decode_rate(target, draft, prompts, args.new_tokens, timings=spec_t)
             policy, auto_t = SpeculationPolicy(budget_menu(draft.spec.num_draft_tokens), history=[]), StepTimings()
             auto, auto_tps = _decode_rate(target, draft, prompts, args.new_tokens, policy=policy, timings=auto_t)
+            # the same again with the policy that run left (a service's policy lives across requests: its
+            # first requests pay the measuring of each budget, later ones follow what it measured)
+            warm, _ = _decode_rate(target, draft, prompts, args.new_tokens, policy=policy)
             rows.append({"bs": bs, "simulated_tau": tau, "measured_tau": round(measured_tau, 2),
                          "plain_tok_s": round(plain, 1), "spec_tok_s": round(spec, 1),
                          "speedup": round(spec / plain, 2), "auto_tok_s": round(auto, 1),
                          "auto_speedup": round(auto / plain, 2), "auto_tokens_per_step": round(auto_tps, 2),
+                         "auto_warm_tok_s": round(warm, 1), "auto_warm_speedup": round(warm / plain, 2),
                          "auto_rates": policy.summary(), "plain_split": _split(plain_t),
                          "spec_split": _split(spec_t),
                          "auto_split": _split(auto_t)})
