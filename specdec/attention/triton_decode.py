@@ -25,9 +25,10 @@ MAX_CONTEXT = 2048  # positions: longer contexts go to flashinfer (at ~4000 its 
 def serves(kv_cache, num_seqs: int, max_len: int) -> bool:
     """Whether a plain decode of `num_seqs` requests whose longest context is `max_len` positions attends here:
     small enough, on a device the Triton kernels run on, and `SPECDEC_DECODE_KERNEL` not 0."""
-    from specdec.kernels import decode_kernel_on, fused
+    from specdec.kernels import attention_fused, decode_kernel_on, fused
 
-    return num_seqs <= MAX_BATCH and max_len <= MAX_CONTEXT and fused(kv_cache.k) and decode_kernel_on()
+    return (num_seqs <= MAX_BATCH and max_len <= MAX_CONTEXT and fused(kv_cache.k)
+            and attention_fused(kv_cache.k.shape[-1]) and decode_kernel_on())
 
 
 def takes(kv_cache, seqs: list[SeqAttention]) -> bool:

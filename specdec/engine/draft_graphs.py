@@ -22,7 +22,7 @@ from specdec.attention.graph_backend import GraphAttention, capture_graph, captu
 from specdec.engine.cuda_graphs import BATCH_LADDER
 from specdec.engine.draft_engine import batch_state
 from specdec.host_copy import copy_in
-from specdec.kernels import fused
+from specdec.kernels import attention_fused, fused
 from specdec.tree import TokenTree
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class DraftChainGraphs:
         kv, steps = engine.kv, engine.spec.num_steps
         self.scratch_pages = kv.set_aside(-(-steps // kv.page_size))
         self.max_pages_per_seq = -(-(engine.max_context + steps) // kv.page_size) + 1
-        self.device_planned = fused(kv.k)  # Triton is there: ChainStepAttention
+        self.device_planned = fused(kv.k) and attention_fused(kv.k.shape[-1])  # Triton: ChainStepAttention
         self.ladder = tuple(b for b in BATCH_LADDER if b <= max_batch_size) or (1,)
         self.graphs: dict[int, _ChainGraph] = {}
         self.failed = False  # a capture failed: proposals run eagerly from now on

@@ -50,6 +50,12 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def attention_fused(head_dim: int) -> bool:
+    """Whether the attention kernels (rotary + K/V write, the paged decode) take this head size: a power of two
+    from 16 (their tiles span a whole head; 64 and 128 are the Llama family's)."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
 def fused(t: torch.Tensor) -> bool:
     """Whether the fused kernels run for this tensor (CUDA, or any device under TRITON_INTERPRET=1)."""
     if t.is_cuda or interpreted():

@@ -9,7 +9,7 @@ from torch import nn
 
 from specdec.attention.batch import AttentionBatch
 from specdec.config import ModelConfig, RopeScaling
-from specdec.kernels import fused, linear
+from specdec.kernels import attention_fused, fused, linear
 
 
 class Linear(nn.Linear):
@@ -168,7 +168,7 @@ class Attention(nn.Module):
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        if getattr(backend, "fuses_rope", False) and fused(q):  # rotary + K/V write in one kernel
+        if getattr(backend, "fuses_rope", False) and fused(q) and attention_fused(self.head_dim):  # one kernel
             out = backend.forward_rope(self.layer_id, q, k, v, rot, batch)
         else:
             q, k = rot(q, k)

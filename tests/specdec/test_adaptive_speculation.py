@@ -148,6 +148,27 @@ def test_near_ties_do_not_flip_the_choice_but_a_clear_lead_does():
         assert p.followed[8] == other
 
 
+def test_plain_decoding_takes_over_from_speculation_at_a_smaller_lead():
+    """Whole tree followed, plain decoding measured 2% faster at a re-measurement: the policy turns to plain (the
+    switch margin for it is 1%, not 3%); the whole tree 2% ahead of plain again does not bring it back."""
+    p = SpeculationPolicy(explore_every=4, max_explore_every=4, min_samples=2, min_request_steps=1)
+    rate = {0: 100.0, FULL: 120.0}
+
+    def run(steps):
+        for _ in range(steps):
+            mode = p.choose(8)
+            p.record(8, mode, tokens=8 * rate[mode] * 0.01, seconds=0.01)
+
+    run(30)
+    assert p.followed[8] == FULL
+    rate[FULL] = 100.0 / 1.02  # plain 2% ahead
+    run(60)
+    assert p.followed[8] == 0
+    rate[FULL] = 102.0  # the tree 2% ahead: within the 3% margin speculation needs
+    run(60)
+    assert p.followed[8] == 0
+
+
 def test_noisy_acceptance_averages_out_where_per_step_rates_did_not():
     """Batch 1, chain tokens per step 1-6 (mean 3.15, the tiny pair's), step time fixed: a speculative step is 1.23x
     faster than plain on average (the H200 in-process ratio). The policy's estimate of the chain's rate strays

@@ -34,6 +34,15 @@ def test_takes_nothing_where_the_kernels_do_not_run(kv, monkeypatch):
     assert not triton_decode.takes(kv, [_seq(9)])  # a CPU tensor without the interpreter: the torch paths
 
 
+def test_head_sizes_the_kernels_do_not_tile_go_elsewhere(monkeypatch):
+    from specdec.kernels import attention_fused
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert attention_fused(64) and attention_fused(128) and not attention_fused(96) and not attention_fused(8)
+    kv96 = PagedKVCache(1, 2, 96, 32, 4, torch.float32, "cpu")  # e.g. a head of 96: flashinfer / torch paths
+    assert not triton_decode.serves(kv96, 1, 10)
+
+
 def test_plan_refuses_a_context_its_table_cannot_hold(kv):
     attn = triton_decode.TritonDecodeAttention(kv, 1, 3)  # 3 pages of 4
     attn.plan_causal([[5, 6, 7]], [12])
