@@ -30,7 +30,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specdec.attention import triton_decode  # noqa: E402
 from specdec.engine.draft_engine import SpecConfig  # noqa: E402
 from specdec.engine.factory import EngineOptions, build_draft, build_target  # noqa: E402
 from specdec.engine.requests import PrefillInput, VerifyInput  # noqa: E402
@@ -145,9 +144,8 @@ def target_rows(args, out_dir: Path) -> dict:
             graphs = target.graphs
             bucket = next((x for x in graphs.ladder if x >= b), None) if graphs else None
             g = graphs.graphs.get((bucket, n_draft + 1, (), True)) if graphs else None
-            if graphs and n_draft == 0 and (bucket, ()) in graphs.decode_graphs \
-                    and triton_decode.serves(target.kv, b, args.context + 1):
-                g = graphs.decode_graphs[(bucket, ())]  # what plain decode of these contexts replays
+            if graphs and n_draft == 0:  # what plain decode of these contexts replays
+                g = graphs.plain_decode_graph(bucket, (), args.context + 1) or g
             row = {"batch": b, "tokens_per_request": n_draft + 1, "context": args.context}
             if g is not None:
                 row["replay_ms"] = round(timed(g.graph.replay, args.repeats) * 1e3, 3)

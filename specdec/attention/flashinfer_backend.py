@@ -57,18 +57,27 @@ class FlashInferAttention:
         self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, kv_layout="NHD", backend="fa2")
         self._write_slots: torch.Tensor | None = None
         self._decode: triton_decode.TritonDecodeAttention | None = None  # this forward's, when it serves it
+        self._decoders: dict[int, triton_decode.TritonDecodeAttention] = {}  # by batch size, kept across forwards
 
     def plan(self, batch: AttentionBatch) -> AttentionBatch:
         self._decode = None
         if triton_decode.takes(self.kv, batch.seqs):
-            width = max(-(-s.ctx_slots.shape[0] // self.kv.page_size) for s in batch.seqs)
-            self._decode = triton_decode.TritonDecodeAttention(self.kv, len(batch.seqs), width)
+            self._decode = self._decoder(batch.seqs)
             self._decode.plan(batch.seqs, batch.write_slots)
             return batch
         custom = any(s.tail_mask is not None for s in batch.seqs)
         plan_paged(self.wrapper, self.kv, self.num_qo_heads, batch.seqs, causal=not custom)
         self._write_slots = to_device(batch.write_slots, self.kv.k.device)
         return batch
+
+    def _decoder(self, seqs: list[SeqAttention]) -> triton_decode.TritonDecodeAttention:
+        """The Triton decode attention for this many sequences, its page table wide enough for them (its results
+        do not depend on the width: a wider one is made only when a context outgrows the table)."""
+        width = max(-(-s.ctx_slots.shape[0] // self.kv.page_size) for s in seqs)
+        dec = self._decoders.get(len(seqs))
+        if dec is None or dec.table.shape[1] < width:
+            dec = self._decoders[len(seqs)] = triton_decode.TritonDecodeAttention(self.kv, len(seqs), 2 * width)
+        return dec
 
     fuses_rope = True
 

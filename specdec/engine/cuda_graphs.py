@@ -88,7 +88,7 @@ class TargetGraphs:
 
     def _run(self, ids, positions, seqs, write_slots, n, aux_layers, causal, inputs_taken):
         b = len(seqs)
-        g, pad = self._graph(b, n, aux_layers, causal, max(s.ctx_slots.shape[0] for s in seqs))
+        g, pad = self._graph(b, n, aux_layers, causal, max(s.ctx_slots.shape[0] for s in seqs) if n == 1 else 0)
         if pad:
             seqs = seqs + [self._scratch_seq(n, causal) for _ in range(pad)]
             write_slots = torch.cat([write_slots, self._scratch_slots(n).repeat(pad)])
@@ -105,9 +105,15 @@ class TargetGraphs:
             what = f"the target's {n}-token {'causal ' if causal else ''}forwards"
             capture_or_go_eager(lambda: self._capture_ladder(n, aux_layers, causal), what,
                                 lambda: self._forget(n, aux_layers, causal))
-        if n == 1 and (bucket, aux_layers) in self.decode_graphs and triton_decode.serves(self.kv, b, max_len):
-            return self.decode_graphs[(bucket, aux_layers)], bucket - b
-        return self.graphs[key], bucket - b
+        decode = self.plain_decode_graph(bucket, aux_layers, max_len) if n == 1 else None
+        return decode or self.graphs[key], bucket - b
+
+    def plain_decode_graph(self, bucket: int, aux_layers: tuple[int, ...], max_len: int) -> _Graph | None:
+        """The Triton-decode graph a plain decode of `bucket` (padded) requests whose longest context is `max_len`
+        positions replays, or None (flashinfer's). Captured only where `triton_decode.serves` the batch size."""
+        if max_len <= triton_decode.MAX_CONTEXT:
+            return self.decode_graphs.get((bucket, aux_layers))
+        return None
 
     @staticmethod
     def _replay(g: _Graph, ids, positions, t: int, n: int, pad: int, inputs_taken):
