@@ -12,6 +12,10 @@ request-steps per request, and the yield counts only requests that did not finis
 short by a length limit: one such call at 128 requests once halved plain's rate). Tokens per step vary a lot from
 step to step (0 to all draft tokens accepted), and a moving average of per-step rates kept that noise: simulating
 the tiny pair at batch 1, its estimate strayed 15-18% on average (up to 60%), the averages above 4-7% (a test).
+The scheduler also leaves out of the yield a request that its length limit could have ended inside the call:
+of those, only the ones that accepted little are still running after it. And a call of fewer requests than
+`settled_fraction` of its bucket's recent peak is not sampled at all (a batch's tail: a bucket spans a factor of
+two and a step's cost per request grows toward its small end; the budget followed at the end alone paid for it).
 
 A bucket measures the menu's budgets in order (`min_samples` steps each, and `min_request_steps` request-steps of
 a speculative one: at batch 1, three steps read tau 4.8 as 3.3), then follows the fastest and keeps re-measuring
@@ -80,6 +84,10 @@ class SpeculationPolicy:
     switch_margin: float = 0.03
     plain_margin: float = 0.01  # the same, for plain decoding to replace a speculative budget (see `_best`)
     probe_choices: int = 2  # choices a re-measurement of a rival lasts: the first after a switch only warms up
+    # a call of fewer requests than this fraction of its bucket's recent peak batch size is not sampled (a run's
+    # tail: see `record`); the peak falls by `peak_decay` a record, so a lasting smaller load is sampled again
+    settled_fraction: float = 0.85
+    peak_decay: float = 0.99
     rates: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, budget) -> tokens/s
     seconds: dict[tuple[int, int], float] = field(default_factory=dict)  # -> seconds per request-step
     tokens: dict[tuple[int, int], float] = field(default_factory=dict)  # -> tokens per request-step
@@ -93,6 +101,7 @@ class SpeculationPolicy:
     probing: dict[int, tuple[int, int]] = field(default_factory=dict)  # bucket -> (rival, its choices still to run)
     recorded: dict[int, int] = field(default_factory=dict)  # bucket -> the budget of its latest record
     target_steps: dict[int, int] = field(default_factory=dict)  # budget -> target steps recorded with it
+    peaks: dict[int, float] = field(default_factory=dict)  # bucket -> recent peak batch size (decaying)
     # a list: every record is appended to it, (kind, batch size, budget, tokens, seconds, steps, yielding, chosen at,
     # time.perf_counter()), and the scheduler's admissions as ("admission", start, seconds, admitted) (diagnosis:
     # benchmarks, and the draft service's SPECDEC_POLICY_HISTORY)
@@ -208,10 +217,18 @@ class SpeculationPolicy:
         b = key[0]
         self.target_steps[budget] = self.target_steps.get(budget, 0) + max(1, steps)
         switched, self.recorded[b] = self.recorded.get(b, budget) != budget, budget
+        self.peaks[b] = peak = max(chosen_at, self.peak_decay * self.peaks.get(b, 0.0))
+        tail = chosen_at < self.settled_fraction * peak
         if self.history is not None:
-            self.history.append(("warm-up" if switched and key in self.seconds else "step", batch_size, budget,
-                                 tokens, round(seconds, 6), steps, yielding, chosen_at, time.perf_counter()))
+            kind = "tail" if tail else "warm-up" if switched and key in self.seconds else "step"
+            self.history.append((kind, batch_size, budget, tokens, round(seconds, 6), steps, yielding, chosen_at,
+                                 time.perf_counter()))
         if switched and key in self.seconds:  # the pipeline fills after a switch: not this budget's steady rate
+            return
+        if tail:  # a bucket's requests finishing (a batch that came together ends together): it spans a factor of
+            # two, and at the small end a step costs more per request (39 of 64 requests: 0.36 ms a request-step
+            # against 0.24, tau 3, 8B shape, H200); the budget followed at the end alone took those samples and
+            # read slower than its rivals, so the next batch of 64 followed plain decoding at 0.76x d3's rate
             return
         steps = max(1, steps)
         step_s = seconds / (batch_size * steps)

@@ -32,7 +32,7 @@ from specdec.engine.run_state import Event, Launch, RunState
 from specdec.errors import NotReady, SpecdecError
 from specdec.sampling_params import SamplingParams
 from specdec.telemetry.tracing import StepSpanSampler, batch_parent
-from specdec.tree import TokenTree
+from specdec.tree import TokenTree, max_depth
 
 __all__ = ["Event", "Launch", "RunState", "Scheduler"]
 
@@ -269,11 +269,13 @@ class Scheduler(Admission):
             for rid in rids:  # a target that answered (malformed reply) may still hold them; a dead one not
                 self._finish(rid, release_target=not isinstance(error, NotReady))
             return [Event(rid, [], ABORT, error=error) for rid in rids]
-        events, extend = [], []
+        events, extend, bounded = [], [], set()
         for tree, out in zip(launch.trees, outputs, strict=True):
             state = self.running.get(out.request_id)
             if state is None:  # an earlier plain call of the pipeline finished it (`TwoBatchOverlap`)
                 continue
+            if out.finish_reason == RUNNING and self._near_limit(state, launch, tree):
+                bounded.add(out.request_id)
             steps = len(out.tokens) if launch.plain_steps > 1 else 1  # a plain step commits one token
             self._count(state, len(tree.tokens), out.num_accepted_drafts, out.tokens, steps)
             events.append(Event(out.request_id, out.tokens, out.finish_reason,
@@ -308,10 +310,21 @@ class Scheduler(Admission):
         # not how fast plain decoding is (fed to the policy, 8B shape, tau 5, 64 requests: plain read 6988 tok/s,
         # `auto` speculated at 0.93x plain; without them plain read 9995 and the row was 1.01x; tenth pass)
         if self.policy is not None and self.draft is not None and not launch.ramp:
-            going = [e for e in events if e.finish_reason == RUNNING]
+            going = [e for e in events if e.finish_reason == RUNNING and e.request_id not in bounded]
             self.policy.record(len(rids), launch.budget, sum(len(e.tokens) for e in going), elapsed, steps,
                                len(going), launch.chosen_at)
         return events
+
+    def _near_limit(self, state: RunState, launch: Launch, tree: TokenTree) -> bool:
+        """Could the request's length limit (max_new_tokens, the context) have ended it in this call, before this
+        call's outputs are counted? Such a request's yield is not the budget's: of those close to the limit only
+        the ones that accepted little are still running after the call (at 64 requests, tau 3, 8B shape, H200 the
+        last speculative steps read 1.4-2.6 tokens a step, the last plain call 0.02), and the policy read the
+        budget it followed at a run's end as the slow one (`SpeculationPolicy.record`)."""
+        most = max_depth(tree.parents) + 1 if launch.speculate else launch.plain_steps
+        room = min(state.sampling.max_new_tokens - state.num_generated,
+                   self.max_context - len(state.prompt_ids) - state.num_generated)
+        return room <= most
 
     def fail_running(self, error: SpecdecError) -> list[Event]:
         """After a broken step: end every running request with `error` (verifies in flight are waited for

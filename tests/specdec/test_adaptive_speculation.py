@@ -288,7 +288,7 @@ def test_a_plain_call_that_ends_requests_is_not_read_as_a_low_yield():
         p.record(128, 0, tokens=512, seconds=0.045, steps=4)
     before = p.rates[(128, 0)]
     assert abs(before - 512 / 0.045) < 1e-6 and abs(p.tokens[(128, 0)] - 1.0) < 1e-12  # per request-step
-    p.record(72, 0, tokens=120, seconds=0.041, steps=4, yielding=30)  # 42 requests finished in the call
+    p.record(110, 0, tokens=120, seconds=0.041, steps=4, yielding=30)  # 80 requests finished in the call
     assert p.tokens[(128, 0)] == 1.0 and p.rates[(128, 0)] > 0.8 * before  # the time per request-step rose a bit
     p.record(64, 0, tokens=0, seconds=0.03, steps=2, yielding=0)  # every request finished: time only
     assert p.tokens[(128, 0)] == 1.0
@@ -382,3 +382,45 @@ def test_the_history_holds_each_record_with_its_time_and_each_admission(dev_prom
     assert records and all(len(h) == 9 for h in records)
     times = [h[1] if h[0] == "admission" else h[8] for h in policy.history]
     assert times == sorted(times) and admissions[0][1] < records[0][8]
+
+
+def test_a_buckets_tail_is_not_sampled_until_a_smaller_load_lasts():
+    """A batch that came together ends together: at its end the bucket's requests finish, and a step of 39 of 64
+    requests costs more per request (0.36 ms a request-step against 0.24: 8B shape, tau 3, H200). Only the budget
+    followed at the end took those samples, read slower than its rival and lost the next batch to it. A call of
+    fewer than `settled_fraction` of the bucket's recent peak is not sampled; the peak decays, so a load that
+    stays smaller is sampled again after a while."""
+    p = SpeculationPolicy(budgets=(0, FULL), min_samples=2, min_request_steps=1)
+    for budget, secs in ((0, 0.0065), (FULL, 0.015)):
+        for _ in range(3):
+            p.record(64, budget, tokens=64 * (1 if budget == 0 else 3), seconds=secs, steps=1)
+    before = dict(p.rates)
+    assert p._best(64) == FULL
+    p.history = []
+    for n in (55, 49, 39):  # the tail under FULL: dearer steps per request, and a low yield
+        p.record(n, FULL, tokens=n * 3 if n == 55 else int(n * 1.4), seconds=0.015 if n == 55 else 0.014, steps=1)
+    assert p.rates[(64, FULL)] < before[(64, FULL)]  # 55 is still within the settled fraction of 64
+    assert [h[0] for h in p.history] == ["step", "tail", "tail"]
+    assert p._best(64) == FULL
+    lasting = 0
+    while p.history[-1][0] != "step":  # a load of 40 that stays
+        p.record(40, FULL, tokens=120, seconds=0.012, steps=1)
+        lasting += 1
+    assert 20 < lasting < 40 and p.rates[(64, FULL)] != before[(64, FULL)]
+
+
+def test_a_request_its_length_limit_could_end_in_the_call_is_left_out_of_the_yield(dev_prompts, tiny_tokenizer):
+    """Of the requests close to their max_new_tokens only those that accepted little are still running after a
+    speculative step: counted, they read the budget's acceptance low (the last steps of a run at 64 requests, tau 3,
+    read 1.4-2.6 tokens a step). A request whose room is at most what the call could commit is not counted."""
+    target, draft = tiny_target(), tiny_draft()  # chains of 5: a step commits at most 6 tokens
+    policy = SpeculationPolicy(budgets=(FULL,))
+    policy.history = []
+    sched = Scheduler(target, draft, target.max_context, 4, feature_layers_for(draft), policy=policy)
+    prompts = [tiny_tokenizer.encode(p)[-60:] for p in dev_prompts[44:46]]
+    out = drive(sched, prompts, [SamplingParams(max_new_tokens=40, ignore_eos=True),
+                                 SamplingParams(max_new_tokens=7, ignore_eos=True)])
+    assert [len(t) for t in out.values()] == [40, 7]
+    both = [h for h in policy.history if h[0] != "admission" and h[1] == 2]
+    assert both and all(h[6] <= 1 for h in both)  # the short request (room 6 after the prefill) never counted
+    assert sum(h[6] for h in policy.history if h[0] != "admission") >= 5
