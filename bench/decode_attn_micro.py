@@ -1,11 +1,12 @@
-"""Decode attention (one query per request) of the 8B shape (32 query / 8 KV heads, head_dim 128, bf16, pages of
+"""Decode attention (one query per request; `--queries n`: a chain verify's n causal queries) of the 8B shape (32 query / 8 KV heads, head_dim 128, bf16, pages of
 16) as a captured plain decode runs it: flashinfer's captured prefill path (`GraphAttention`, what plain decode used
 through the fourteenth pass: its prefill kernel and its split merge) against the one-kernel Triton decode
 attention (`specdec.kernels.paged_decode`) at a few block sizes and warp counts. Each variant runs over 32 layers'
 caches captured in one CUDA graph (as the 32 layers of a forward would), timed per layer call; `max_abs_diff` is
 against flashinfer's output. Issue 6: flashinfer spent ~11.5 us a layer at batch 1.
 
-    python bench/decode_attn_micro.py [--batch-sizes 1,2,4,8,16,32] [--contexts 384,2048] [--out attn.json]
+    python bench/decode_attn_micro.py [--batch-sizes 1,2,4,8,16,32] [--contexts 384,2048] [--queries 1,9]
+        [--out attn.json]
 """
 
 from __future__ import annotations
@@ -45,14 +46,14 @@ def graph_us(body, calls: int = LAYERS, repeats: int = 20) -> float:
     return start.elapsed_time(end) * 1e3 / repeats / calls
 
 
-def one_case(b: int, ctx: int, width: int, variants) -> dict:
+def one_case(b: int, ctx: int, width: int, variants, nq: int = 1) -> dict:
     cache = _Cache(b * width + 4)
     perm = torch.randperm(b * width, device="cpu").tolist()
     page_lists = [perm[i * width:(i + 1) * width] for i in range(b)]
     lens = [ctx] * b
-    q = torch.randn(b, HEADS, D, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(b * nq, HEADS, D, device="cuda", dtype=torch.bfloat16)
     workspace = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
-    fi = GraphAttention(cache, HEADS, b, 1, width, workspace, causal=True)
+    fi = GraphAttention(cache, HEADS, b, nq, width, workspace, causal=True)
     fi.plan_causal(page_lists, lens)
     paged = [(cache.k[i].view(-1, PS, KV, D), cache.v[i].view(-1, PS, KV, D)) for i in range(LAYERS)]
     outs = {}
@@ -60,14 +61,15 @@ def one_case(b: int, ctx: int, width: int, variants) -> dict:
     def run_fi():
         outs["fi"] = [fi.wrapper.run(q, paged[i]) for i in range(LAYERS)]
 
-    row = {"batch": b, "context": ctx, "flashinfer_us": round(graph_us(run_fi), 2)}
+    row = {"batch": b, "queries": nq, "context": ctx, "flashinfer_us": round(graph_us(run_fi), 2)}
     table = torch.tensor([pl for pl in page_lists], dtype=torch.int32, device="cuda")
     lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
     counters = decode_counters(b, KV, "cuda")
+    more = {"queries": nq} if nq > 1 else {}
     for block, warps in variants:
         def run_tr(block=block, warps=warps):
             outs["tr"] = [paged_decode(q, cache.k[i], cache.v[i], table, lens_t, PS, D ** -0.5, counters, block,
-                                       warps) for i in range(LAYERS)]
+                                       warps, **more) for i in range(LAYERS)]
 
         us = graph_us(run_tr)
         diff = max((a.float() - c.float()).abs().max().item() for a, c in zip(outs["tr"], outs["fi"], strict=True))
@@ -85,15 +87,17 @@ def main() -> int:
     ap.add_argument("--max-context", type=int, default=4096, help="the page table's width, as the engine's graphs")
     ap.add_argument("--variants", default="128x4,64x4,32x4,128x8",
                     help="block x warps of the Triton kernel (the shipped: 128x4)")
+    ap.add_argument("--queries", default="1", help="causal query tokens per request (a chain verify: drafts + 1)")
     ap.add_argument("--out", default="decode_attn.json")
     args = ap.parse_args()
     width = -(-args.max_context // PS) + 1
     variants = [tuple(int(x) for x in v.split("x")) for v in args.variants.split(",")]
     rows = []
-    for b in (int(x) for x in args.batch_sizes.split(",")):
-        for ctx in (int(x) for x in args.contexts.split(",")):
-            rows.append(one_case(b, ctx, width, variants))
-            print(json.dumps(rows[-1]), flush=True)
+    for nq in (int(x) for x in args.queries.split(",")):
+        for b in (int(x) for x in args.batch_sizes.split(",")):
+            for ctx in (int(x) for x in args.contexts.split(",")):
+                rows.append(one_case(b, ctx, width, variants, nq))
+                print(json.dumps(rows[-1]), flush=True)
     Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
     return 0
 

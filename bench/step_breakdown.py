@@ -144,8 +144,8 @@ def target_rows(args, out_dir: Path) -> dict:
             graphs = target.graphs
             bucket = next((x for x in graphs.ladder if x >= b), None) if graphs else None
             g = graphs.graphs.get((bucket, n_draft + 1, (), True)) if graphs else None
-            if graphs and n_draft == 0:  # what plain decode of these contexts replays
-                g = graphs.plain_decode_graph(bucket, (), args.context + 1) or g
+            if graphs:  # what a causal forward of these contexts replays (the Triton kernel's graph at small batch)
+                g = graphs.triton_graph(bucket, n_draft + 1, (), args.context + n_draft + 1) or g
             row = {"batch": b, "tokens_per_request": n_draft + 1, "context": args.context}
             if g is not None:
                 row["replay_ms"] = round(timed(g.graph.replay, args.repeats) * 1e3, 3)

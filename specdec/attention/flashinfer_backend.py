@@ -45,7 +45,7 @@ def import_flashinfer():
 class FlashInferAttention:
     name = "flashinfer"
 
-    def __init__(self, kv_cache, num_qo_heads: int):
+    def __init__(self, kv_cache, num_qo_heads: int, triton_queries: int = 1):
         flashinfer = import_flashinfer()
 
         self.kv, self.num_qo_heads = kv_cache, num_qo_heads
@@ -57,11 +57,15 @@ class FlashInferAttention:
         self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, kv_layout="NHD", backend="fa2")
         self._write_slots: torch.Tensor | None = None
         self._decode: triton_decode.TritonDecodeAttention | None = None  # this forward's, when it serves it
-        self._decoders: dict[int, triton_decode.TritonDecodeAttention] = {}  # by batch size, kept across forwards
+        # by (batch size, tokens per sequence), kept across forwards
+        self._decoders: dict[tuple[int, int], triton_decode.TritonDecodeAttention] = {}
+        # eager causal forwards of up to this many tokens per sequence may attend through the Triton kernel (the
+        # target: chain verifies too, as its captured ones do; the draft: plain-decode shapes only, as before)
+        self.triton_queries = triton_queries
 
     def plan(self, batch: AttentionBatch) -> AttentionBatch:
         self._decode = None
-        if triton_decode.takes(self.kv, batch.seqs):
+        if triton_decode.takes(self.kv, batch.seqs, self.triton_queries):
             self._decode = self._decoder(batch.seqs)
             self._decode.plan(batch.seqs, batch.write_slots)
             return batch
@@ -74,9 +78,10 @@ class FlashInferAttention:
         """The Triton decode attention for this many sequences, its page table wide enough for them (its results
         do not depend on the width: a wider one is made only when a context outgrows the table)."""
         width = max(-(-s.ctx_slots.shape[0] // self.kv.page_size) for s in seqs)
-        dec = self._decoders.get(len(seqs))
+        key = (len(seqs), seqs[0].num_q)
+        dec = self._decoders.get(key)
         if dec is None or dec.table.shape[1] < width:
-            dec = self._decoders[len(seqs)] = triton_decode.TritonDecodeAttention(self.kv, len(seqs), 2 * width)
+            dec = self._decoders[key] = triton_decode.TritonDecodeAttention(self.kv, key[0], 2 * width, key[1])
         return dec
 
     fuses_rope = True

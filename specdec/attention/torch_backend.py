@@ -14,8 +14,8 @@ from specdec.attention.batch import AttentionBatch, SeqAttention
 class TorchAttention:
     name = "torch"
 
-    def __init__(self, kv_cache, num_qo_heads: int = 0):
-        self.kv = kv_cache
+    def __init__(self, kv_cache, num_qo_heads: int = 0, triton_queries: int = 1):
+        self.kv = kv_cache  # (`triton_queries`: the flashinfer backend's; every forward attends in torch here)
 
     def plan(self, batch: AttentionBatch) -> AttentionBatch:
         """Per-forward preparation shared by all layers: slot ids and masks on the cache's device."""

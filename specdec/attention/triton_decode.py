@@ -1,12 +1,12 @@
-"""Plain decode (one token per request) at small batch through the one-kernel Triton decode attention
-(`specdec.kernels.paged_decode`) instead of flashinfer: up to `MAX_BATCH` requests whose contexts are at most
-`MAX_CONTEXT` positions, in the target's captured plain decode (a second graph per small batch size, chosen per
-step by the context lengths) and in the flashinfer backend's eager forwards of the same batches (so replay ==
-eager).
+"""Plain decode (one token per request) and chain verifies (a root and its drafts, causal) at small batch through
+the one-kernel Triton decode attention (`specdec.kernels.paged_decode`) instead of flashinfer: up to `MAX_BATCH`
+requests of at most `MAX_QUERIES` tokens whose contexts are at most `MAX_CONTEXT` positions, in the target's
+captured causal forwards (a second graph per small batch size, chosen per step by the context lengths) and in the
+flashinfer backend's eager forwards of the same batches (so replay == eager).
 
 At batch 1-4 a layer's decode attention is a few microseconds of work; flashinfer's path spends two kernels on it
 (its prefill kernel and the merge of its KV splits, ~11.5 us a layer on an H200) and plans on the host (~0.2 ms
-a step). This one plans by writing three small device buffers, with the interface of `GraphAttention`'s causal
+a step). This one plans by writing two small device buffers, with the interface of `GraphAttention`'s causal
 plans (`plan`, `plan_causal`), so `TargetGraphs` swaps one for the other per shape. Measured in
 docs/benchmarks.md (fifteenth pass): at batch 8 and at ~4000 positions it was slower, so those keep flashinfer.
 """
@@ -20,52 +20,57 @@ from specdec.host_copy import copy_in
 
 MAX_BATCH = 4  # plain-decode batches up to this size attend here (larger: flashinfer)
 MAX_CONTEXT = 2048  # positions: longer contexts go to flashinfer (at ~4000 its kernel was 3-10 us a layer faster)
+MAX_QUERIES = 9  # tokens per request: plain decode and chain verifies of up to 8 drafts (longer: flashinfer)
 
 
-def serves(kv_cache, num_seqs: int, max_len: int) -> bool:
-    """Whether a plain decode of `num_seqs` requests whose longest context is `max_len` positions attends here:
-    small enough, on a device the Triton kernels run on, and `SPECDEC_DECODE_KERNEL` not 0."""
+def serves(kv_cache, num_seqs: int, max_len: int, n: int = 1) -> bool:
+    """Whether a causal forward of `num_seqs` requests of `n` tokens each whose longest context is `max_len`
+    positions attends here: small enough, on a device the Triton kernels run on, and `SPECDEC_DECODE_KERNEL` not
+    0."""
     from specdec.kernels import attention_fused, decode_kernel_on, fused
 
-    return (num_seqs <= MAX_BATCH and max_len <= MAX_CONTEXT and fused(kv_cache.k)
+    return (num_seqs <= MAX_BATCH and 1 <= n <= MAX_QUERIES and max_len <= MAX_CONTEXT and fused(kv_cache.k)
             and attention_fused(kv_cache.k.shape[-1]) and decode_kernel_on())
 
 
-def takes(kv_cache, seqs: list[SeqAttention]) -> bool:
-    """Whether an eager forward over `seqs` is a plain decode served here (one causal query each)."""
-    return (all(s.num_q == 1 and s.tail_mask is None for s in seqs)
-            and serves(kv_cache, len(seqs), max((s.ctx_slots.shape[0] for s in seqs), default=0)))
+def takes(kv_cache, seqs: list[SeqAttention], max_queries: int = 1) -> bool:
+    """Whether an eager forward over `seqs` is served here: the same number (up to `max_queries`) of causal
+    queries each (a plain decode, a chain verify; not a tree), few enough and short enough."""
+    n = seqs[0].num_q if seqs else 0
+    return (n <= max_queries and all(s.num_q == n and s.tail_mask is None for s in seqs)
+            and serves(kv_cache, len(seqs), max((s.ctx_slots.shape[0] for s in seqs), default=0), n))
 
 
 class TritonDecodeAttention:
     name = "triton-decode"
     fuses_rope = True
 
-    def __init__(self, kv_cache, batch_size: int, max_pages_per_seq: int):
+    def __init__(self, kv_cache, batch_size: int, max_pages_per_seq: int, n: int = 1):
         from specdec.kernels.paged_decode import decode_counters  # imports Triton
 
-        self.kv, self.batch_size, self.n = kv_cache, batch_size, 1
+        self.kv, self.batch_size, self.n = kv_cache, batch_size, n
         dev = kv_cache.k.device
         width = max_pages_per_seq
         # one buffer, one copy per plan: row b of the table, then the lengths
         self._meta = torch.zeros(batch_size * width + batch_size, dtype=torch.int32, device=dev)
         self.table = self._meta[: batch_size * width].view(batch_size, width)  # [B, P] pages in order
         self.lens = self._meta[batch_size * width :]  # [B] positions each query sees (its own included)
-        self.lens.fill_(1)
-        self.write_slots = torch.zeros(batch_size, dtype=torch.int64, device=dev)  # [B] the query's K/V slot
+        self.lens.fill_(n)
+        self.write_slots = torch.zeros(batch_size * n, dtype=torch.int64, device=dev)  # [B * n] the queries' K/V slots
         self.counters = decode_counters(batch_size, kv_cache.k.shape[2], dev)
 
     def plan(self, seqs: list[SeqAttention], write_slots: torch.Tensor) -> None:
-        """Host side, before capture or replay: `batch_size` sequences of one query each."""
+        """Host side, before capture or replay: `batch_size` sequences of `n` causal queries each."""
         ps = self.kv.page_size
-        assert len(seqs) == self.batch_size and all(s.num_q == 1 for s in seqs)
+        assert len(seqs) == self.batch_size and all(s.num_q == self.n and s.tail_mask is None for s in seqs)
         self.plan_causal([(s.ctx_slots[::ps] // ps).tolist() for s in seqs], [s.ctx_slots.shape[0] for s in seqs],
                          write_slots)
 
     def plan_causal(self, page_lists: list[list[int]], lens: list[int], write_slots=None) -> None:
-        """Sequence i's query is position lens[i] - 1 of the pages `page_lists[i]` and sees positions 0..lens[i]-1;
-        its K/V go to that position's slot (or `write_slots[i]`). Python lists throughout."""
-        ps, width = self.kv.page_size, self.table.shape[1]
+        """Sequence i's queries are positions lens[i] - n .. lens[i] - 1 of the pages `page_lists[i]`, each seeing
+        the positions up to its own; their K/V go to those positions' slots (or `write_slots[i * n:][:n]`). Python
+        lists throughout."""
+        ps, width, n = self.kv.page_size, self.table.shape[1], self.n
         meta: list[int] = []
         for pages, end in zip(page_lists, lens, strict=True):
             used = -(-end // ps)
@@ -76,8 +81,8 @@ class TritonDecodeAttention:
             meta += [0] * (width - used)
         copy_in(self._meta, meta + list(lens))
         if write_slots is None:
-            write_slots = [pages[(end - 1) // ps] * ps + (end - 1) % ps
-                           for pages, end in zip(page_lists, lens, strict=True)]
+            write_slots = [pages[pos // ps] * ps + pos % ps
+                           for pages, end in zip(page_lists, lens, strict=True) for pos in range(end - n, end)]
         copy_in(self.write_slots, write_slots)
 
     def forward_rope(self, layer: int, q, k, v, rot, batch) -> torch.Tensor:
@@ -87,7 +92,7 @@ class TritonDecodeAttention:
         k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]
         q = rope_store(q, k, v, rot.positions, rot.cos_table, rot.sin_table, k_cache, v_cache, self.write_slots)
         return paged_decode(q, k_cache, v_cache, self.table, self.lens, self.kv.page_size, q.shape[-1] ** -0.5,
-                            self.counters)
+                            self.counters, queries=self.n)
 
     def forward(self, layer: int, q, k, v, batch, scale: float) -> torch.Tensor:
         from specdec.kernels.paged_decode import paged_decode
@@ -96,4 +101,4 @@ class TritonDecodeAttention:
         k_cache[self.write_slots] = k.to(k_cache.dtype)
         v_cache[self.write_slots] = v.to(v_cache.dtype)
         return paged_decode(q.to(k_cache.dtype).contiguous(), k_cache, v_cache, self.table, self.lens,
-                            self.kv.page_size, scale, self.counters).to(q.dtype)
+                            self.kv.page_size, scale, self.counters, queries=self.n).to(q.dtype)

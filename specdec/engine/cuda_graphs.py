@@ -1,7 +1,8 @@
 """CUDA-graph replay of the target forward for uniform batches: B requests x n new tokens each (plain decode:
-n = 1; tree verify: n = num_draft_tokens + 1), with the flashinfer backend. Plain decode at small batch attends
-through the one-kernel Triton decode attention instead when the contexts are short (`attention/triton_decode.py`:
-a second set of graphs, `decode_graphs`, chosen per step; `SPECDEC_DECODE_KERNEL=0`: flashinfer there too).
+n = 1; tree verify: n = num_draft_tokens + 1), with the flashinfer backend. Causal forwards (plain decode, chain verifies) at small
+batch attend through the one-kernel Triton decode attention instead when the contexts are short
+(`attention/triton_decode.py`: a second set of graphs, `decode_graphs`, chosen per step; `SPECDEC_DECODE_KERNEL=0`:
+flashinfer there too).
 
 Graphs are captured for a ladder of batch sizes the first time a (n, aux layers, causal) shape is seen, largest
 first, sharing one memory pool (causal: every request's new tokens are a chain, so no tree mask is packed or
@@ -53,7 +54,8 @@ class TargetGraphs:
         self.max_pages_per_seq = -(-max_context // kv.page_size) + 1
         self.ladder = tuple(b for b in BATCH_LADDER if b <= max_batch_size) or (1,)
         self.graphs: dict[tuple[int, int, tuple[int, ...], bool], _Graph] = {}
-        self.decode_graphs: dict[tuple[int, tuple[int, ...]], _Graph] = {}  # (bucket, aux): Triton decode, n = 1
+        # (bucket, n, aux) of causal shapes: the same forward attending through the Triton decode kernel
+        self.decode_graphs: dict[tuple[int, int, tuple[int, ...]], _Graph] = {}
         self.failed: set[tuple[int, tuple[int, ...], bool]] = set()  # (n, aux, causal) whose capture failed: eager
         self.pool = None
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=kv.k.device)
@@ -88,7 +90,7 @@ class TargetGraphs:
 
     def _run(self, ids, positions, seqs, write_slots, n, aux_layers, causal, inputs_taken):
         b = len(seqs)
-        g, pad = self._graph(b, n, aux_layers, causal, max(s.ctx_slots.shape[0] for s in seqs) if n == 1 else 0)
+        g, pad = self._graph(b, n, aux_layers, causal, max(s.ctx_slots.shape[0] for s in seqs) if causal else 0)
         if pad:
             seqs = seqs + [self._scratch_seq(n, causal) for _ in range(pad)]
             write_slots = torch.cat([write_slots, self._scratch_slots(n).repeat(pad)])
@@ -105,14 +107,15 @@ class TargetGraphs:
             what = f"the target's {n}-token {'causal ' if causal else ''}forwards"
             capture_or_go_eager(lambda: self._capture_ladder(n, aux_layers, causal), what,
                                 lambda: self._forget(n, aux_layers, causal))
-        decode = self.plain_decode_graph(bucket, aux_layers, max_len) if n == 1 else None
-        return decode or self.graphs[key], bucket - b
+        small = self.triton_graph(bucket, n, aux_layers, max_len) if causal else None
+        return small or self.graphs[key], bucket - b
 
-    def plain_decode_graph(self, bucket: int, aux_layers: tuple[int, ...], max_len: int) -> _Graph | None:
-        """The Triton-decode graph a plain decode of `bucket` (padded) requests whose longest context is `max_len`
-        positions replays, or None (flashinfer's). Captured only where `triton_decode.serves` the batch size."""
+    def triton_graph(self, bucket: int, n: int, aux_layers: tuple[int, ...], max_len: int) -> _Graph | None:
+        """The Triton-decode graph a causal forward of `bucket` (padded) requests of n tokens whose longest context
+        is `max_len` positions replays, or None (flashinfer's). Captured only where `triton_decode.serves` the
+        batch size and n."""
         if max_len <= triton_decode.MAX_CONTEXT:
-            return self.decode_graphs.get((bucket, aux_layers))
+            return self.decode_graphs.get((bucket, n, aux_layers))
         return None
 
     @staticmethod
@@ -133,8 +136,8 @@ class TargetGraphs:
         self.failed.add((n, aux_layers, causal))
         for k in [k for k in self.graphs if k[1:] == (n, aux_layers, causal)]:
             del self.graphs[k]
-        if n == 1:
-            for k in [k for k in self.decode_graphs if k[1] == aux_layers]:
+        if causal:
+            for k in [k for k in self.decode_graphs if k[1:] == (n, aux_layers)]:
                 del self.decode_graphs[k]
 
     def _scratch_slots(self, n: int) -> torch.Tensor:
@@ -150,9 +153,9 @@ class TargetGraphs:
         ladder = ladder_for(self.ladder, n)
         for bucket in sorted(ladder, reverse=True):
             self.graphs[(bucket, n, aux_layers, causal)] = self._capture(bucket, n, aux_layers, causal)
-        if n == 1:  # short contexts of a few requests: the Triton decode attention, one more graph each
-            for bucket in sorted((b for b in ladder if triton_decode.serves(self.kv, b, 1)), reverse=True):
-                self.decode_graphs[(bucket, aux_layers)] = self._capture(bucket, 1, aux_layers, True, True)
+        if causal:  # short contexts of a few requests: the Triton decode attention, one more graph each
+            for bucket in sorted((b for b in ladder if triton_decode.serves(self.kv, b, n, n)), reverse=True):
+                self.decode_graphs[(bucket, n, aux_layers)] = self._capture(bucket, n, aux_layers, True, True)
         log.info("captured target CUDA graphs for n=%d tokens/request%s, batch sizes %s, aux %s in %.1f s "
                  "(+%.0f MiB)", n, " (causal)" if causal and n > 1 else "", list(ladder), list(aux_layers),
                  time.perf_counter() - t0, (torch.cuda.memory_allocated() - mem0) / 2**20)
@@ -162,7 +165,7 @@ class TargetGraphs:
                  triton: bool = False) -> _Graph:
         dev = self.kv.k.device
         if triton:
-            attn = triton_decode.TritonDecodeAttention(self.kv, bucket, self.max_pages_per_seq)
+            attn = triton_decode.TritonDecodeAttention(self.kv, bucket, self.max_pages_per_seq, n)
         else:
             attn = GraphAttention(self.kv, self.model.cfg.num_heads, bucket, n, self.max_pages_per_seq,
                                   self.workspace, causal)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.attention import AttentionBatch, SeqAttention, make_backend
+from specdec.attention import AttentionBatch, SeqAttention, make_backend, triton_decode
 from specdec.attention.graph_backend import GraphCaptureError
 from specdec.engine.device import engine_call
 from specdec.engine.finish import cut_at_finish
@@ -81,7 +81,7 @@ class TargetEngine:
         self.model, self.cfg, self.device = model, cfg, torch.device(device)
         dtype = next(model.parameters()).dtype
         self.kv = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages, page_size, dtype, device)
-        self.backend = make_backend(attention_backend, self.kv, cfg.num_heads)
+        self.backend = make_backend(attention_backend, self.kv, cfg.num_heads, triton_decode.MAX_QUERIES)
         self.max_context = min(max_context or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.max_draft_tokens = max_draft_tokens
         self.requests: dict[str, TargetRequest] = {}

@@ -1,10 +1,12 @@
-"""Decode attention over the paged KV cache in one kernel that needs no host-side plan: one query token per
-sequence, the page table and the lengths read from device tensors. The draft's captured chain proposal uses it (a
+"""Decode attention over the paged KV cache in one kernel that needs no host-side plan: a few causal query tokens
+per sequence (one for a decode step, a chain's root and drafts for its verify), the page table and the lengths
+read from device tensors. The draft's captured chain proposal uses it (a
 proposal of `num_steps` tokens costs no attention planning on the host, and the lengths of step d are computed
 inside the graph), and so does the target's captured plain decode at small batch (`attention/triton_decode.py`).
 
-Split-KV with the merge in the same launch: program (b, kv head, s) attends the query heads of one KV head over
-split s of sequence b's context with an online softmax (a split is a whole number of 128-position units, as few
+Split-KV with the merge in the same launch: program (b, kv head, s) attends the query heads of one KV head (of
+all the sequence's query tokens: rows token-major, query j sees the context up to its own position) over split s
+of sequence b's context with an online softmax (a split is a whole number of 128-position units, as few
 as keep a context within 32 splits: its length depends on the sequence's length alone, so any two callers that
 attend the same context round alike, whatever their table width or batch), writes a partial output and its
 log-sum-exp, then takes a ticket from a per-(b, kv head) counter; the program that draws the last ticket merges
@@ -30,7 +32,7 @@ BLOCK = 128  # context positions per inner step (one unit: measured faster than 
 @triton.jit
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, table_stride, lens_ptr, o_ptr, lse_ptr, count_ptr, out_ptr,
                    sm_scale, S: tl.constexpr, MAX_S: tl.constexpr, UNIT: tl.constexpr, MAX_CHUNK: tl.constexpr,
-                   KV: tl.constexpr, G: tl.constexpr,
+                   KV: tl.constexpr, G: tl.constexpr, NQ: tl.constexpr,
                    GP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, BLOCK: tl.constexpr, PREC: tl.constexpr,
                    DYNAMIC: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
@@ -42,10 +44,11 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, table_stride, lens_ptr, o_p
     chunk = tl.cdiv(tl.cdiv(n, UNIT), MAX_S) * UNIT
     start = s * chunk
     end = tl.minimum(n, start + chunk)
-    g = tl.arange(0, GP)
+    r = tl.arange(0, GP)  # row r: query token r // G, query head r % G of this KV head
     d = tl.arange(0, D)
-    rows = b * KV * G + kvh * G + g  # this KV head's query heads
-    live = g < G
+    rows = (b * NQ + r // G) * KV * G + kvh * G + r % G
+    live = r < NQ * G
+    sees = n - NQ + 1 + r // G  # causal: query j sees positions 0 .. n - NQ + j
     q = tl.load(q_ptr + rows[:, None] * D + d[None, :], mask=live[:, None], other=0.0)  # [GP, D]
     m = tl.full([GP], float("-inf"), tl.float32)
     total = tl.zeros([GP], tl.float32)
@@ -59,7 +62,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, table_stride, lens_ptr, o_p
         k = tl.load(kc_ptr + at, mask=ok[:, None], other=0.0)  # [BLOCK, D]
         v = tl.load(vc_ptr + at, mask=ok[:, None], other=0.0)
         sc = tl.dot(q, tl.trans(k), input_precision=PREC) * sm_scale  # [GP, BLOCK]
-        sc = tl.where(ok[None, :], sc, float("-inf"))
+        sc = tl.where(ok[None, :] & (t[None, :] < sees[:, None]), sc, float("-inf"))
         m_new = tl.maximum(m, tl.max(sc, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: no NaN from -inf - -inf
         alpha = tl.exp(m - m_safe)
@@ -67,7 +70,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, table_stride, lens_ptr, o_p
         total = total * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m = m_new
-    seen = total > 0  # False: the split lies past the sequence's end (weight 0 in the merge)
+    seen = total > 0  # False: the split lies past what the query sees (weight 0 in the merge)
     safe = tl.where(seen, total, 1.0)
     part = rows * S + s
     tl.store(o_ptr + part[:, None] * D + d[None, :], acc / safe[:, None], mask=live[:, None])
@@ -104,20 +107,23 @@ def decode_counters(batch_size: int, kv_heads: int, device) -> torch.Tensor:
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                  lens: torch.Tensor, page_size: int, sm_scale: float, counters: torch.Tensor | None = None,
-                 block: int = BLOCK, num_warps: int = 4) -> torch.Tensor:
-    """q: [B, H, D] (contiguous); k_cache, v_cache: [num_slots, KV, D] with slot = page * page_size + offset;
-    page_table: [B, P] int32, row b's first ceil(lens[b] / page_size) entries are sequence b's pages in order;
-    lens: [B] int32, each >= 1 (the query sees positions 0..lens[b]-1). `counters`: from `decode_counters` for at
-    least B sequences, used by one stream at a time (None: fresh ones, a memset more). Returns [B, H, D] in q's
-    dtype."""
-    b, h, d = q.shape
+                 block: int = BLOCK, num_warps: int = 4, queries: int = 1) -> torch.Tensor:
+    """q: [B * queries, H, D] (contiguous; sequence b's query tokens are rows b * queries ...); k_cache, v_cache:
+    [num_slots, KV, D] with slot = page * page_size + offset; page_table: [B, P] int32, row b's first
+    ceil(lens[b] / page_size) entries are sequence b's pages in order; lens: [B] int32, each >= queries (query j
+    of sequence b sees positions 0..lens[b] - queries + j: causal, the queries are the context's last positions).
+    `counters`: from `decode_counters` for at least B sequences, used by one stream at a time (None: fresh ones, a
+    memset more). Returns [B * queries, H, D] in q's dtype."""
+    t, h, d = q.shape
+    b = t // queries
+    assert b * queries == t, f"{t} query rows are not {queries} per sequence"
     kv = k_cache.shape[1]
     max_ctx = page_table.shape[1] * page_size
     units = -(-max_ctx // UNIT)
     num_splits = min(SPLITS, units)  # enough for the longest context the table holds
     max_chunk = -(-units // SPLITS) * UNIT
-    o_part = torch.empty(b, h, num_splits, d, dtype=torch.float32, device=q.device)
-    lse = torch.empty(b, h, num_splits, dtype=torch.float32, device=q.device)
+    o_part = torch.empty(t, h, num_splits, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(t, h, num_splits, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     if counters is None:
         counters = decode_counters(b, kv, q.device)
@@ -126,7 +132,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         with on_device(q):
             _decode_kernel[(b, kv, num_splits)](
                 q, k_cache, v_cache, page_table, page_table.stride(0), lens, o_part, lse, counters, out, sm_scale,
-                S=num_splits, MAX_S=SPLITS, UNIT=UNIT, MAX_CHUNK=max_chunk, KV=kv, G=h // kv,
-                GP=max(16, triton.next_power_of_2(h // kv)), D=d, PS=page_size, BLOCK=block,
+                S=num_splits, MAX_S=SPLITS, UNIT=UNIT, MAX_CHUNK=max_chunk, KV=kv, G=h // kv, NQ=queries,
+                GP=max(16, triton.next_power_of_2(queries * (h // kv))), D=d, PS=page_size, BLOCK=block,
                 PREC="ieee" if q.dtype == torch.float32 else "tf32", DYNAMIC=not interpreted(), num_warps=num_warps)
     return out

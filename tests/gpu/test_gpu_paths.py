@@ -115,20 +115,29 @@ def test_cuda_graph_replay_equals_eager(num_requests):
     assert {k[1:] for k in graphed.graphs.graphs} >= {(1, (), True), (7, (), False), (5, (), True)}
 
 
-def test_small_plain_decode_attends_through_the_triton_kernel():
-    """Captured plain decode up to MAX_BATCH requests has a second graph that attends through the Triton decode
-    kernel, replayed while the contexts are at most MAX_CONTEXT; the flashinfer graphs cover every size."""
+def test_small_causal_forwards_attend_through_the_triton_kernel():
+    """Captured plain decode and chain verifies up to MAX_BATCH requests have a second graph that attends through
+    the Triton decode kernel, replayed while the contexts are at most MAX_CONTEXT; the flashinfer graphs cover every
+    size, and trees stay with them."""
     from specdec.attention.graph_backend import GraphAttention
-    from specdec.attention.triton_decode import MAX_BATCH, MAX_CONTEXT, TritonDecodeAttention
+    from specdec.attention.triton_decode import MAX_BATCH, MAX_CONTEXT, MAX_QUERIES, TritonDecodeAttention
+    from specdec.engine.requests import PrefillInput, VerifyInput
+    from specdec.sampling_params import SamplingParams
 
     eng = _engine("flashinfer")
     graphs = eng.graphs
     assert all(type(g.attn) is GraphAttention for g in graphs.graphs.values())
-    assert set(graphs.decode_graphs) == {(b, ()) for b in graphs.ladder if b <= MAX_BATCH}
+    assert set(graphs.decode_graphs) == {(b, 1, ()) for b in graphs.ladder if b <= MAX_BATCH}
     assert all(type(g.attn) is TritonDecodeAttention for g in graphs.decode_graphs.values())
-    assert graphs._graph(3, 1, (), True, MAX_CONTEXT)[0] is graphs.decode_graphs[(4, ())]
+    assert graphs._graph(3, 1, (), True, MAX_CONTEXT)[0] is graphs.decode_graphs[(4, 1, ())]
     assert graphs._graph(3, 1, (), True, MAX_CONTEXT + 1)[0] is graphs.graphs[(4, 1, (), True)]
     assert graphs._graph(MAX_BATCH + 1, 1, (), True, 10)[0] is graphs.graphs[(8, 1, (), True)]
+    eng.prefill([PrefillInput("r0", list(range(300, 340)), SamplingParams(max_new_tokens=50, ignore_eos=True))])
+    for parents in ([-1, 0, 1, 2, 3], [-1, -1, 0, 1, 2], list(range(-1, MAX_QUERIES - 1))):  # chain, tree, too long
+        eng.verify([VerifyInput("r0", [7] * len(parents), parents)])
+    assert (1, 6, ()) in graphs.decode_graphs and (1, 6, (), True) in graphs.graphs
+    assert graphs._graph(1, 6, (), True, 60)[0] is graphs.decode_graphs[(1, 6, ())]
+    assert (1, 6, (), False) in graphs.graphs and not any(k[1] > MAX_QUERIES for k in graphs.decode_graphs)
 
 
 @pytest.mark.parametrize("graphs", [True, False])

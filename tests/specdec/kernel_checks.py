@@ -131,6 +131,20 @@ def check_paged_decode(device, dtype, g):
         wider = torch.cat([table, torch.zeros(len(lens), 40, dtype=torch.int32)], 1).to(device)  # more splits
         check("paged_decode, a wider table: the same rounding", paged_decode(
             q, k_cache, v_cache, wider, torch.tensor(lens, dtype=torch.int32).to(device), page_size, scale), got, 0.0)
+        # several causal queries per sequence (a chain verify): query j sees positions 0..len - nq + j
+        for nq in (3, 9):
+            lq = [max(n, nq) for n in lens]
+            pq = [perm[3 * i:][: -(-n // page_size)] for i, n in enumerate(lq)]
+            tq = torch.zeros(len(lq), width, dtype=torch.int32)
+            for i, pages in enumerate(pq):
+                tq[i, : len(pages)] = torch.tensor(pages)
+            qq = torch.randn(len(lq) * nq, heads, d, generator=g).to(device, dtype)
+            want = torch.stack([torch_decode(qq[i * nq + j], k_cache, v_cache, p, n - nq + 1 + j, page_size, scale)
+                                for i, (p, n) in enumerate(zip(pq, lq, strict=True)) for j in range(nq)])
+            got = paged_decode(qq, k_cache, v_cache, tq.to(device), torch.tensor(lq, dtype=torch.int32).to(device),
+                               page_size, scale, counters, queries=nq)
+            check(f"paged_decode {nq} causal queries, {heads}/{kv_heads} heads, lens {lq}", got, want, *tol)
+            check("paged_decode counters back to 0", counters, torch.zeros_like(counters), 0.0)
 
 
 def check_chain_step(device, dtype, g):
@@ -197,6 +211,27 @@ def check_decode_graph(device, dtype, g):
                   torch.cat([k[i], v[i]]), 0.0)
             want = torch_decode(q[i], kv.k[1], kv.v[1], p, n, page_size, d ** -0.5)
             check(f"decode graph lens {lens} request {i} attention", got[i], want, *tol)
+    # a chain verify of 4 tokens a request (root + 3 drafts): K/V at the last 4 positions, causal attention
+    attn = TritonDecodeAttention(kv, 2, 12, 4)
+    for lens, from_slots in (([9, 37], False), ([14, 44], True)):
+        if from_slots:
+            seqs = [SeqAttention(torch.tensor([p[i // page_size] * page_size + i % page_size for i in range(n)]), 4)
+                    for p, n in zip(pages, lens, strict=True)]
+            attn.plan(seqs, torch.cat([s.ctx_slots[-4:] for s in seqs]))
+        else:
+            attn.plan_causal(pages, lens)
+        q = torch.randn(8, heads, d, generator=g).to(device, dtype)
+        k = torch.randn(8, kv_heads, d, generator=g).to(device, dtype)
+        v = torch.randn(8, kv_heads, d, generator=g).to(device, dtype)
+        got = attn.forward(0, q, k, v, None, d ** -0.5)
+        for i, (p, n) in enumerate(zip(pages, lens, strict=True)):
+            for j in range(4):
+                pos = n - 4 + j
+                slot = p[pos // page_size] * page_size + pos % page_size
+                check(f"chain graph lens {lens} request {i} token {j} K/V", torch.cat([kv.k[0, slot], kv.v[0, slot]]),
+                      torch.cat([k[4 * i + j], v[4 * i + j]]), 0.0)
+                want = torch_decode(q[4 * i + j], kv.k[0], kv.v[0], p, pos + 1, page_size, d ** -0.5)
+                check(f"chain graph lens {lens} request {i} token {j} attention", got[4 * i + j], want, *tol)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ def _seq(n: int, num_q: int = 1, mask=None) -> SeqAttention:
 def test_takes_plain_decode_of_a_few_requests_only(kv):
     assert triton_decode.takes(kv, [_seq(9)] * triton_decode.MAX_BATCH)
     assert not triton_decode.takes(kv, [_seq(9)] * (triton_decode.MAX_BATCH + 1))  # larger batches: flashinfer
-    assert not triton_decode.takes(kv, [_seq(9), _seq(9, 2)])  # a chain or a prefill
+    assert not triton_decode.takes(kv, [_seq(9), _seq(9, 2)])  # a chain or a prefill (the draft's backend)
     assert not triton_decode.takes(kv, [_seq(9, 1, torch.ones(1, 1, dtype=torch.bool))])  # a tree mask
     assert triton_decode.serves(kv, 2, triton_decode.MAX_CONTEXT)
     assert not triton_decode.serves(kv, 2, triton_decode.MAX_CONTEXT + 1)  # long contexts: flashinfer
@@ -50,3 +50,21 @@ def test_plan_refuses_a_context_its_table_cannot_hold(kv):
         attn.plan_causal([[5, 6, 7, 8]], [13])
     with pytest.raises(ValueError, match="2 given"):
         attn.plan_causal([[5, 6]], [9])
+
+
+def test_takes_chain_verifies_where_its_caller_asks(kv):
+    """The target's backend (`triton_queries` = MAX_QUERIES) sends chain verifies of a few requests here too: the
+    same number of causal tokens each, up to MAX_QUERIES; trees and mixed lengths go to flashinfer."""
+    most = triton_decode.MAX_QUERIES
+    assert triton_decode.takes(kv, [_seq(20, 6)] * 2, most) and triton_decode.takes(kv, [_seq(20, most)], most)
+    assert not triton_decode.takes(kv, [_seq(20, most + 1)], most)  # a longer chain
+    assert not triton_decode.takes(kv, [_seq(20, 6), _seq(20, 4)], most)  # mixed lengths
+    assert not triton_decode.takes(kv, [_seq(20, 3, torch.ones(3, 3, dtype=torch.bool).tril())], most)  # a tree
+    assert triton_decode.serves(kv, 4, 100, most) and not triton_decode.serves(kv, 4, 100, most + 1)
+
+
+def test_a_chain_plan_writes_each_tokens_slot(kv):
+    attn = triton_decode.TritonDecodeAttention(kv, 2, 4, 3)  # 2 requests of 3 tokens, pages of 4
+    attn.plan_causal([[5, 6], [9, 2, 7]], [6, 9])  # positions 3-5 and 6-8
+    assert attn.write_slots.tolist() == [23, 24, 25, 10, 11, 28]
+    assert attn.lens.tolist() == [6, 9] and attn.table.tolist() == [[5, 6, 0, 0], [9, 2, 7, 0]]
