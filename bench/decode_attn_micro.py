@@ -1,12 +1,13 @@
-"""Decode attention (one query per request; `--queries n`: a chain verify's n causal queries) of the 8B shape (32 query / 8 KV heads, head_dim 128, bf16, pages of
-16) as a captured plain decode runs it: flashinfer's captured prefill path (`GraphAttention`, what plain decode used
-through the fourteenth pass: its prefill kernel and its split merge) against the one-kernel Triton decode
-attention (`specdec.kernels.paged_decode`) at a few block sizes and warp counts. Each variant runs over 32 layers'
-caches captured in one CUDA graph (as the 32 layers of a forward would), timed per layer call; `max_abs_diff` is
-against flashinfer's output. Issue 6: flashinfer spent ~11.5 us a layer at batch 1.
+"""Decode attention of the 8B shape (32 query / 8 KV heads, head_dim 128, bf16, pages of 16) as a captured causal
+forward runs it (one query per request; `--queries n`: a chain verify's n causal queries): flashinfer's captured
+prefill path (`GraphAttention`, what plain decode used through the fourteenth pass: its prefill kernel and its split
+merge) against the one-kernel Triton decode attention (`specdec.kernels.paged_decode`) at a few block sizes, warp
+counts and split limits. Each variant runs over 32 layers' caches captured in one CUDA graph (as the 32 layers of
+a forward would), timed per layer call; `max_abs_diff` is against flashinfer's output. Issue 6: flashinfer spent
+~11.5 us a layer at batch 1.
 
     python bench/decode_attn_micro.py [--batch-sizes 1,2,4,8,16,32] [--contexts 384,2048] [--queries 1,9]
-        [--out attn.json]
+        [--variants 128x4,64x4s8] [--out attn.json]
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specdec.attention.graph_backend import GraphAttention, capture_graph  # noqa: E402
-from specdec.kernels.paged_decode import decode_counters, paged_decode  # noqa: E402
+from specdec.kernels.paged_decode import SPLITS, decode_counters, paged_decode  # noqa: E402
 
 HEADS, KV, D, PS, LAYERS = 32, 8, 128, 16, 32
 
@@ -66,17 +67,24 @@ def one_case(b: int, ctx: int, width: int, variants, nq: int = 1) -> dict:
     lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
     counters = decode_counters(b, KV, "cuda")
     more = {"queries": nq} if nq > 1 else {}
-    for block, warps in variants:
-        def run_tr(block=block, warps=warps):
+    for name, block, warps, splits in variants:
+        def run_tr(block=block, warps=warps, splits=splits):
             outs["tr"] = [paged_decode(q, cache.k[i], cache.v[i], table, lens_t, PS, D ** -0.5, counters, block,
-                                       warps, **more) for i in range(LAYERS)]
+                                       warps, splits=splits, **more) for i in range(LAYERS)]
 
         us = graph_us(run_tr)
         diff = max((a.float() - c.float()).abs().max().item() for a, c in zip(outs["tr"], outs["fi"], strict=True))
-        row[f"triton_b{block}_w{warps}_us"] = round(us, 2)
+        row[f"triton_{name}_us"] = round(us, 2)
         row.setdefault("triton_max_abs_diff", 0.0)
         row["triton_max_abs_diff"] = max(row["triton_max_abs_diff"], round(diff, 5))
     return row
+
+
+def _variant(text: str) -> tuple[str, int, int, int]:
+    """'128x4' (block x warps) or '128x4s8' (and at most 8 splits): (name, block, warps, splits)."""
+    size, _, splits = text.partition("s")
+    block, warps = (int(x) for x in size.split("x"))
+    return text, block, warps, int(splits) if splits else SPLITS
 
 
 @torch.inference_mode()
@@ -86,12 +94,12 @@ def main() -> int:
     ap.add_argument("--contexts", default="384,2048")
     ap.add_argument("--max-context", type=int, default=4096, help="the page table's width, as the engine's graphs")
     ap.add_argument("--variants", default="128x4,64x4,32x4,128x8",
-                    help="block x warps of the Triton kernel (the shipped: 128x4)")
+                    help="block x warps [s most splits] of the Triton kernel (the shipped: 128x4, 32 splits)")
     ap.add_argument("--queries", default="1", help="causal query tokens per request (a chain verify: drafts + 1)")
     ap.add_argument("--out", default="decode_attn.json")
     args = ap.parse_args()
     width = -(-args.max_context // PS) + 1
-    variants = [tuple(int(x) for x in v.split("x")) for v in args.variants.split(",")]
+    variants = [_variant(v) for v in args.variants.split(",")]
     rows = []
     for nq in (int(x) for x in args.queries.split(",")):
         for b in (int(x) for x in args.batch_sizes.split(",")):

@@ -21,6 +21,9 @@ from specdec.host_copy import copy_in
 MAX_BATCH = 4  # plain-decode batches up to this size attend here (larger: flashinfer)
 MAX_CONTEXT = 2048  # positions: longer contexts go to flashinfer (at ~4000 its kernel was 3-10 us a layer faster)
 MAX_QUERIES = 9  # tokens per request: plain decode and chain verifies of up to 8 drafts (longer: flashinfer)
+# positions, for several tokens a request: at 384 the kernel beat flashinfer's at 1-4 requests and 7 or 9 tokens
+# (8.8-13.3 us a layer against 10.2-16.4), at 1024 it lost at 1 request and at 4 of 9 tokens (sixteenth pass)
+MAX_CHAIN_CONTEXT = 512
 
 
 def serves(kv_cache, num_seqs: int, max_len: int, n: int = 1) -> bool:
@@ -29,8 +32,13 @@ def serves(kv_cache, num_seqs: int, max_len: int, n: int = 1) -> bool:
     0."""
     from specdec.kernels import attention_fused, decode_kernel_on, fused
 
-    return (num_seqs <= MAX_BATCH and 1 <= n <= MAX_QUERIES and max_len <= MAX_CONTEXT and fused(kv_cache.k)
+    return (num_seqs <= MAX_BATCH and 1 <= n <= MAX_QUERIES and max_len <= longest_context(n) and fused(kv_cache.k)
             and attention_fused(kv_cache.k.shape[-1]) and decode_kernel_on())
+
+
+def longest_context(n: int) -> int:
+    """The longest context (positions) a forward of n tokens a request attends here at."""
+    return MAX_CONTEXT if n == 1 else MAX_CHAIN_CONTEXT
 
 
 def takes(kv_cache, seqs: list[SeqAttention], max_queries: int = 1) -> bool:

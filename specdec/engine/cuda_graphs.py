@@ -1,8 +1,8 @@
 """CUDA-graph replay of the target forward for uniform batches: B requests x n new tokens each (plain decode:
-n = 1; tree verify: n = num_draft_tokens + 1), with the flashinfer backend. Causal forwards (plain decode, chain verifies) at small
-batch attend through the one-kernel Triton decode attention instead when the contexts are short
-(`attention/triton_decode.py`: a second set of graphs, `decode_graphs`, chosen per step; `SPECDEC_DECODE_KERNEL=0`:
-flashinfer there too).
+n = 1; tree verify: n = num_draft_tokens + 1), with the flashinfer backend. Causal forwards (plain decode,
+chain verifies) at small batch attend through the one-kernel Triton decode attention instead when the contexts
+are short (`attention/triton_decode.py`: a second set of graphs, `decode_graphs`, chosen per step;
+`SPECDEC_DECODE_KERNEL=0`: flashinfer there too).
 
 Graphs are captured for a ladder of batch sizes the first time a (n, aux layers, causal) shape is seen, largest
 first, sharing one memory pool (causal: every request's new tokens are a chain, so no tree mask is packed or
@@ -114,7 +114,7 @@ class TargetGraphs:
         """The Triton-decode graph a causal forward of `bucket` (padded) requests of n tokens whose longest context
         is `max_len` positions replays, or None (flashinfer's). Captured only where `triton_decode.serves` the
         batch size and n."""
-        if max_len <= triton_decode.MAX_CONTEXT:
+        if max_len <= triton_decode.longest_context(n):
             return self.decode_graphs.get((bucket, n, aux_layers))
         return None
 

@@ -24,7 +24,11 @@ import triton.language as tl
 
 from specdec.kernels import interpreted, on_device
 
-SPLITS = 32  # most splits a sequence's context is cut into
+SPLITS = 32  # most splits a sequence's context is cut into (one query per sequence)
+# several queries: the merge (one program per sequence and KV head) reads every split's partials of all of them,
+# 9 x 4 rows of 128 floats a split at a chain of 8, GQA 4; at 8 splits (against 32) a chain verify of 1-4 requests
+# ran 0.2-22 us a layer faster, and 2-6 faster than flashinfer's at 384 positions (docs/benchmarks.md, sixteenth pass)
+CHAIN_SPLITS = 8
 UNIT = 128  # positions: a split is a whole number of units, as few as keep the splits within SPLITS
 BLOCK = 128  # context positions per inner step (one unit: measured faster than 64 or 32 at batch 1-2)
 
@@ -107,21 +111,23 @@ def decode_counters(batch_size: int, kv_heads: int, device) -> torch.Tensor:
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                  lens: torch.Tensor, page_size: int, sm_scale: float, counters: torch.Tensor | None = None,
-                 block: int = BLOCK, num_warps: int = 4, queries: int = 1) -> torch.Tensor:
+                 block: int = BLOCK, num_warps: int = 4, queries: int = 1, splits: int | None = None) -> torch.Tensor:
     """q: [B * queries, H, D] (contiguous; sequence b's query tokens are rows b * queries ...); k_cache, v_cache:
     [num_slots, KV, D] with slot = page * page_size + offset; page_table: [B, P] int32, row b's first
     ceil(lens[b] / page_size) entries are sequence b's pages in order; lens: [B] int32, each >= queries (query j
     of sequence b sees positions 0..lens[b] - queries + j: causal, the queries are the context's last positions).
     `counters`: from `decode_counters` for at least B sequences, used by one stream at a time (None: fresh ones, a
-    memset more). Returns [B * queries, H, D] in q's dtype."""
+    memset more). `splits`: the most splits of a context (default SPLITS, CHAIN_SPLITS for several queries;
+    `block`, `num_warps`, `splits` are there for benchmarks). Returns [B * queries, H, D] in q's dtype."""
     t, h, d = q.shape
     b = t // queries
+    splits = splits or (SPLITS if queries == 1 else CHAIN_SPLITS)
     assert b * queries == t, f"{t} query rows are not {queries} per sequence"
     kv = k_cache.shape[1]
     max_ctx = page_table.shape[1] * page_size
     units = -(-max_ctx // UNIT)
-    num_splits = min(SPLITS, units)  # enough for the longest context the table holds
-    max_chunk = -(-units // SPLITS) * UNIT
+    num_splits = min(splits, units)  # enough for the longest context the table holds
+    max_chunk = -(-units // splits) * UNIT
     o_part = torch.empty(t, h, num_splits, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(t, h, num_splits, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
@@ -132,7 +138,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         with on_device(q):
             _decode_kernel[(b, kv, num_splits)](
                 q, k_cache, v_cache, page_table, page_table.stride(0), lens, o_part, lse, counters, out, sm_scale,
-                S=num_splits, MAX_S=SPLITS, UNIT=UNIT, MAX_CHUNK=max_chunk, KV=kv, G=h // kv, NQ=queries,
+                S=num_splits, MAX_S=splits, UNIT=UNIT, MAX_CHUNK=max_chunk, KV=kv, G=h // kv, NQ=queries,
                 GP=max(16, triton.next_power_of_2(queries * (h // kv))), D=d, PS=page_size, BLOCK=block,
                 PREC="ieee" if q.dtype == torch.float32 else "tf32", DYNAMIC=not interpreted(), num_warps=num_warps)
     return out

@@ -120,7 +120,13 @@ def test_small_causal_forwards_attend_through_the_triton_kernel():
     the Triton decode kernel, replayed while the contexts are at most MAX_CONTEXT; the flashinfer graphs cover every
     size, and trees stay with them."""
     from specdec.attention.graph_backend import GraphAttention
-    from specdec.attention.triton_decode import MAX_BATCH, MAX_CONTEXT, MAX_QUERIES, TritonDecodeAttention
+    from specdec.attention.triton_decode import (
+        MAX_BATCH,
+        MAX_CHAIN_CONTEXT,
+        MAX_CONTEXT,
+        MAX_QUERIES,
+        TritonDecodeAttention,
+    )
     from specdec.engine.requests import PrefillInput, VerifyInput
     from specdec.sampling_params import SamplingParams
 
@@ -137,6 +143,7 @@ def test_small_causal_forwards_attend_through_the_triton_kernel():
         eng.verify([VerifyInput("r0", [7] * len(parents), parents)])
     assert (1, 6, ()) in graphs.decode_graphs and (1, 6, (), True) in graphs.graphs
     assert graphs._graph(1, 6, (), True, 60)[0] is graphs.decode_graphs[(1, 6, ())]
+    assert graphs._graph(1, 6, (), True, MAX_CHAIN_CONTEXT + 1)[0] is graphs.graphs[(1, 6, (), True)]
     assert (1, 6, (), False) in graphs.graphs and not any(k[1] > MAX_QUERIES for k in graphs.decode_graphs)
 
 

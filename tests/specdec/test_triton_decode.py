@@ -61,6 +61,7 @@ def test_takes_chain_verifies_where_its_caller_asks(kv):
     assert not triton_decode.takes(kv, [_seq(20, 6), _seq(20, 4)], most)  # mixed lengths
     assert not triton_decode.takes(kv, [_seq(20, 3, torch.ones(3, 3, dtype=torch.bool).tril())], most)  # a tree
     assert triton_decode.serves(kv, 4, 100, most) and not triton_decode.serves(kv, 4, 100, most + 1)
+    assert not triton_decode.serves(kv, 1, triton_decode.MAX_CHAIN_CONTEXT + 1, 2)  # long: flashinfer's is faster
 
 
 def test_a_chain_plan_writes_each_tokens_slot(kv):
