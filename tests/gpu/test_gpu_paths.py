@@ -89,8 +89,9 @@ def test_greedy_speculative_equals_plain_on_gpu(kind, backend, dtype, near_tie, 
 
 @pytest.mark.parametrize("num_requests", [1, 3])
 def test_cuda_graph_replay_equals_eager(num_requests):
-    """Plain decode (n = 1) and tree verify (n = 7) through captured graphs == the eager flashinfer path,
-    including a batch padded up to the next captured size (3 -> 4)."""
+    """Plain decode (n = 1), tree verify (n = 7) and a chain's (n = 5, causal: the Triton kernel's graph, and its
+    eager forward too) through captured graphs == the eager path, including a batch padded up to the next captured
+    size (3 -> 4)."""
     from specdec.engine.requests import PrefillInput, VerifyInput
     from specdec.sampling_params import SamplingParams
 
