@@ -228,7 +228,7 @@ class SpeculationPolicy:
         if tail:  # a bucket's requests finishing (a batch that came together ends together): it spans a factor of
             # two, and at the small end a step costs more per request (39 of 64 requests: 0.36 ms a request-step
             # against 0.24, tau 3, 8B shape, H200); the budget followed at the end alone took those samples and
-            # read slower than its rivals, so the next batch of 64 followed plain decoding at 0.76x d3's rate
+            # read slower than its rivals, so the next batch of 64 followed plain decoding at 0.79x d3's rate
             return
         steps = max(1, steps)
         step_s = seconds / (batch_size * steps)
