@@ -192,47 +192,32 @@ def check_decode_graph(device, dtype, g):
     kv.k.copy_(torch.randn(kv.k.shape, generator=g).to(dtype))
     kv.v.copy_(torch.randn(kv.v.shape, generator=g).to(dtype))
     pages = [[7, 2, 40, 21], [30, 11, 4, 25, 19, 3, 44, 8, 33, 12, 6]]
-    attn = TritonDecodeAttention(kv, 2, 12)
     tol = (1e-5, 1e-5) if dtype == torch.float32 else (2e-2, 2e-2)
-    for lens, from_slots in (([9, 37], False), ([12, 44], True), ([13, 41], False)):
-        if from_slots:
-            seqs = [SeqAttention(torch.tensor([p[i // page_size] * page_size + i % page_size for i in range(n)]), 1)
-                    for p, n in zip(pages, lens, strict=True)]
-            attn.plan(seqs, torch.stack([s.ctx_slots[-1] for s in seqs]))
-        else:
-            attn.plan_causal(pages, lens)
-        q = torch.randn(2, heads, d, generator=g).to(device, dtype)
-        k = torch.randn(2, kv_heads, d, generator=g).to(device, dtype)
-        v = torch.randn(2, kv_heads, d, generator=g).to(device, dtype)
-        got = attn.forward(1, q, k, v, None, d ** -0.5)
-        for i, (p, n) in enumerate(zip(pages, lens, strict=True)):
-            slot = p[(n - 1) // page_size] * page_size + (n - 1) % page_size
-            check(f"decode graph lens {lens} request {i} K/V", torch.cat([kv.k[1, slot], kv.v[1, slot]]),
-                  torch.cat([k[i], v[i]]), 0.0)
-            want = torch_decode(q[i], kv.k[1], kv.v[1], p, n, page_size, d ** -0.5)
-            check(f"decode graph lens {lens} request {i} attention", got[i], want, *tol)
-    # a chain verify of 4 tokens a request (root + 3 drafts): K/V at the last 4 positions, causal attention
-    attn = TritonDecodeAttention(kv, 2, 12, 4)
-    for lens, from_slots in (([9, 37], False), ([14, 44], True)):
-        if from_slots:
-            seqs = [SeqAttention(torch.tensor([p[i // page_size] * page_size + i % page_size for i in range(n)]), 4)
-                    for p, n in zip(pages, lens, strict=True)]
-            attn.plan(seqs, torch.cat([s.ctx_slots[-4:] for s in seqs]))
-        else:
-            attn.plan_causal(pages, lens)
-        q = torch.randn(8, heads, d, generator=g).to(device, dtype)
-        k = torch.randn(8, kv_heads, d, generator=g).to(device, dtype)
-        v = torch.randn(8, kv_heads, d, generator=g).to(device, dtype)
-        got = attn.forward(0, q, k, v, None, d ** -0.5)
-        for i, (p, n) in enumerate(zip(pages, lens, strict=True)):
-            for j in range(4):
-                pos = n - 4 + j
-                slot = p[pos // page_size] * page_size + pos % page_size
-                check(f"chain graph lens {lens} request {i} token {j} K/V", torch.cat([kv.k[0, slot], kv.v[0, slot]]),
-                      torch.cat([k[4 * i + j], v[4 * i + j]]), 0.0)
-                want = torch_decode(q[4 * i + j], kv.k[0], kv.v[0], p, pos + 1, page_size, d ** -0.5)
-                check(f"chain graph lens {lens} request {i} token {j} attention", got[4 * i + j], want, *tol)
-
+    # plain decode (one token a request), then a chain verify of 4 (root + 3 drafts: K/V at the last 4 positions)
+    for n, cases in ((1, (([9, 37], False), ([12, 44], True), ([13, 41], False))),
+                     (4, (([9, 37], False), ([14, 44], True)))):
+        attn = TritonDecodeAttention(kv, 2, 12, n)
+        for lens, from_slots in cases:
+            if from_slots:
+                seqs = [SeqAttention(torch.tensor([p[i // page_size] * page_size + i % page_size for i in range(m)]),
+                                     n) for p, m in zip(pages, lens, strict=True)]
+                attn.plan(seqs, torch.cat([s.ctx_slots[-n:] for s in seqs]))
+            else:
+                attn.plan_causal(pages, lens)
+            q = torch.randn(2 * n, heads, d, generator=g).to(device, dtype)
+            k = torch.randn(2 * n, kv_heads, d, generator=g).to(device, dtype)
+            v = torch.randn(2 * n, kv_heads, d, generator=g).to(device, dtype)
+            layer = n % 2  # either cache layer
+            got = attn.forward(layer, q, k, v, None, d ** -0.5)
+            for i, (p, m) in enumerate(zip(pages, lens, strict=True)):
+                for j in range(n):
+                    pos, row = m - n + j, n * i + j
+                    slot = p[pos // page_size] * page_size + pos % page_size
+                    what = f"decode graph of {n} a request, lens {lens}, request {i} token {j}"
+                    check(f"{what} K/V", torch.cat([kv.k[layer, slot], kv.v[layer, slot]]),
+                          torch.cat([k[row], v[row]]), 0.0)
+                    want = torch_decode(q[row], kv.k[layer], kv.v[layer], p, pos + 1, page_size, d ** -0.5)
+                    check(f"{what} attention", got[row], want, *tol)
 
 if __name__ == "__main__":
     main(sys.argv[1], getattr(torch, sys.argv[2]))
