@@ -46,6 +46,7 @@ _EMPTY = TokenTree((), ())  # a plain decode step: verify of the root alone
 # acceptance when speculation resumes (tiny pair, EAGLE-1, 96 skipped tokens: 4.63 instead of 5.06 tokens a step,
 # 32: 4.84 instead of 4.98; `bench/plain_stretch_skip.py`).
 PLAIN_FEATURE_ROWS = 1
+ENDING_SHARE = 8  # a call in which at least 1 in this many of its requests finished is not sampled by the policy
 # An admission taking longer than this (it prefilled requests) is taken out of the step intervals around it
 # (`land`): the policy once read a whole-chain micro-step of 17 requests as 195 ms, an admission of 31 requests
 # included, against 10-20 ms steady (8B shape, tau 5, 2 x H200), and followed plain decoding at 0.9x.
@@ -308,8 +309,13 @@ class Scheduler(Admission):
             self._plain_step_s = elapsed / steps
         # a ramp call's round trip weighs on 4-8 steps instead of `plain_steps`: it says how soon newcomers join,
         # not how fast plain decoding is (fed to the policy, 8B shape, tau 5, 64 requests: plain read 6988 tok/s,
-        # `auto` speculated at 0.93x plain; without them plain read 9995 and the row was 1.01x; tenth pass)
-        if self.policy is not None and self.draft is not None and not launch.ramp:
+        # `auto` speculated at 0.93x plain; without them plain read 9995 and the row was 1.01x; tenth pass). Nor is
+        # a call in which a batch's requests end together that budget's pace: at 128 requests such calls (18-24
+        # requests ending; the last, all of them, in fewer steps than asked) read 10.1-11.2 ms a plain step against
+        # 8.1-8.5, and left plain's rate under the half chain's for the whole next batch (tau 3, H200, sixteenth
+        # pass: 41 speculative steps at 0.94x plain's rate)
+        ending = sum(e.finish_reason != RUNNING for e in events) * ENDING_SHARE >= len(rids)
+        if self.policy is not None and self.draft is not None and not (launch.ramp or ending):
             going = [e for e in events if e.finish_reason == RUNNING and e.request_id not in bounded]
             self.policy.record(len(rids), launch.budget, sum(len(e.tokens) for e in going), elapsed, steps,
                                len(going), launch.chosen_at)
