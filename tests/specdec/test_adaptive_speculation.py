@@ -454,3 +454,12 @@ def test_a_call_in_which_many_requests_end_is_not_sampled(dev_prompts, tiny_toke
     out = drive(sched, prompts, params)
     assert sorted(len(t) for t in out.values()) == [11] + [25] * 8
     assert policy.calls == [(9, 4, 9), (9, 4, 9), (9, 4, 8), (8, 4, 8), (8, 4, 8)]  # the sixth call is not there
+
+
+def test_a_menu_of_one_budget_just_follows_it():
+    """Nothing to re-measure against (a menu of one): the policy follows it however long it runs."""
+    for only in ((FULL,), (0,)):
+        p = SpeculationPolicy(budgets=only, explore_every=2, max_explore_every=4, min_samples=1, min_request_steps=1)
+        for _ in range(50):
+            assert p.choose(8) == only[0]
+            p.record(8, only[0], tokens=16, seconds=0.01)
