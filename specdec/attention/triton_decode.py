@@ -1,14 +1,16 @@
 """Plain decode (one token per request) and chain verifies (a root and its drafts, causal) at small batch through
 the one-kernel Triton decode attention (`specdec.kernels.paged_decode`) instead of flashinfer: up to `MAX_BATCH`
-requests of at most `MAX_QUERIES` tokens whose contexts are at most `MAX_CONTEXT` positions, in the target's
-captured causal forwards (a second graph per small batch size, chosen per step by the context lengths) and in the
-flashinfer backend's eager forwards of the same batches (so replay == eager).
+requests of at most `MAX_QUERIES` tokens whose contexts are at most `MAX_CONTEXT` positions (`MAX_CHAIN_CONTEXT`
+for more than one token a request), in the target's captured causal forwards (a second graph per small batch
+size, chosen per step by the context lengths) and in the flashinfer backend's eager forwards of the same batches
+(so replay == eager).
 
 At batch 1-4 a layer's decode attention is a few microseconds of work; flashinfer's path spends two kernels on it
 (its prefill kernel and the merge of its KV splits, ~11.5 us a layer on an H200) and plans on the host (~0.2 ms
 a step). This one plans by writing two small device buffers, with the interface of `GraphAttention`'s causal
 plans (`plan`, `plan_causal`), so `TargetGraphs` swaps one for the other per shape. Measured in
-docs/benchmarks.md (fifteenth pass): at batch 8 and at ~4000 positions it was slower, so those keep flashinfer.
+docs/benchmarks.md (fifteenth pass): at batch 8 and at ~4000 positions it was slower, so those keep flashinfer;
+a chain verify's several queries (sixteenth pass) won at 384 positions and lost at 1 request from 1024 on.
 """
 
 from __future__ import annotations
