@@ -186,7 +186,8 @@ def _extend_and_rewind(draft, rid, feats):
 def simulated(res, args, target):
     """Plain vs speculative decoding at simulated acceptance, per batch size: speculation always on
     (`--speculation always`) and adaptive (`auto`: per step, whichever mode measured faster), the latter from a
-    fresh policy (`auto_*`) and again with the policy that run left (`auto_warm_*`)."""
+    fresh policy (`auto_*`) and again with the policy that run left (`auto_warm_*`). Each row keeps the policy's
+    records (`auto_history`) and every call of the timed runs (`plain_calls`, `spec_calls`, `auto_calls`)."""
     opts = _opts(args.backend, dummy_weights=True, max_batch_size=max(args.batch_sizes), max_context=4096,
                  num_pages=8192)
     draft = build_draft(args.draft_config, "llama3-8b", SpecConfig(6, 1, 6), opts, target.max_context)
@@ -200,13 +201,14 @@ def simulated(res, args, target):
     for bs in args.batch_sizes:
         prompts = [list(range(1000 + i, 1256 + i)) for i in range(bs)]
         target.simulate_accept_len = 0.0
-        plain_t = StepTimings()
+        plain_t = StepTimings(calls=[])
         plain, _ = _decode_rate(target, None, prompts, args.new_tokens, timings=plain_t)
         for tau in (3.0, 5.0):
             target.simulate_accept_len = tau
-            spec_t = StepTimings()
+            spec_t = StepTimings(calls=[])
             spec, measured_tau = _decode_rate(target, draft, prompts, args.new_tokens, timings=spec_t)
-            policy, auto_t = SpeculationPolicy(budget_menu(draft.spec.num_draft_tokens), history=[]), StepTimings()
+            policy = SpeculationPolicy(budget_menu(draft.spec.num_draft_tokens), history=[])
+            auto_t = StepTimings(calls=[])
             auto, auto_tps = _decode_rate(target, draft, prompts, args.new_tokens, policy=policy, timings=auto_t)
             # the same again with the policy that run left (a service's policy lives across requests: its
             # first requests pay the measuring of each budget, later ones follow what it measured)
@@ -221,6 +223,8 @@ def simulated(res, args, target):
                          "auto_split": _split(auto_t)})
             print("SIMULATED", rows[-1], flush=True)
             rows[-1]["auto_history"] = policy.history  # per record: see SpeculationPolicy.record
+            # the timed runs' calls (StepTimings.calls: speculative, requests, steps, seconds, requests ended)
+            rows[-1].update(plain_calls=plain_t.calls, spec_calls=spec_t.calls, auto_calls=auto_t.calls)
     target.simulate_accept_len = 0.0
     res["SIMULATED_acceptance_rows"] = rows
 

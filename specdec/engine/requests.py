@@ -72,6 +72,9 @@ class StepTimings:
     plain_s: float = 0.0  # whole decode steps that verified nothing (plain decoding)
     spec_steps: int = 0
     spec_s: float = 0.0  # whole speculative steps (catch-up, propose, verify, extend)
+    # a list: every landed call appended as (speculative, requests, target steps, seconds, requests that ended in
+    # it), benchmarks' per-call view (None: not kept)
+    calls: list | None = None
 
 
 @dataclass

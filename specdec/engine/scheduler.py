@@ -299,6 +299,9 @@ class Scheduler(Admission):
         else:
             self.timings.plain_steps += steps
             self.timings.plain_s += elapsed
+        ended = sum(e.finish_reason != RUNNING for e in events)
+        if self.timings.calls is not None:
+            self.timings.calls.append((launch.speculate, len(rids), steps, round(elapsed, 6), ended))
         # admissions on this thread since `since` (the target prefilled, the draft extended over prompts) are not
         # the step's time; an interval that was mostly admission says nothing of it (its verify ran meanwhile)
         admitting = sum(took for start, took in self._admissions if start >= since)
@@ -314,7 +317,7 @@ class Scheduler(Admission):
         # requests ending; the last, all of them, in fewer steps than asked) read 10.1-11.2 ms a plain step against
         # 8.1-8.5, and left plain's rate under the half chain's for the whole next batch (tau 3, H200, sixteenth
         # pass: 41 speculative steps at 0.94x plain's rate)
-        ending = sum(e.finish_reason != RUNNING for e in events) * ENDING_SHARE >= len(rids)
+        ending = ended * ENDING_SHARE >= len(rids)
         if self.policy is not None and self.draft is not None and not (launch.ramp or ending):
             going = [e for e in events if e.finish_reason == RUNNING and e.request_id not in bounded]
             self.policy.record(len(rids), launch.budget, sum(len(e.tokens) for e in going), elapsed, steps,

@@ -236,13 +236,18 @@ def test_timings_split_admission_plain_and_speculative_steps(dev_prompts, tiny_t
 
     target, draft = tiny_target(), tiny_draft()
     prompts = [tiny_tokenizer.encode(p)[-60:] for p in dev_prompts[60:63]]
-    timings = StepTimings()
+    timings = StepTimings(calls=[])
     out = generate(target, draft, prompts, SamplingParams(max_new_tokens=20, ignore_eos=True),
                    policy=AlternatingPolicy(), timings=timings)
     assert all(len(r.tokens) == 20 for r in out)
     assert timings.plain_steps > 0 and timings.spec_steps > 0 and timings.admit_s > 0
     assert timings.plain_s > 0 and timings.spec_s > timings.propose_s > 0
     assert max(r.num_verify_steps for r in out) == timings.plain_steps + timings.spec_steps
+    # each landed call: (speculative, requests, target steps, seconds, requests that ended in it)
+    calls = timings.calls
+    assert sum(c[2] for c in calls if not c[0]) == timings.plain_steps
+    assert sum(c[0] for c in calls) == timings.spec_steps
+    assert abs(sum(c[3] for c in calls) - timings.plain_s - timings.spec_s) < 1e-3 and sum(c[4] for c in calls) == 3
 
 
 def _drive(p: SpeculationPolicy, batch_size: int, speed: dict[int, float], steps: int = 60) -> list[int]:
