@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.kernels.paged_decode import decode_counters, paged_decode
-from specdec.kernels.rope import rope_store
+from specdec.kernels.paged_decode import decode_counters, store_and_attend
 
 
 class ChainStepAttention:
@@ -36,15 +35,8 @@ class ChainStepAttention:
 
     def forward_rope(self, layer: int, q, k, v, rot, batch) -> torch.Tensor:
         lens, slots = self._where()
-        k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]
-        q = rope_store(q, k, v, rot.positions, rot.cos_table, rot.sin_table, k_cache, v_cache, slots)
-        return paged_decode(q, k_cache, v_cache, self.table, lens, self.kv.page_size, q.shape[-1] ** -0.5,
-                            self.counters)
+        return store_and_attend(self.kv, layer, q, k, v, self.table, lens, slots, self.counters, rot=rot)
 
     def forward(self, layer: int, q, k, v, batch, scale: float) -> torch.Tensor:
         lens, slots = self._where()
-        k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]
-        k_cache[slots] = k.to(k_cache.dtype)
-        v_cache[slots] = v.to(v_cache.dtype)
-        return paged_decode(q.to(k_cache.dtype).contiguous(), k_cache, v_cache, self.table, lens,
-                            self.kv.page_size, scale, self.counters).to(q.dtype)
+        return store_and_attend(self.kv, layer, q, k, v, self.table, lens, slots, self.counters, scale=scale)

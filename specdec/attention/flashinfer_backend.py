@@ -1,7 +1,8 @@
 """flashinfer attention over the paged cache (GPU): one BatchPrefillWithPagedKVCacheWrapper plan per forward,
 shared by all layers. Tree verify, draft extend and draft tree steps pass the tail mask as flashinfer's custom
 mask; batches with only causal sequences (prefill, plain decode) use its causal mode. Plain decode of a few
-requests goes to the Triton decode kernel instead, as in the captured graphs (`triton_decode.py`).
+requests (and, for the target, chain verifies: `triton_queries`) goes to the Triton decode kernel instead, as in
+the captured graphs (`triton_decode.py`).
 
 Each sequence's visible context is positions 0..L-1 of one request, so its pages are read straight off the
 slot ids: page = slot // page_size at every page_size-th position.

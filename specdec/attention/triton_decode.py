@@ -96,19 +96,13 @@ class TritonDecodeAttention:
         copy_in(self.write_slots, write_slots)
 
     def forward_rope(self, layer: int, q, k, v, rot, batch) -> torch.Tensor:
-        from specdec.kernels.paged_decode import paged_decode
-        from specdec.kernels.rope import rope_store
+        from specdec.kernels.paged_decode import store_and_attend
 
-        k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]
-        q = rope_store(q, k, v, rot.positions, rot.cos_table, rot.sin_table, k_cache, v_cache, self.write_slots)
-        return paged_decode(q, k_cache, v_cache, self.table, self.lens, self.kv.page_size, q.shape[-1] ** -0.5,
-                            self.counters, queries=self.n)
+        return store_and_attend(self.kv, layer, q, k, v, self.table, self.lens, self.write_slots, self.counters,
+                                rot=rot, queries=self.n)
 
     def forward(self, layer: int, q, k, v, batch, scale: float) -> torch.Tensor:
-        from specdec.kernels.paged_decode import paged_decode
+        from specdec.kernels.paged_decode import store_and_attend
 
-        k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]
-        k_cache[self.write_slots] = k.to(k_cache.dtype)
-        v_cache[self.write_slots] = v.to(v_cache.dtype)
-        return paged_decode(q.to(k_cache.dtype).contiguous(), k_cache, v_cache, self.table, self.lens,
-                            self.kv.page_size, scale, self.counters, queries=self.n).to(q.dtype)
+        return store_and_attend(self.kv, layer, q, k, v, self.table, self.lens, self.write_slots, self.counters,
+                                scale=scale, queries=self.n)

@@ -130,8 +130,8 @@ class SpeculationPolicy:
                      rates, extra={"batch_bucket": b, "budget": budget_name(best)})
         self.followed[b] = best
         since = self.since.get(b, 0) + 1
-        others = self._rivals(b, best)
-        if others and since >= self._interval(b, best):
+        others = self._rivals(b, best) if since >= self._interval(b, best) else []
+        if others:  # (none: a menu of one budget, nothing to re-measure)
             turn = self.turn.get(b, 0)
             self.since[b], self.challenged[b], self.turn[b] = 0, best, turn + 1
             rival = others[turn % len(others)]

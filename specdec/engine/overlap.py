@@ -187,8 +187,7 @@ class TwoBatchOverlap:
             for rid in launch.rids:
                 pending[rid] = pending.get(rid, 0) + launch.plain_steps
         rids = [rid for rid, state in sched.running.items() if rid not in sched.aborting and
-                state.num_generated + pending.get(rid, 0) < state.sampling.max_new_tokens and
-                len(state.prompt_ids) + state.num_generated + pending.get(rid, 0) < sched.max_context]
+                pending.get(rid, 0) < state.room(sched.max_context)]
         if rids:  # recorded at the call's own size once it is smaller than the batch the choice was made for:
             # at a run's end the last requests ran alone (9 of 128, 0.7 ms a request-step against 0.06) and,
             # recorded at 128, pulled plain's rate there from ~15.5k to 9.1k tok/s (one H200, tau 5), so `auto`

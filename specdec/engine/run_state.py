@@ -43,6 +43,11 @@ class RunState:
     backlog_tokens: list[int] = field(default_factory=list)
     backlog_features: Any = None
 
+    def room(self, max_context: int) -> int:
+        """Tokens the request may still commit before a length limit ends it (max_new_tokens, the context)."""
+        return min(self.sampling.max_new_tokens - self.num_generated,
+                   max_context - len(self.prompt_ids) - self.num_generated)
+
 
 @dataclass
 class Launch:

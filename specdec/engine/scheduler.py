@@ -275,7 +275,7 @@ class Scheduler(Admission):
             state = self.running.get(out.request_id)
             if state is None:  # an earlier plain call of the pipeline finished it (`TwoBatchOverlap`)
                 continue
-            if out.finish_reason == RUNNING and self._near_limit(state, launch, tree):
+            if self.policy is not None and out.finish_reason == RUNNING and self._near_limit(state, launch, tree):
                 bounded.add(out.request_id)
             steps = len(out.tokens) if launch.plain_steps > 1 else 1  # a plain step commits one token
             self._count(state, len(tree.tokens), out.num_accepted_drafts, out.tokens, steps)
@@ -331,9 +331,7 @@ class Scheduler(Admission):
         last speculative steps read 1.4-2.6 tokens a step, the last plain call 0.02), and the policy read the
         budget it followed at a run's end as the slow one (`SpeculationPolicy.record`)."""
         most = max_depth(tree.parents) + 1 if launch.speculate else launch.plain_steps
-        room = min(state.sampling.max_new_tokens - state.num_generated,
-                   self.max_context - len(state.prompt_ids) - state.num_generated)
-        return room <= most
+        return state.room(self.max_context) <= most
 
     def fail_running(self, error: SpecdecError) -> list[Event]:
         """After a broken step: end every running request with `error` (verifies in flight are waited for

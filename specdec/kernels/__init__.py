@@ -5,8 +5,8 @@ rotary halves, residual adds, SiLU) that cost more GPU time than the attention i
 one such group with one launch and keeps the eager torch rounding where it can (see each module); `linear`
 sends one-row projections (batch-1 decode, a draft's chain steps) to `gemv.py`. Used on CUDA tensors when Triton is
 importable; `SPECDEC_FUSED_KERNELS=0` turns them all off, `SPECDEC_GEMV=0` only the one-row projections (the torch
-code paths are the reference and what CPUs run), `SPECDEC_DECODE_KERNEL=0` the Triton decode attention of captured
-plain decode at small batch (flashinfer's then). `tests/specdec/test_kernels.py` checks them against the torch
+code paths are the reference and what CPUs run), `SPECDEC_DECODE_KERNEL=0` the Triton decode attention of plain decode
+and chain verifies at small batch (flashinfer's then). `tests/specdec/test_kernels.py` checks them against the torch
 code on CPU through Triton's interpreter, `tests/gpu` on the GPU.
 """
 

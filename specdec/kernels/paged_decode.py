@@ -1,8 +1,9 @@
 """Decode attention over the paged KV cache in one kernel that needs no host-side plan: a few causal query tokens
 per sequence (one for a decode step, a chain's root and drafts for its verify), the page table and the lengths
-read from device tensors. The draft's captured chain proposal uses it (a
-proposal of `num_steps` tokens costs no attention planning on the host, and the lengths of step d are computed
-inside the graph), and so does the target's captured plain decode at small batch (`attention/triton_decode.py`).
+read from device tensors. The draft's captured chain proposal uses it (a proposal of `num_steps` tokens costs no
+attention planning on the host, and the lengths of step d are computed inside the graph), and so do the target's
+plain decode and chain verifies at small batch (`attention/triton_decode.py`); `store_and_attend` is the forward
+of both attention classes.
 
 Split-KV with the merge in the same launch: program (b, kv head, s) attends the query heads of one KV head (of
 all the sequence's query tokens: rows token-major, query j sees the context up to its own position) over split s
@@ -142,3 +143,21 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                 GP=max(16, triton.next_power_of_2(queries * (h // kv))), D=d, PS=page_size, BLOCK=block,
                 PREC="ieee" if q.dtype == torch.float32 else "tf32", DYNAMIC=not interpreted(), num_warps=num_warps)
     return out
+
+
+def store_and_attend(kv_cache, layer: int, q, k, v, table: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor,
+                     counters: torch.Tensor, rot=None, scale: float | None = None, queries: int = 1) -> torch.Tensor:
+    """One layer's attention of the plan-free classes (`ChainStepAttention`, `TritonDecodeAttention`): this
+    forward's K/V written to `slots` of the layer's cache (with `rot`, a `Rotation`: rotary on q and k in the same
+    kernel), then `paged_decode` over `table` / `lens`. Returns [T, H, D] in q's dtype."""
+    from specdec.kernels.rope import rope_store
+
+    k_cache, v_cache = kv_cache.k[layer], kv_cache.v[layer]
+    if rot is not None:
+        q = rope_store(q, k, v, rot.positions, rot.cos_table, rot.sin_table, k_cache, v_cache, slots)
+        return paged_decode(q, k_cache, v_cache, table, lens, kv_cache.page_size, q.shape[-1] ** -0.5, counters,
+                            queries=queries)
+    k_cache[slots] = k.to(k_cache.dtype)
+    v_cache[slots] = v.to(v_cache.dtype)
+    return paged_decode(q.to(k_cache.dtype).contiguous(), k_cache, v_cache, table, lens, kv_cache.page_size, scale,
+                        counters, queries=queries).to(q.dtype)
