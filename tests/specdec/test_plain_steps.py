@@ -67,6 +67,35 @@ def test_plain_steps_equal_single_steps_and_stop_where_a_request_finishes():
     assert torch.allclose(first["long"].features, torch.cat(single["long"][1][:4]), atol=1e-5)
 
 
+def test_a_request_reaching_max_new_tokens_inside_a_call_does_not_split_it():
+    """A request whose max_new_tokens ends it inside a plain call runs the call's steps with the others (one chunk,
+    one host sync) and keeps only its tokens up to the limit; its pages go back. The context still bounds a
+    chunk: a request with less room than the call splits it."""
+    target = tiny_target()
+    chunks = []
+    run = target._plain_chunk
+    target._plain_chunk = lambda live, k: chunks.append((len(live), k)) or run(live, k)
+    free = target.kv.num_free_pages
+    _admit(target, {"long": 12, "short": 2})
+    outs = {o.request_id: o for o in target.verify([VerifyInput(r, [], []) for r in ("long", "short")],
+                                                   plain_steps=4)}
+    assert chunks == [(2, 4)]
+    assert len(outs["short"].tokens) == 1 and outs["short"].finish_reason == "length"  # the prefill made one
+    assert outs["short"].features.shape[0] == 1 and "short" not in target.requests
+    assert len(outs["long"].tokens) == 4 and outs["long"].finish_reason == RUNNING
+    target.release("long")
+    assert target.kv.num_free_pages == free
+    chunks.clear()
+    near = target.max_context - 3  # two tokens of room: the prefill's token, then 2 more
+    params = SamplingParams(max_new_tokens=50, ignore_eos=True)
+    target.prefill([PrefillInput("edge", list(range(300, 300 + near)), params),
+                    PrefillInput("free", list(range(300, 340)), params)])
+    outs = {o.request_id: o for o in target.verify([VerifyInput(r, [], []) for r in ("edge", "free")],
+                                                   plain_steps=4)}
+    assert chunks == [(2, 2), (1, 2)] and len(outs["edge"].tokens) == 2 and len(outs["free"].tokens) == 4
+    target.release("free")
+
+
 @pytest.mark.parametrize("steps,tokens,match", [(0, [], "outside"), (MAX_PLAIN_STEPS + 1, [], "outside"),
                                                  (2, [5], "empty trees")])
 def test_bad_plain_steps_are_refused_before_anything_is_committed(steps, tokens, match):
