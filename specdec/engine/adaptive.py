@@ -24,7 +24,7 @@ rise then fall along the menu: at small batch half the tree can lose narrowly to
 tree wins (the verify costs about the same; a captured chain proposal still runs every step, an eager chain only
 as many steps as the budget keeps). So a budget is skipped only when the one before it lost by more than half (at
 large batch a big tree can cost ten plain steps), and rivals are the neighbours of the choice plus any budget
-within half of its rate.
+within `far_rival` (80%) of its rate.
 
 Plain calls leave the draft behind (it skips their tokens but the last: `Scheduler._hold`), so a plain call costs
 what the target's own plain decoding costs plus a round trip, and a speculative step after plain ones pays a
@@ -84,6 +84,7 @@ class SpeculationPolicy:
     switch_margin: float = 0.03
     plain_margin: float = 0.01  # the same, for plain decoding to replace a speculative budget (see `_best`)
     probe_choices: int = 2  # choices a re-measurement of a rival lasts: the first after a switch only warms up
+    far_rival: float = 0.8  # a budget not next to the choice in the menu is re-measured only within this of its rate
     # a call of fewer requests than this fraction of its bucket's recent peak batch size is not sampled (a run's
     # tail: see `record`); the peak falls by `peak_decay` a record, so a lasting smaller load is sampled again
     settled_fraction: float = 0.85
@@ -178,12 +179,15 @@ class SpeculationPolicy:
 
     def _rivals(self, b: int, best: int) -> list[int]:
         """The budgets re-measured (in turn) against `best`: its neighbours in the menu, and any other measured
-        budget within half of its rate. A far budget that lost badly (the whole tree at a batch size where
-        plain decoding is several times faster) is not probed at its high cost; one that lost narrowly is."""
+        budget within `far_rival` of its rate. A far budget that lost clearly (the whole tree where plain decoding
+        leads: at 128 requests, tau 3, 8B shape, H200 it ran at 0.65x plain's rate, and each of its probes cost
+        ~30 ms more than the half chain's) is not probed at its high cost; the neighbour between them is, and
+        once it leads the far one is its neighbour. One that lost narrowly is probed."""
         i = self.budgets.index(best)
         near = {self.budgets[j] for j in (i - 1, i + 1) if 0 <= j < len(self.budgets)}
+        top = self.rates.get((b, best), 0.0)
         return [x for x in self.budgets if x != best and (x in near or x in self._measured(b)
-                                                            and not self._far_behind(b, x))]
+                                                            and self.rates[(b, x)] >= self.far_rival * top)]
 
     def _best(self, b: int) -> int:
         """The fastest measured budget (ties go to the one listed last: more speculation), unless the budget

@@ -28,15 +28,21 @@ def check_plain_steps(inputs: list[VerifyInput], steps: int, feature_rows: int =
         raise InvalidInput("plain_steps > 1 needs empty trees (no draft tokens)")
 
 
-def run_plain_steps(run_chunk, inputs: list[VerifyInput], steps: int, steps_left=None) -> list[VerifyOutput]:
+def run_plain_steps(run_chunk, inputs: list[VerifyInput], steps: int, limits=None) -> list[VerifyOutput]:
     """`steps` plain decode steps in chunks: `run_chunk(live, k)` runs k steps of the live requests (empty trees)
-    and returns one output per request; k is what is left of `steps`, no more than `steps_left(request_id)` of
-    any live request (None: chunks of one step). A request that finishes stops there. Outputs in input order:
-    the tokens of all its steps, their feature rows, the last finish reason."""
+    and returns one output per request. `limits(request_id)` -> (room, wanted): the most steps the request's
+    pages may take in one chunk, and the tokens it may still generate; a chunk runs what is left of `steps`, no
+    more than any live request's room and no more than the most any of them wants (steps past a request's
+    wanted tokens are computed with the batch's and dropped). None: chunks of one step. A request that
+    finishes stops there. Outputs in input order: the tokens of all its steps, their feature rows, the last
+    finish reason."""
     done: dict[str, list[VerifyOutput]] = {inp.request_id: [] for inp in inputs}
     live, left = list(inputs), steps
     while live and left:
-        k = 1 if steps_left is None else max(1, min(left, *(steps_left(inp.request_id) for inp in live)))
+        k = 1
+        if limits is not None:
+            bounds = [limits(inp.request_id) for inp in live]
+            k = max(1, min(left, min(room for room, _ in bounds), max(wanted for _, wanted in bounds)))
         for out in run_chunk(live, k):
             done[out.request_id].append(out)
         left -= k

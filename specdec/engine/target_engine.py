@@ -196,7 +196,7 @@ class TargetEngine:
             return last_feature_rows(self._verify_once(inputs), feature_rows)
         self._check_batch(inputs)
         if self.simulate_accept_len or all(self.requests[i.request_id].sampling.greedy for i in inputs):
-            outputs = run_plain_steps(self._plain_chunk, inputs, plain_steps, self._steps_left)
+            outputs = run_plain_steps(self._plain_chunk, inputs, plain_steps, self._plain_limits)
         else:
             outputs = run_plain_steps(lambda live, _k: self._verify_checked(live), inputs, plain_steps)  # host draws
         return last_feature_rows(outputs, feature_rows)
@@ -335,22 +335,23 @@ class TargetEngine:
                 self.finished.popitem(last=False)
         return kept, reason
 
-    def _steps_left(self, rid: str) -> int:
-        """Plain steps the request may still take in one chunk: its room in the context, and up to its reservation
-        past max_new_tokens (the slots of one tree, `_max_tokens`). Steps past max_new_tokens are computed with the
-        batch's and dropped like those past a stop token: a chunk cut short there split the call in two, with a
+    def _plain_limits(self, rid: str) -> tuple[int, int]:
+        """(room, wanted) of a request for `run_plain_steps`: the steps its pages may take in one chunk (its room in
+        the context, and up to its reservation past max_new_tokens: the slots of one tree, `_max_tokens`), and the
+        tokens it may still generate. A chunk runs past a request's max_new_tokens while others want more (the
+        extra steps are dropped like those past a stop token): one cut short there split the call in two, with a
         host sync and an unhidden plan between (at 128 requests of an 8B shape a 4-step call in which 8 requests
-        ended took 37.5 ms against 32, and the last calls of a batch whose requests end apart ran 15-35% slower a
-        step; H200, sessions 16-17)."""
+        ended took 37.5 ms against 32, and fed the policy a slow plain rate; H200, sessions 16-17)."""
         req = self.requests[rid]
-        return min(req.sampling.max_new_tokens - req.num_generated + self.max_draft_tokens,
-                   self.max_context - req.prompt_len - req.num_generated)
+        wanted = req.sampling.max_new_tokens - req.num_generated
+        context = self.max_context - req.prompt_len - req.num_generated
+        return min(wanted + self.max_draft_tokens, context), min(wanted, context)
 
     def _plain_chunk(self, inputs: list[VerifyInput], k: int) -> list[VerifyOutput]:
         """k greedy plain decode steps of every request with one host sync: each step's argmax stays on the device
         as the next step's input, so the host plans step i + 1 while the GPU runs step i. k is at most any
-        request's `_steps_left`, so no step runs past the context; tokens after a stop token or past max_new_tokens
-        are dropped with the request's pages when it is released."""
+        request's room (`_plain_limits`), so no step runs past the context; tokens after a stop token or past
+        max_new_tokens are dropped with the request's pages when it is released."""
         reqs = [self.requests[inp.request_id] for inp in inputs]
         for inp, req in zip(inputs, reqs, strict=True):
             self.kv.resize(inp.request_id, req.kv_len + k)

@@ -69,8 +69,8 @@ def test_plain_steps_equal_single_steps_and_stop_where_a_request_finishes():
 
 def test_a_request_reaching_max_new_tokens_inside_a_call_does_not_split_it():
     """A request whose max_new_tokens ends it inside a plain call runs the call's steps with the others (one chunk,
-    one host sync) and keeps only its tokens up to the limit; its pages go back. The context still bounds a
-    chunk: a request with less room than the call splits it."""
+    one host sync) and keeps only its tokens up to the limit; its pages go back. Steps that no request wants are
+    not run, and the context still bounds a chunk: a request with less room than the call splits it."""
     target = tiny_target()
     chunks = []
     run = target._plain_chunk
@@ -85,6 +85,10 @@ def test_a_request_reaching_max_new_tokens_inside_a_call_does_not_split_it():
     assert len(outs["long"].tokens) == 4 and outs["long"].finish_reason == RUNNING
     target.release("long")
     assert target.kv.num_free_pages == free
+    chunks.clear()  # no live request wants the call's last steps: they are not run
+    _admit(target, {"a": 3, "b": 2})
+    outs = target.verify([VerifyInput(r, [], []) for r in ("a", "b")], plain_steps=8)
+    assert chunks == [(2, 2)] and [len(o.tokens) for o in outs] == [2, 1] and not target.requests
     chunks.clear()
     near = target.max_context - 3  # two tokens of room: the prefill's token, then 2 more
     params = SamplingParams(max_new_tokens=50, ignore_eos=True)
