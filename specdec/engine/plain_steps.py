@@ -57,7 +57,8 @@ def last_feature_rows(outputs: list[VerifyOutput], rows: int) -> list[VerifyOutp
     for out in outputs:
         if out.features is not None:
             n = out.features.shape[0]
-            out.features = out.features[n - kept_feature_rows(n, rows) :]
+            if n > rows:  # (a plain chunk already cut its running requests' rows: no slice per request)
+                out.features = out.features[n - kept_feature_rows(n, rows) :]
     return outputs
 
 

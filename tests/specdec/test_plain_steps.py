@@ -74,7 +74,7 @@ def test_a_request_reaching_max_new_tokens_inside_a_call_does_not_split_it():
     target = tiny_target()
     chunks = []
     run = target._plain_chunk
-    target._plain_chunk = lambda live, k: chunks.append((len(live), k)) or run(live, k)
+    target._plain_chunk = lambda live, k, *rest: chunks.append((len(live), k)) or run(live, k, *rest)
     free = target.kv.num_free_pages
     _admit(target, {"long": 12, "short": 2})
     outs = {o.request_id: o for o in target.verify([VerifyInput(r, [], []) for r in ("long", "short")],
@@ -98,6 +98,23 @@ def test_a_request_reaching_max_new_tokens_inside_a_call_does_not_split_it():
                                                    plain_steps=4)}
     assert chunks == [(2, 2), (1, 2)] and len(outs["edge"].tokens) == 2 and len(outs["free"].tokens) == 4
     target.release("free")
+
+
+def test_a_plain_call_asking_for_its_last_feature_rows_gets_those_of_the_whole_call():
+    """`feature_rows` = 2 on a 5-step call: a request that runs on gets its last 2 steps' features, one that ends
+    inside the call (at its second token) its only row, the same values as the call with every row."""
+    target = tiny_target()
+    got = []
+    for rows in (0, 2):
+        _admit(target, {"long": 12, "short": 3})
+        got.append({o.request_id: o for o in target.verify([VerifyInput(r, [], []) for r in ("long", "short")],
+                                                          plain_steps=5, feature_rows=rows)})
+        target.release("long")
+    full, last = got
+    assert full["long"].tokens == last["long"].tokens and full["short"].tokens == last["short"].tokens
+    assert full["long"].features.shape[0] == 5 and last["long"].features.shape[0] == 2
+    assert torch.equal(last["long"].features, full["long"].features[-2:])
+    assert len(full["short"].tokens) == 2 and torch.equal(last["short"].features, full["short"].features[-2:])
 
 
 @pytest.mark.parametrize("steps,tokens,match", [(0, [], "outside"), (MAX_PLAIN_STEPS + 1, [], "outside"),
