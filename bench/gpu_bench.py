@@ -89,6 +89,15 @@ def _decode_rate(target, draft, prompts, new_tokens, policy=None, timings=None, 
     return toks / t, tau
 
 
+def _allocator_counts() -> dict:
+    """The CUDA caching allocator's running counts (a retry frees the cache and synchronizes; a device alloc is a
+    cudaMalloc): a slow admission that these move with is the allocator's, not the engines'."""
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {k: stats.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_ooms")}
+
+
 def _split(t: StepTimings) -> dict:
     """Where a run's time went: admission, plain steps and speculative steps (count, ms per step)."""
     return {"admit_s": round(t.admit_s, 3),
@@ -220,7 +229,7 @@ def simulated(res, args, target):
                          "auto_warm_tok_s": round(warm, 1), "auto_warm_speedup": round(warm / plain, 2),
                          "auto_rates": policy.summary(), "plain_split": _split(plain_t),
                          "spec_split": _split(spec_t),
-                         "auto_split": _split(auto_t)})
+                         "auto_split": _split(auto_t), "cuda_allocator": _allocator_counts()})
             print("SIMULATED", rows[-1], flush=True)
             rows[-1]["auto_history"] = policy.history  # per record: see SpeculationPolicy.record
             # the timed runs' calls (StepTimings.calls: speculative, requests, steps, seconds, requests ended)
