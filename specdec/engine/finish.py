@@ -6,6 +6,12 @@ from specdec.engine.requests import LENGTH, RUNNING, STOP
 from specdec.sampling_params import SamplingParams
 
 
+def length_room(params: SamplingParams, num_generated: int, total_len: int, max_context: int) -> int:
+    """Tokens a request may still commit before a length limit ends it (its max_new_tokens, the context), from
+    `num_generated` tokens generated and `total_len` (prompt + generated) so far."""
+    return min(params.max_new_tokens - num_generated, max_context - total_len)
+
+
 def cut_at_finish(
     new_tokens: list[int],
     num_generated: int,
@@ -21,7 +27,7 @@ def cut_at_finish(
     """
     # per committed run of every request of every step (128 requests, 4-step plain calls: ~5 us each as a loop that
     # built a set and tested both limits per token): the length limit is one index, stops a scan up to it
-    limit = max(1, min(params.max_new_tokens - num_generated, max_context - total_len))
+    limit = max(1, length_room(params, num_generated, total_len, max_context))
     stops = params.stop_token_ids if params.ignore_eos else (*params.stop_token_ids, *eos_ids)
     if stops:
         if len(stops) > 8:

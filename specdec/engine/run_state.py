@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from specdec.engine.finish import length_room
 from specdec.engine.requests import RUNNING
 from specdec.errors import SpecdecError
 from specdec.sampling_params import SamplingParams
@@ -45,8 +46,7 @@ class RunState:
 
     def room(self, max_context: int) -> int:
         """Tokens the request may still commit before a length limit ends it (max_new_tokens, the context)."""
-        return min(self.sampling.max_new_tokens - self.num_generated,
-                   max_context - len(self.prompt_ids) - self.num_generated)
+        return length_room(self.sampling, self.num_generated, len(self.prompt_ids) + self.num_generated, max_context)
 
 
 @dataclass

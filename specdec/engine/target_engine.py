@@ -15,7 +15,7 @@ import torch
 from specdec.attention import AttentionBatch, SeqAttention, make_backend, triton_decode
 from specdec.attention.graph_backend import GraphCaptureError
 from specdec.engine.device import engine_call
-from specdec.engine.finish import cut_at_finish
+from specdec.engine.finish import cut_at_finish, length_room
 from specdec.engine.plain_steps import (
     check_plain_steps,
     last_feature_rows,
@@ -344,9 +344,9 @@ class TargetEngine:
         host sync and an unhidden plan between (at 128 requests of an 8B shape a 4-step call in which 8 requests
         ended took 37.5 ms against 32, and fed the policy a slow plain rate; H200, sessions 16-17)."""
         req = self.requests[rid]
-        wanted = req.sampling.max_new_tokens - req.num_generated
-        context = self.max_context - req.prompt_len - req.num_generated
-        return min(wanted + self.max_draft_tokens, context), min(wanted, context)
+        total = req.prompt_len + req.num_generated
+        wanted = length_room(req.sampling, req.num_generated, total, self.max_context)
+        return min(wanted + self.max_draft_tokens, self.max_context - total), wanted
 
     def _plain_chunk(self, inputs: list[VerifyInput], k: int, feature_rows: int = 0) -> list[VerifyOutput]:
         """k greedy plain decode steps of every request with one host sync: each step's argmax stays on the device
