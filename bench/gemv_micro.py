@@ -60,7 +60,7 @@ def one_row(x, w, out, block_n, block_k, warps, stages):
     """The shipped one-row kernel (`specdec.kernels.gemv`) at a given config."""
     n, k = w.shape
     _gemv_kernel[(triton.cdiv(n, block_n),)](x, w, out, n, k, w.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
-                                              num_warps=warps, num_stages=stages)
+                                              num_warps=warps, num_stages=stages, PDL=False, EARLY=False)
 
 
 def time_graph(fn, copies, calls=32) -> float:

@@ -6,7 +6,8 @@ one such group with one launch and keeps the eager torch rounding where it can (
 sends one-row projections (batch-1 decode, a draft's chain steps) to `gemv.py`. Used on CUDA tensors when Triton is
 importable; `SPECDEC_FUSED_KERNELS=0` turns them all off, `SPECDEC_GEMV=0` only the one-row projections (the torch
 code paths are the reference and what CPUs run), `SPECDEC_DECODE_KERNEL=0` the Triton decode attention of plain decode
-and chain verifies at small batch (flashinfer's then). `tests/specdec/test_kernels.py` checks them against the torch
+and chain verifies at small batch (flashinfer's then), `SPECDEC_PDL=0` their programmatic dependent launch
+(`kernels/pdl.py`). `tests/specdec/test_kernels.py` checks them against the torch
 code on CPU through Triton's interpreter, `tests/gpu` on the GPU.
 """
 

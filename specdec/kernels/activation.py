@@ -8,12 +8,14 @@ import triton
 import triton.language as tl
 
 from specdec.kernels import on_device
+from specdec.kernels.pdl import pdl_enter, pdl_options
 
 BLOCK = 512
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, inter, gu_stride, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, inter, gu_stride, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < inter
@@ -30,5 +32,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows, inter), dtype=gate_up.dtype, device=gate_up.device)
     if rows:
         with on_device(gate_up):
-            _silu_mul_kernel[(rows, triton.cdiv(inter, BLOCK))](gate_up, out, inter, gate_up.stride(0), BLOCK=BLOCK)
+            _silu_mul_kernel[(rows, triton.cdiv(inter, BLOCK))](gate_up, out, inter, gate_up.stride(0), BLOCK=BLOCK,
+                                                                   **pdl_options(gate_up))
     return out

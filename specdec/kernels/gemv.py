@@ -11,26 +11,47 @@ differs, so results match torch's to the dtype's rounding (not bit for bit).
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from specdec.kernels import on_device
+from specdec.kernels.pdl import pdl_enter, pdl_options
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PDL: tl.constexpr, EARLY: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # K is a multiple of BLOCK_K (see `config`)
+    if EARLY:  # the first chunk of the weight is read before the wait: no kernel writes a weight
+        w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0).to(tl.float32)
+        pdl_enter(PDL)
+        acc += w * tl.load(x_ptr + offs_k).to(tl.float32)[None, :]
+        w_ptrs += BLOCK_K
+        start = BLOCK_K
+    else:
+        pdl_enter(PDL)
+        start = 0
+    for k0 in range(start, K, BLOCK_K):  # K is a multiple of BLOCK_K (see `config`)
         w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_K]
         x = tl.load(x_ptr + k0 + offs_k).to(tl.float32)  # [BLOCK_K]
         acc += w * x[None, :]
         w_ptrs += BLOCK_K
     tl.store(out_ptr + offs_n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@functools.cache
+def early_weights() -> bool:
+    """Whether a kernel launched with PDL reads its first weight chunk before it waits for the kernel before it
+    (`SPECDEC_GEMV_EARLY=0`: after; a benchmark's switch)."""
+    return os.environ.get("SPECDEC_GEMV_EARLY", "1") != "0"
 
 
 def config(n: int, k: int) -> tuple[int, int, int, int] | None:
@@ -55,11 +76,14 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x: [1, k], weight: [n, k] (`applies`) -> [1, n] = x @ weight.T in x's dtype."""
+    """x: [1, k], weight: [n, k] (`applies`; a model's weight: with PDL the kernel may read its first chunk while
+    the kernel before it still runs) -> [1, n] = x @ weight.T in x's dtype."""
     n, k = weight.shape
     block_n, block_k, warps, stages = config(n, k)
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    launch = pdl_options(x)
     with on_device(x):
         _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, out, n, k, weight.stride(0), BLOCK_N=block_n,
-                                                  BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+                                                  BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+                                                  EARLY=launch["PDL"] and early_weights(), **launch)
     return out

@@ -12,11 +12,13 @@ import triton
 import triton.language as tl
 
 from specdec.kernels import on_device
+from specdec.kernels.pdl import pdl_enter, pdl_options
 
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, x_stride, res_stride, n, eps,
-                    HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < n
@@ -44,6 +46,6 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
             _rmsnorm_kernel[(rows,)](
                 x, residual if residual is not None else x, weight, out, summed, x.stride(0),
                 residual.stride(0) if residual is not None else 0, n, eps,
-                HAS_RES=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+                HAS_RES=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)), **pdl_options(x),
             )
     return out if residual is None else (out, summed)

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from specdec.kernels import interpreted, on_device
+from specdec.kernels.pdl import pdl_enter, pdl_options
 
 SPLITS = 32  # most splits a sequence's context is cut into (one query per sequence)
 # several queries: the merge (one program per sequence and KV head) reads every split's partials of all of them,
@@ -39,7 +40,8 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, table_stride, lens_ptr, o_p
                    sm_scale, S: tl.constexpr, MAX_S: tl.constexpr, UNIT: tl.constexpr, MAX_CHUNK: tl.constexpr,
                    KV: tl.constexpr, G: tl.constexpr, NQ: tl.constexpr,
                    GP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, BLOCK: tl.constexpr, PREC: tl.constexpr,
-                   DYNAMIC: tl.constexpr):
+                   DYNAMIC: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -141,7 +143,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                 q, k_cache, v_cache, page_table, page_table.stride(0), lens, o_part, lse, counters, out, sm_scale,
                 S=num_splits, MAX_S=splits, UNIT=UNIT, MAX_CHUNK=max_chunk, KV=kv, G=h // kv, NQ=queries,
                 GP=max(16, triton.next_power_of_2(queries * (h // kv))), D=d, PS=page_size, BLOCK=block,
-                PREC="ieee" if q.dtype == torch.float32 else "tf32", DYNAMIC=not interpreted(), num_warps=num_warps)
+                PREC="ieee" if q.dtype == torch.float32 else "tf32", DYNAMIC=not interpreted(), num_warps=num_warps,
+                **pdl_options(q))
     return out
 
 

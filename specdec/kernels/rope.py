@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from specdec.kernels import on_device
+from specdec.kernels.pdl import pdl_enter, pdl_options
 
 
 @triton.jit
@@ -26,7 +27,9 @@ def _rotate(base, c1, s1, c2, s2, half, HALF: tl.constexpr, dt: tl.constexpr):
 
 @triton.jit
 def _rope_store_kernel(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, pos_ptr, cos_ptr, sin_ptr, slot_ptr,
-                       kc_ptr, vc_ptr, qo_ptr, H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr):
+                       kc_ptr, vc_ptr, qo_ptr, H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr,
+                       PDL: tl.constexpr):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     HALF: tl.constexpr = D // 2
@@ -68,6 +71,6 @@ def rope_store(q, k, v, positions, cos_table, sin_table, k_cache, v_cache, slots
         with on_device(q):
             _rope_store_kernel[(t, h + 2 * kv)](
                 q, k, v, q.stride(0), k.stride(0), v.stride(0), positions, cos_table, sin_table, slots,
-                k_cache, v_cache, q_out, H=h, KV=kv, D=d, num_warps=1,
+                k_cache, v_cache, q_out, H=h, KV=kv, D=d, num_warps=1, **pdl_options(q),
             )
     return q_out

@@ -401,3 +401,44 @@ def test_engine_steps_make_one_host_sync_each():
     assert sum(extend.values()) == 0, extend
     target.release("r")
     draft.release("r")
+
+
+def test_programmatic_dependent_launch_changes_no_result(monkeypatch):
+    """The Triton kernels launched with PDL (each waits at its start for the kernel before it) against without:
+    the same tokens and bit-identical features for plain decode chunks of 1 and 3 requests and chain verifies,
+    captured and eager, so no kernel reads what the one before it is still writing."""
+    from specdec.engine.requests import PrefillInput, VerifyInput
+    from specdec.kernels import pdl
+    from specdec.sampling_params import SamplingParams
+
+    def run(flag: str, graphs: bool):
+        monkeypatch.setenv("SPECDEC_PDL", flag)
+        pdl._pdl_on.cache_clear()
+        eng = _engine("flashinfer")
+        if not graphs:
+            eng.graphs = None
+        on = pdl.launch_dependent(torch.zeros(1, device="cuda"))
+        params = SamplingParams(max_new_tokens=60, ignore_eos=True)
+        got = []
+        for n in (1, 3):
+            prompts = [list(range(300 + i, 340 + 13 * i)) for i in range(n)]
+            eng.prefill([PrefillInput(f"r{i}", p, params) for i, p in enumerate(prompts)])
+            for _ in range(3):
+                for out in eng.verify([VerifyInput(f"r{i}", [], []) for i in range(n)], plain_steps=8):
+                    got.append((out.tokens, out.features.float().cpu()))
+                for out in eng.verify([VerifyInput(f"r{i}", [5, 6, 7, 8], [-1, 0, 1, 2]) for i in range(n)]):
+                    got.append((out.tokens, out.features.float().cpu()))
+            for i in range(n):
+                eng.release(f"r{i}")
+        return on, got
+
+    try:
+        for graphs in (True, False):
+            (off, plain), (on, dependent) = run("0", graphs), run("1", graphs)
+            assert not off
+            assert on == (torch.cuda.get_device_capability()[0] >= 9)
+            assert len(plain) == len(dependent)
+            for (ta, fa), (tb, fb) in zip(plain, dependent, strict=True):
+                assert ta == tb and torch.equal(fa, fb)
+    finally:
+        pdl._pdl_on.cache_clear()

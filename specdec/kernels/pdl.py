@@ -1,0 +1,54 @@
+"""Programmatic dependent launch (PDL, Hopper and later) for this package's Triton kernels.
+
+A kernel launched with PDL may have its CTAs scheduled while the kernel before it in the stream still runs; each
+waits at its start (`pdl_enter`: `griddepcontrol.wait`) until that kernel has finished and its writes are
+visible, then lets the next kernel's CTAs be scheduled in turn. What it saves is the gap between two kernels: a
+batch-1 decode step of the 8B shape is ~290 kernels in one graph replay, and the kernels' own times summed to
+~0.2 ms less than the step (H200, seventeenth pass). Every kernel here calls `pdl_enter` before it reads or
+writes anything, so the wait is transitive: a kernel starts after the end of the one before it, which started
+after the end of the one before that. Kernels of other libraries between them (cuBLAS, flashinfer, torch) launch
+as usual and so wait as usual. The arithmetic is unchanged (bit-identical results; tested on the GPU).
+`SPECDEC_PDL=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from specdec.kernels import interpreted
+
+
+@functools.cache
+def _pdl_on(device_index: int) -> bool:
+    if os.environ.get("SPECDEC_PDL", "1") == "0" or interpreted():
+        return False
+    cuda = getattr(tl.extra, "cuda", None)
+    if cuda is None or not hasattr(cuda, "gdc_wait") or not hasattr(cuda, "gdc_launch_dependents"):
+        return False
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def launch_dependent(t: torch.Tensor) -> bool:
+    """Whether the kernels launch with PDL on `t`'s device (the `PDL` constexpr and `launch_pdl` of a launch)."""
+    if not t.is_cuda:
+        return False
+    return _pdl_on(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+def pdl_options(t: torch.Tensor) -> dict:
+    """A launch's keyword arguments for a kernel with a `PDL` constexpr, on `t`'s device."""
+    return {"PDL": True, "launch_pdl": True} if launch_dependent(t) else {"PDL": False}
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """First thing in a kernel launched with PDL: wait for the kernel before it, then let the next one be
+    scheduled (its CTAs wait in their own `pdl_enter`)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
