@@ -29,6 +29,7 @@ from specdec.engine.adaptive import FULL, SpeculationPolicy, budget_menu  # noqa
 from specdec.engine.draft_engine import SpecConfig  # noqa: E402
 from specdec.engine.factory import EngineOptions, build_draft, build_target  # noqa: E402
 from specdec.engine.generate import feature_layers_for, generate  # noqa: E402
+from specdec.engine.overlap import TwoBatchOverlap  # noqa: E402
 from specdec.engine.plain_steps import PLAIN_STEPS  # noqa: E402
 from specdec.engine.requests import StepTimings, VerifyInput  # noqa: E402
 from specdec.engine.warmup import warm_verify_shapes  # noqa: E402
@@ -204,8 +205,12 @@ def _extend_and_rewind(draft, rid, feats):
 def simulated(res, args, target):
     """Plain vs speculative decoding at simulated acceptance, per batch size: speculation always on
     (`--speculation always`) and adaptive (`auto`: per step, whichever mode measured faster), the latter from a
-    fresh policy (`auto_*`) and again with the policy that run left (`auto_warm_*`). Each row keeps the policy's
-    records (`auto_history`) and every call of the timed runs (`plain_calls`, `spec_calls`, `auto_calls`)."""
+    fresh policy (`auto_*`), again with the policy that run left (`auto_warm_*`), and with that policy as the draft
+    service runs it (`auto_service_*`: its scheduler always keeps a `TwoBatchOverlap`, here without micro-batches,
+    so two plain calls are in flight and a call's landing runs while the next one decodes; speculative steps stay
+    synchronous). Plain decoding is the target's own (its `Generate`: one call at a time). Each row keeps the
+    policy's records (`auto_history`) and every call of the timed runs (`plain_calls`, `spec_calls`,
+    `auto_calls`)."""
     opts = _opts(args.backend, dummy_weights=True, max_batch_size=max(args.batch_sizes), max_context=4096,
                  num_pages=8192)
     draft = build_draft(args.draft_config, "llama3-8b", SpecConfig(6, 1, 6), opts, target.max_context)
@@ -234,11 +239,14 @@ def simulated(res, args, target):
             # the same again with the policy that run left (a service's policy lives across requests: its
             # first requests pay the measuring of each budget, later ones follow what it measured)
             warm, _ = _decode_rate(target, draft, prompts, args.new_tokens, policy=policy)
+            service, _ = _decode_rate(target, draft, prompts, args.new_tokens, policy=policy,
+                                      overlap=TwoBatchOverlap(0, target.device))
             rows.append({"bs": bs, "simulated_tau": tau, "measured_tau": round(measured_tau, 2),
                          "plain_tok_s": round(plain, 1), "spec_tok_s": round(spec, 1),
                          "speedup": round(spec / plain, 2), "auto_tok_s": round(auto, 1),
                          "auto_speedup": round(auto / plain, 2), "auto_tokens_per_step": round(auto_tps, 2),
                          "auto_warm_tok_s": round(warm, 1), "auto_warm_speedup": round(warm / plain, 2),
+                         "auto_service_tok_s": round(service, 1), "auto_service_speedup": round(service / plain, 2),
                          "auto_rates": policy.summary(), "plain_split": _split(plain_t),
                          "spec_split": _split(spec_t),
                          "auto_split": _split(auto_t), "cuda_allocator": _allocator_counts()})
