@@ -22,7 +22,7 @@ import torch
 
 from specdec.attention import AttentionBatch, SeqAttention, make_backend
 from specdec.attention.graph_backend import GraphCaptureError
-from specdec.engine.device import engine_call
+from specdec.engine.device import engine_call, resolve_device
 from specdec.errors import ConfigError, DuplicateRequest, UnknownRequest
 from specdec.host_copy import to_device
 from specdec.kv_cache import PagedKVCache
@@ -108,7 +108,7 @@ class DraftEngine:
         cuda_graphs: bool = False,
         max_batch_size: int = 64,
     ):
-        self.model, self.spec, self.device = model, spec.validate(), torch.device(device)
+        self.model, self.spec, self.device = model, spec.validate(), resolve_device(device)
         cfg = model.cfg
         self.dtype = next(model.parameters()).dtype
         self.kv = PagedKVCache(1, cfg.num_kv_heads, cfg.head_dim, num_pages, page_size, self.dtype, device)

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specdec.engine.device import resolve_device
 from specdec.errors import SpecdecError
 
 if TYPE_CHECKING:
@@ -94,7 +95,7 @@ class TwoBatchOverlap:
         self.plain_in_flight = max(1, plain_in_flight)  # whole-batch plain calls in flight (1: one at a time)
         self._plain = False  # what is in flight is pipelined plain calls
         self._ordered = False  # the target takes calls started in order (`verify_start`)
-        self.device = torch.device(device) if device is not None else None  # the verify worker's current GPU
+        self.device = resolve_device(device) if device is not None else None  # the verify worker's current GPU
         self.inflight: deque[tuple[Launch, Future]] = deque()
         self._pool: ThreadPoolExecutor | None = None
         self._workers = 1  # 2 once `wrap_target` sees a target that takes concurrent calls
@@ -104,7 +105,7 @@ class TwoBatchOverlap:
     def wrap_target(self, target):
         if self.device is None:
             device = getattr(target, "device", None)
-            self.device = torch.device(device) if device is not None else None
+            self.device = resolve_device(device) if device is not None else None
         self._workers = 2 if getattr(target, "concurrent_calls", False) else 1
         self._ordered = callable(getattr(target, "verify_start", None))
         if self._workers == 2 and not self._ordered:

@@ -14,7 +14,7 @@ import torch
 
 from specdec.attention import AttentionBatch, SeqAttention, make_backend, triton_decode
 from specdec.attention.graph_backend import GraphCaptureError
-from specdec.engine.device import engine_call
+from specdec.engine.device import engine_call, resolve_device
 from specdec.engine.finish import cut_at_finish, length_room
 from specdec.engine.plain_steps import (
     check_plain_steps,
@@ -78,7 +78,7 @@ class TargetEngine:
     ):
         cfg = model.cfg
         self.simulate_accept_len = simulate_accept_len  # benchmarking only: outputs are not the target's
-        self.model, self.cfg, self.device = model, cfg, torch.device(device)
+        self.model, self.cfg, self.device = model, cfg, resolve_device(device)
         dtype = next(model.parameters()).dtype
         self.kv = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages, page_size, dtype, device)
         self.backend = make_backend(attention_backend, self.kv, cfg.num_heads, triton_decode.MAX_QUERIES)

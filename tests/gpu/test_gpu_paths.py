@@ -442,3 +442,32 @@ def test_programmatic_dependent_launch_changes_no_result(monkeypatch):
                 assert ta == tb and torch.equal(fa, fb)
     finally:
         pdl._pdl_on.cache_clear()
+
+
+def test_two_batch_overlap_on_one_gpu_named_cuda(dev_prompts, tiny_tokenizer):
+    """`--device cuda` (the Helm chart's `device=cuda`, no index) with two-batch overlap: the verify worker starts
+    on the engines' GPU (it used to fail to start: `torch.cuda.set_device` refuses "cuda"), micro-batches run, the
+    tokens are plain decoding's (bf16: up to 2 near-tie flips in 12, as on two GPUs) and every page is free after."""
+    from repo_paths import TINY
+
+    from specdec.engine.draft_engine import SpecConfig
+    from specdec.engine.factory import EngineOptions, build_draft, build_target
+    from specdec.engine.generate import generate
+    from specdec.engine.overlap import TwoBatchOverlap
+    from specdec.sampling_params import SamplingParams
+
+    opts = EngineOptions(device="cuda", dtype="bfloat16", attention_backend="flashinfer", num_pages=2000,
+                         max_batch_size=16)
+    target = build_target(str(TINY / "target"), opts)
+    draft = build_draft(str(TINY / "draft"), str(TINY / "target"), SpecConfig(5, 1, 5), opts, target.max_context)
+    assert target.device.index is not None and draft.device.index is not None
+    prompts = [tiny_tokenizer.encode(p)[-200:] for p in dev_prompts[:12]]
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    plain = [r.tokens for r in generate(target, None, prompts, params, max_batch_size=16)]
+    overlap = TwoBatchOverlap(4, "cuda")  # as the draft service passed `--device cuda` before it was resolved
+    spec = [r.tokens for r in generate(target, draft, prompts, params, max_batch_size=16, overlap=overlap)]
+    assert overlap.micro_steps > 0
+    assert sum(s == p for s, p in zip(spec, plain, strict=True)) >= len(prompts) - 2
+    for kv in (draft.kv, target.kv):
+        _, total, free = kv.stats()
+        assert free == total
