@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from specdec.engine.device import resolve_device
 from specdec.engine.requests import RUNNING
 from specdec.engine.scheduler import Event, Scheduler
 from specdec.errors import DuplicateRequest, NotReady, SpecdecError
@@ -45,7 +46,7 @@ class EngineLoop:
     def __init__(self, scheduler: Scheduler | None, name: str = "engine", device=None):
         self.scheduler = scheduler
         self.name = name
-        self.device = torch.device(device) if device is not None else None  # the engine's GPU, if any
+        self.device = resolve_device(device) if device is not None else None  # the engine's GPU, if any
         self._calls: list[_Call] = []
         self._streams: dict[str, _Stream] = {}
         self._cond = threading.Condition()

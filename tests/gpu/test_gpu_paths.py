@@ -447,7 +447,8 @@ def test_programmatic_dependent_launch_changes_no_result(monkeypatch):
 def test_two_batch_overlap_on_one_gpu_named_cuda(dev_prompts, tiny_tokenizer):
     """`--device cuda` (the Helm chart's `device=cuda`, no index) with two-batch overlap: the verify worker starts
     on the engines' GPU (it used to fail to start: `torch.cuda.set_device` refuses "cuda"), micro-batches run, the
-    tokens are plain decoding's (bf16: up to 2 near-tie flips in 12, as on two GPUs) and every page is free after."""
+    tokens are plain decoding's, token for token (float32; in bf16 micro-batches change the batch shapes a verify
+    rounds in, and 3 of 12 such outputs parted from plain decoding at a near-tie), and every page is free after."""
     from repo_paths import TINY
 
     from specdec.engine.draft_engine import SpecConfig
@@ -456,8 +457,7 @@ def test_two_batch_overlap_on_one_gpu_named_cuda(dev_prompts, tiny_tokenizer):
     from specdec.engine.overlap import TwoBatchOverlap
     from specdec.sampling_params import SamplingParams
 
-    opts = EngineOptions(device="cuda", dtype="bfloat16", attention_backend="flashinfer", num_pages=2000,
-                         max_batch_size=16)
+    opts = EngineOptions(device="cuda", dtype="float32", attention_backend="torch", num_pages=2000, max_batch_size=16)
     target = build_target(str(TINY / "target"), opts)
     draft = build_draft(str(TINY / "draft"), str(TINY / "target"), SpecConfig(5, 1, 5), opts, target.max_context)
     assert target.device.index is not None and draft.device.index is not None
@@ -467,7 +467,7 @@ def test_two_batch_overlap_on_one_gpu_named_cuda(dev_prompts, tiny_tokenizer):
     overlap = TwoBatchOverlap(4, "cuda")  # as the draft service passed `--device cuda` before it was resolved
     spec = [r.tokens for r in generate(target, draft, prompts, params, max_batch_size=16, overlap=overlap)]
     assert overlap.micro_steps > 0
-    assert sum(s == p for s, p in zip(spec, plain, strict=True)) >= len(prompts) - 2
+    assert spec == plain
     for kv in (draft.kv, target.kv):
         _, total, free = kv.stats()
         assert free == total

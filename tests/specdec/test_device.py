@@ -6,6 +6,7 @@ import torch
 
 from specdec.engine.device import resolve_device
 from specdec.engine.overlap import TwoBatchOverlap
+from specdec.serving.engine_loop import EngineLoop
 
 
 def test_cuda_without_an_index_becomes_the_current_gpu(monkeypatch):
@@ -16,6 +17,8 @@ def test_cuda_without_an_index_becomes_the_current_gpu(monkeypatch):
     assert resolve_device("cpu") == torch.device("cpu")
     # the overlap's verify worker makes this device current with torch.cuda.set_device, which refuses "cuda"
     assert TwoBatchOverlap(4, "cuda").device == torch.device("cuda", 3)
+    # and so does each service's engine thread at its start (not started here)
+    assert EngineLoop(None, "engine", "cuda").device == torch.device("cuda", 3)
 
 
 def test_cpu_engines_keep_their_device():
