@@ -18,7 +18,8 @@ DEFAULT_LOCAL_ADDR = "localhost:50050"
 
 
 def run_up(args: argparse.Namespace) -> int:
-    """Start the three services, print their addresses, wait for Ctrl-C (or a service dying), stop them."""
+    """Start the three services, print their addresses, restart any that dies (`LocalStack.supervise`) until
+    Ctrl-C (or one that keeps dying), stop them."""
     config = StackConfig(
         target_dir=args.target,
         draft_dir=None if args.draft.lower() == "none" else args.draft,
@@ -35,7 +36,8 @@ def run_up(args: argparse.Namespace) -> int:
             print(f"{name:8s} {addr}", flush=True)
         print(f'ready: specdec generate --addr {stack.gateway_addr} "def fib(n):"   (Ctrl-C stops)', flush=True)
         while True:
-            stack.check_alive()
+            for note in stack.supervise():
+                print(f"specdec up: {note}", file=sys.stderr, flush=True)
             time.sleep(0.5)
     except KeyboardInterrupt:
         print("stopping", file=sys.stderr)

@@ -5,6 +5,10 @@
 
 Each service runs as `python -m specdec serve-*` in its own session, so a terminal's Ctrl-C reaches only this
 process, which then stops them in order (gateway, draft, target) with SIGTERM, and SIGKILL after a grace period.
+`supervise` restarts a service whose process exits, as Kubernetes restarts a container: meanwhile the gateway
+serves what it can (a dead draft: its target's plain decoding; the gateway's health loop takes the service back
+once it answers SERVING again). One that keeps dying within `QUICK_S` of each start is restarted after 1, 2, 4,
+8, 16 s, and given up on after `RESTARTS` such deaths in a row.
 """
 
 from __future__ import annotations
@@ -38,6 +42,18 @@ HEALTH_NAMES = {
     "gateway": "specdec.v1.GatewayService",
 }
 STOP_ORDER = ("gateway", "draft", "target")
+RESTARTS = 5  # deaths in a row, each within QUICK_S of its start, after which `supervise` gives up
+QUICK_S = 60.0
+MAX_BACKOFF_S = 16.0
+
+
+@dataclass
+class _Life:
+    """A service's restarts: when it last started, its quick deaths in a row, when it is due to start again."""
+
+    started: float
+    quick: int = 0
+    due: float | None = None  # set while it is dead and waiting out its backoff
 
 
 @dataclass(frozen=True)
@@ -99,6 +115,7 @@ class LocalStack:
         self._log_dir = log_dir
         self._procs: dict[str, subprocess.Popen] = {}
         self._logs: dict[str, IO[bytes]] = {}
+        self._lives: dict[str, _Life] = {}
 
     @property
     def gateway_addr(self) -> str:
@@ -120,18 +137,24 @@ class LocalStack:
                 if name == "gateway":
                     self._wait_serving(deadline - time.monotonic())
                 if name in commands:
-                    self._procs[name] = subprocess.Popen(commands[name], start_new_session=True, **self._output(name))
+                    self._spawn(name, commands[name])
             self._wait_serving(deadline - time.monotonic())
         except BaseException:
             self.stop()
             raise
 
+    def _spawn(self, name: str, command: list[str], now: float | None = None) -> None:
+        self._procs[name] = subprocess.Popen(command, start_new_session=True, **self._output(name))
+        now = time.monotonic() if now is None else now
+        life = self._lives.setdefault(name, _Life(now))
+        life.started, life.due = now, None
+
     def _output(self, name: str) -> dict:
         if self._log_dir is None:
             return {}
-        log = open(os.path.join(self._log_dir, f"{name}.log"), "wb")  # noqa: SIM115 - closed in stop()
-        self._logs[name] = log
-        return {"stdout": log, "stderr": subprocess.STDOUT}
+        if name not in self._logs:  # a restarted service appends to its log
+            self._logs[name] = open(os.path.join(self._log_dir, f"{name}.log"), "wb")  # noqa: SIM115 - closed in stop()
+        return {"stdout": self._logs[name], "stderr": subprocess.STDOUT}
 
     def _wait_serving(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -154,6 +177,29 @@ class LocalStack:
             if code is not None:
                 raise NotReady(f"{name} exited with status {code}{self._log_tail(name)}")
 
+    def supervise(self, now: float | None = None) -> list[str]:
+        """Restart every service whose process has exited, once its backoff is over; returns what it did, one line
+        each. Raises NotReady for a service that died `RESTARTS` times in a row within `QUICK_S` of starting."""
+        now = time.monotonic() if now is None else now
+        notes = []
+        for name, proc in list(self._procs.items()):
+            life = self._lives[name]
+            if life.due is None:
+                code = proc.poll()
+                if code is None:
+                    continue
+                life.quick = life.quick + 1 if now - life.started < QUICK_S else 1
+                if life.quick >= RESTARTS:
+                    raise NotReady(f"{name} exited with status {code}, {life.quick} times in a row within "
+                                   f"{QUICK_S:g} s of starting; giving up{self._log_tail(name)}")
+                delay = min(2.0 ** (life.quick - 1), MAX_BACKOFF_S)
+                life.due = now + delay
+                notes.append(f"{name} exited with status {code}; restarting it in {delay:g} s")
+            elif now >= life.due:
+                self._spawn(name, self.config.commands()[name], now)
+                notes.append(f"{name} restarted (pid {self._procs[name].pid})")
+        return notes
+
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM in STOP_ORDER, each given `grace_s` to drain, then SIGKILL. Safe to call twice."""
         for name in STOP_ORDER:
@@ -167,6 +213,7 @@ class LocalStack:
                 proc.kill()
                 proc.wait()
         self._procs.clear()
+        self._lives.clear()
         for log in self._logs.values():
             log.close()
 

@@ -1,0 +1,75 @@
+"""`LocalStack.supervise` (what `specdec up` runs): a service whose process exits is started again after a
+backoff, and one that keeps dying right after each start is given up on. Stand-in commands, no services."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import pytest
+
+from gateway import local_stack
+from gateway.local_stack import LocalStack, StackConfig
+from specdec.errors import NotReady
+
+EXIT_3 = [sys.executable, "-c", "raise SystemExit(3)"]
+SLEEP = [sys.executable, "-c", "import time; time.sleep(60)"]
+
+
+@dataclass(frozen=True)
+class Scripted(StackConfig):
+    """A stack whose "draft" runs `command` (a stand-in for `specdec serve-draft`)."""
+
+    command: tuple[str, ...] = tuple(SLEEP)
+
+    def commands(self) -> dict[str, list[str]]:
+        return {"draft": list(self.command)}
+
+
+def dead(stack: LocalStack, name: str) -> None:
+    stack.process(name).wait(timeout=30)
+
+
+def test_a_service_that_exits_is_started_again_after_its_backoff():
+    stack = LocalStack(Scripted())
+    try:
+        stack._spawn("draft", EXIT_3, now=0.0)
+        dead(stack, "draft")
+        assert stack.supervise(now=1.0) == ["draft exited with status 3; restarting it in 1 s"]
+        assert stack.supervise(now=1.5) == []  # still backing off
+        (note,) = stack.supervise(now=2.1)
+        assert note.startswith("draft restarted (pid ")
+        assert stack.process("draft").poll() is None  # the config's command runs again
+        assert stack.supervise(now=3.0) == []
+    finally:
+        stack.stop(grace_s=5)
+
+
+def test_backoff_doubles_and_a_service_dying_right_after_each_start_is_given_up():
+    stack = LocalStack(Scripted(command=tuple(EXIT_3)))
+    now, delays = 0.0, []
+    try:
+        stack._spawn("draft", EXIT_3, now=now)
+        with pytest.raises(NotReady, match="draft exited with status 3, 5 times in a row within 60 s"):
+            for _ in range(10):
+                dead(stack, "draft")
+                now += 0.1
+                (note,) = stack.supervise(now=now)
+                delays.append(float(note.split("restarting it in ")[1].split(" s")[0]))
+                now = stack._lives["draft"].due
+                assert stack.supervise(now=now)[0].startswith("draft restarted")
+        assert delays == [1, 2, 4, 8]
+    finally:
+        stack.stop(grace_s=5)
+
+
+def test_a_death_after_a_long_run_starts_the_count_again():
+    stack = LocalStack(Scripted())
+    try:
+        stack._spawn("draft", EXIT_3, now=0.0)
+        stack._lives["draft"].quick = 3  # it had died quickly before
+        dead(stack, "draft")
+        assert stack.supervise(now=local_stack.QUICK_S + 10) == ["draft exited with status 3; restarting it in 1 s"]
+        assert stack._lives["draft"].quick == 1
+    finally:
+        stack.stop(grace_s=5)

@@ -1,0 +1,75 @@
+"""`specdec up` keeps the stack running when a service dies: the draft is killed, the gateway goes on serving
+(its target decodes plainly), `up` starts the draft again and speculation resumes. Real services on CPU."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gateway.client import GatewayClient
+from gateway.local_stack import HEALTH_NAMES, StackConfig, _is_serving
+
+
+def pids_running(fragment: str) -> list[int]:
+    """Processes whose command line contains `fragment` (Linux /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if fragment in cmdline:
+                found.append(int(entry.name))
+    return found
+
+
+def wait_for(check, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s:g} s: {what}")
+        time.sleep(0.2)
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the draft's process through /proc")
+def test_up_restarts_a_killed_draft_and_the_gateway_serves_throughout():
+    cfg = StackConfig.free_ports()
+    cmd = [sys.executable, "-m", "specdec", "up", "--gateway-port", str(cfg.gateway_port),
+           "--draft-port", str(cfg.draft_port), "--target-port", str(cfg.target_port)]
+    up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_for(lambda: _is_serving(cfg.addr("gateway"), HEALTH_NAMES["gateway"]), 240, "the stack serves")
+        fragment = f"serve-draft --model {cfg.draft_dir}"
+        (draft,) = [p for p in pids_running(fragment) if f"--port {cfg.draft_port}" in Path(f"/proc/{p}/cmdline")
+                    .read_bytes().replace(b"\0", b" ").decode()]
+        with GatewayClient(cfg.addr("gateway"), timeout_s=60) as client:
+            before, stats = client.complete("def fibonacci(n):", max_new_tokens=16)
+            assert stats.speculative
+            os.kill(draft, signal.SIGKILL)
+            during, stats = client.complete("def fibonacci(n):", max_new_tokens=16)  # the target serves it
+            assert during == before and up.poll() is None
+            wait_for(lambda: _is_serving(cfg.addr("draft"), HEALTH_NAMES["draft"]), 120, "the draft is back")
+            assert draft not in pids_running(fragment)
+
+            def speculating() -> bool:
+                text, st = client.complete("def fibonacci(n):", max_new_tokens=16)
+                assert text == before
+                return st.speculative
+
+            wait_for(speculating, 30, "the gateway routes to the restarted draft again")
+    finally:
+        os.killpg(up.pid, signal.SIGINT)  # Ctrl-C: `up` stops its services
+        try:
+            _, err = up.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(up.pid, signal.SIGKILL)
+            _, err = up.communicate()
+    assert "specdec up: draft exited with status -9; restarting it in 1 s" in err, err[-3000:]
+    assert "specdec up: draft restarted (pid " in err
