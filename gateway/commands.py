@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import signal
 import sys
 import time
 
@@ -30,6 +31,9 @@ def run_up(args: argparse.Namespace) -> int:
         target_port=args.target_port,
     )
     stack = LocalStack(config)
+    # SIGTERM (`kill`, a process manager) stops the stack as Ctrl-C does: by default it would end this process at
+    # once and leave the services, which run in sessions of their own, holding their ports
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         stack.start()
         for name, addr in stack.addresses().items():
@@ -40,13 +44,21 @@ def run_up(args: argparse.Namespace) -> int:
                 print(f"specdec up: {note}", file=sys.stderr, flush=True)
             time.sleep(0.5)
     except KeyboardInterrupt:
-        print("stopping", file=sys.stderr)
+        print("stopping (Ctrl-C again stops at once)", file=sys.stderr, flush=True)
         return 0
     except SpecdecError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:
-        stack.stop()
+        try:
+            stack.stop()
+        except KeyboardInterrupt:  # the second Ctrl-C: `stop` killed what still ran
+            print("stopped at once", file=sys.stderr)
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -201,21 +201,30 @@ class LocalStack:
         return notes
 
     def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM in STOP_ORDER, each given `grace_s` to drain, then SIGKILL. Safe to call twice."""
-        for name in STOP_ORDER:
-            proc = self._procs.pop(name, None)
-            if proc is None or proc.poll() is not None:
-                continue
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
+        """SIGTERM in STOP_ORDER, each given `grace_s` to drain, then SIGKILL. Safe to call twice. Interrupted
+        (a second Ctrl-C while a service drains), it kills whatever still runs before it lets the interrupt
+        through: the services run in sessions of their own, and nothing else would stop them."""
+        try:
+            for name in STOP_ORDER:
+                proc = self._procs.get(name)
+                if proc is None or proc.poll() is not None:
+                    continue
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(grace_s)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        finally:
+            running = [proc for proc in self._procs.values() if proc.poll() is None]
+            for proc in running:
                 proc.kill()
+            for proc in running:
                 proc.wait()
-        self._procs.clear()
-        self._lives.clear()
-        for log in self._logs.values():
-            log.close()
+            self._procs.clear()
+            self._lives.clear()
+            for log in self._logs.values():
+                log.close()
 
     def _log_tail(self, name: str, max_chars: int = 2000) -> str:
         if name not in self._logs:

@@ -4,6 +4,7 @@ backoff, and one that keeps dying right after each start is given up on. Stand-i
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -73,3 +74,25 @@ def test_a_death_after_a_long_run_starts_the_count_again():
         assert stack._lives["draft"].quick == 1
     finally:
         stack.stop(grace_s=5)
+
+
+def test_a_second_interrupt_while_stopping_kills_what_still_runs(tmp_path):
+    """Ctrl-C twice: the first stops the stack, the second comes while a service drains; none is left running
+    (they run in sessions of their own: nothing else would stop them)."""
+    import _thread
+    import threading
+
+    deaf = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "print('ready', flush=True); time.sleep(60)"]
+    stack = LocalStack(Scripted(), str(tmp_path))
+    stack._spawn("gateway", deaf)
+    stack._spawn("draft", deaf)
+    procs = [stack.process("gateway"), stack.process("draft")]
+    for name in ("gateway", "draft"):  # SIGTERM ignored from here on
+        log = tmp_path / f"{name}.log"
+        while "ready" not in log.read_text():
+            time.sleep(0.05)
+    threading.Timer(1.0, _thread.interrupt_main).start()  # while `stop` waits out the gateway's grace period
+    with pytest.raises(KeyboardInterrupt):
+        stack.stop(grace_s=30)
+    assert all(proc.poll() is not None for proc in procs)

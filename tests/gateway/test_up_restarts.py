@@ -1,5 +1,6 @@
 """`specdec up` keeps the stack running when a service dies: the draft is killed, the gateway goes on serving
-(its target decodes plainly), `up` starts the draft again and speculation resumes. Real services on CPU."""
+(its target decodes plainly), `up` starts the draft again and speculation resumes. SIGTERM to `up` then stops
+all three services (by default it ended `up` alone and left them holding their ports). Real services on CPU."""
 
 from __future__ import annotations
 
@@ -65,11 +66,20 @@ def test_up_restarts_a_killed_draft_and_the_gateway_serves_throughout():
 
             wait_for(speculating, 30, "the gateway routes to the restarted draft again")
     finally:
-        os.killpg(up.pid, signal.SIGINT)  # Ctrl-C: `up` stops its services
+        up.terminate()  # SIGTERM, as `kill` or a process manager sends it
+        ports = (cfg.gateway_port, cfg.draft_port, cfg.target_port)
         try:
-            _, err = up.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
+            _, err = up.communicate(timeout=90)
+        except subprocess.TimeoutExpired:  # `up`, or services it left behind, still hold its pipes
+            err = ""
+        left = [pid for port in ports for pid in pids_running(f"--port {port}")]
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+        if up.poll() is None:
             os.killpg(up.pid, signal.SIGKILL)
-            _, err = up.communicate()
+        if not err:
+            _, err = up.communicate(timeout=30)
+    assert not left, f"{len(left)} services outlived `specdec up`"
+    assert up.returncode == 0, err[-3000:]
     assert "specdec up: draft exited with status -9; restarting it in 1 s" in err, err[-3000:]
     assert "specdec up: draft restarted (pid " in err
