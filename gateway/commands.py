@@ -31,9 +31,11 @@ def run_up(args: argparse.Namespace) -> int:
         target_port=args.target_port,
     )
     stack = LocalStack(config)
-    # SIGTERM (`kill`, a process manager) stops the stack as Ctrl-C does: by default it would end this process at
-    # once and leave the services, which run in sessions of their own, holding their ports
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    with sigterm_as_interrupt():
+        return _serve_until_stopped(stack)
+
+
+def _serve_until_stopped(stack: LocalStack) -> int:
     try:
         stack.start()
         for name, addr in stack.addresses().items():
@@ -54,11 +56,22 @@ def run_up(args: argparse.Namespace) -> int:
             stack.stop()
         except KeyboardInterrupt:  # the second Ctrl-C: `stop` killed what still ran
             print("stopped at once", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """SIGTERM (`kill`, a process manager, a test's timeout) raises KeyboardInterrupt, so a local stack stops as
+    on Ctrl-C: by default SIGTERM ends this process at once and leaves the services, which run in sessions of
+    their own, running and holding their ports."""
+
+    def interrupt(signum, frame) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -87,6 +100,9 @@ def run_generate(args: argparse.Namespace) -> int:
         except grpc.RpcError as exc:
             print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: a stack started for this call stops on the way out
+            print("\ninterrupted", file=sys.stderr)
+            return 130
     sys.stdout.write("\n")
     print(format_stats(stream.stats), file=sys.stderr)
     return 0
@@ -102,6 +118,7 @@ def _local_gateway(device: str, cleanup: contextlib.ExitStack) -> str:
         file=sys.stderr,
         flush=True,
     )
+    cleanup.enter_context(sigterm_as_interrupt())
     stack: LocalStack = cleanup.enter_context(temporary_stack(StackConfig.free_ports(device=device)))
     return stack.gateway_addr
 

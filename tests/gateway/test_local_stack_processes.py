@@ -1,6 +1,7 @@
-"""`specdec up` keeps the stack running when a service dies: the draft is killed, the gateway goes on serving
-(its target decodes plainly), `up` starts the draft again and speculation resumes. SIGTERM to `up` then stops
-all three services (by default it ended `up` alone and left them holding their ports). Real services on CPU."""
+"""The local stacks' processes. `specdec up` keeps the stack running when a service dies: the draft is killed,
+the gateway goes on serving (its target decodes plainly), `up` starts the draft again and speculation resumes.
+SIGTERM to `up`, or to a `specdec generate` that started a stack of its own, stops the services too (by default
+it ended that process alone and left them running, holding their ports). Real services on CPU."""
 
 from __future__ import annotations
 
@@ -83,3 +84,39 @@ def test_up_restarts_a_killed_draft_and_the_gateway_serves_throughout():
     assert up.returncode == 0, err[-3000:]
     assert "specdec up: draft exited with status -9; restarting it in 1 s" in err, err[-3000:]
     assert "specdec up: draft restarted (pid " in err
+
+
+def children_of(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (Linux /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the services' processes through /proc")
+def test_sigterm_to_generate_stops_the_stack_it_started():
+    """`specdec generate` with no gateway running starts its own stack; SIGTERM while it comes up stops it."""
+    gen = subprocess.Popen([sys.executable, "-m", "specdec", "generate", "def fibonacci(n):"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: len(children_of(gen.pid)) >= 2, 120, "the target and the draft are starting")
+        services = children_of(gen.pid)
+        gen.terminate()
+        _, err = gen.communicate(timeout=90)
+    finally:
+        if gen.poll() is None:
+            gen.kill()
+            gen.communicate()
+    left = [pid for pid in services if Path(f"/proc/{pid}").exists() and "serve-" in
+            Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"{len(left)} services outlived `specdec generate`"
+    assert gen.returncode == 130 and "interrupted" in err, err[-3000:]
