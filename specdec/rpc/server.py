@@ -22,7 +22,7 @@ import asyncio
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import grpc.aio
@@ -30,6 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specdec.errors import ConfigError
+from specdec.rpc.drain_gate import DrainGate
 from specdec.rpc.options import DEFAULT_MAX_MESSAGE_BYTES, server_options
 from specdec.rpc.tls import TlsConfig, add_tls_args
 
@@ -49,6 +50,7 @@ class ServerHandle:
     health: health.aio.HealthServicer
     bound_port: int
     health_names: tuple[str, ...]
+    gate: DrainGate = field(default_factory=DrainGate)  # refuses new calls once `stop` begins
 
     async def set_serving(self, serving: bool) -> None:
         """Set every health name (and the overall "") to SERVING or NOT_SERVING."""
@@ -58,7 +60,9 @@ class ServerHandle:
             await self.health.set(name, status)
 
     async def stop(self, grace_s: float | None = 10.0) -> None:
-        """NOT_SERVING for good (load balancers stop routing), then let in-flight calls finish for grace_s."""
+        """New calls refused (UNAVAILABLE; health checks still answer), NOT_SERVING for good (load balancers stop
+        routing), then let in-flight calls finish for grace_s."""
+        self.gate.draining = True
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
 
@@ -81,14 +85,15 @@ async def start_server(
     health_names: the full names of the services added (e.g. "specdec.v1.TargetService"); they are reported
     by health (NOT_SERVING until `set_serving(True)`) and listed by reflection.
     """
-    server = grpc.aio.server(options=server_options(max_message_bytes), interceptors=list(interceptors) or None)
+    gate = DrainGate()  # first: a call refused while draining reaches no other interceptor
+    server = grpc.aio.server(options=server_options(max_message_bytes), interceptors=[gate, *interceptors])
     for add in servicers:
         add(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*health_names, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
     bound_port = _bind(server, host, port, tls)
-    handle = ServerHandle(server, health_servicer, bound_port, tuple(health_names))
+    handle = ServerHandle(server, health_servicer, bound_port, tuple(health_names), gate)
     await handle.set_serving(False)
     await server.start()
     log.info("listening on %s:%d (%s)", host, bound_port, "TLS" if tls else "plaintext")

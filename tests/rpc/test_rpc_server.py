@@ -175,3 +175,30 @@ def test_message_over_the_limit_is_resource_exhausted(fake_server):
                 assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
     run(body())
+
+
+def test_a_draining_server_refuses_new_calls_with_unavailable_and_finishes_running_ones(fake_server):
+    """From the moment `stop` begins (before the health flip and the server's own stop, both of which await):
+    new unary and streaming calls get UNAVAILABLE, health checks still answer, a stream accepted before runs on."""
+
+    async def body():
+        async with fake_server() as (handle, _), make_channel(f"127.0.0.1:{handle.bound_port}") as ch:
+            await handle.set_serving(True)
+            stub = target_pb2_grpc.TargetServiceStub(ch)
+            running = stub.Generate(target_pb2.TargetServiceGenerateRequest(request_id="slow"))
+            assert list((await running.read()).token_ids) == [0]
+            handle.gate.draining = True  # what `stop` sets first
+            for call in (lambda: stub.GetModelInfo(target_pb2.TargetServiceGetModelInfoRequest()),
+                         lambda: stub.Generate(target_pb2.TargetServiceGenerateRequest()).read()):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call()
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "shutting down" in err.value.details()
+            assert await health_of(ch, TARGET) == SERVING  # until the flip: load balancers read it
+            rest = []
+            while (chunk := await running.read()) is not grpc.aio.EOF:
+                rest += chunk.token_ids
+            assert rest == [1, 2] and await running.code() == grpc.StatusCode.OK
+            await handle.stop(grace_s=2)
+
+    run(body())
