@@ -8,7 +8,7 @@ process, which then stops them in order (gateway, draft, target) with SIGTERM, a
 `supervise` restarts a service whose process exits, as Kubernetes restarts a container: meanwhile the gateway
 serves what it can (a dead draft: its target's plain decoding; the gateway's health loop takes the service back
 once it answers SERVING again). One that keeps dying within `QUICK_S` of each start is restarted after 1, 2, 4,
-8, 16 s, and given up on after `RESTARTS` such deaths in a row.
+8 s, and given up on at the `RESTARTS`-th (fifth) such death in a row.
 """
 
 from __future__ import annotations
@@ -225,6 +225,7 @@ class LocalStack:
             self._lives.clear()
             for log in self._logs.values():
                 log.close()
+            self._logs.clear()
 
     def _log_tail(self, name: str, max_chars: int = 2000) -> str:
         if name not in self._logs:
