@@ -8,7 +8,8 @@ batch-1 decode step of the 8B shape is ~290 kernels in one graph replay, and the
 writes anything, so the wait is transitive: a kernel starts after the end of the one before it, which started
 after the end of the one before that. Kernels of other libraries between them (cuBLAS, flashinfer, torch) launch
 as usual and so wait as usual. The arithmetic is unchanged (bit-identical results; tested on the GPU).
-`SPECDEC_PDL=0` turns it off.
+Used on GPUs of compute capability 9.0 and later with a torch built for CUDA 12.4 or later; `SPECDEC_PDL=0` turns
+it off.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import triton.language as tl
 
 from specdec.kernels import interpreted
 
+MIN_CUDA = (12, 4)  # CUDA graphs keep a captured launch's programmatic dependency from 12.3 on
+
 
 @functools.cache
 def _pdl_on(device_index: int) -> bool:
@@ -30,7 +33,17 @@ def _pdl_on(device_index: int) -> bool:
     cuda = getattr(tl.extra, "cuda", None)
     if cuda is None or not hasattr(cuda, "gdc_wait") or not hasattr(cuda, "gdc_launch_dependents"):
         return False
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+    return cuda_at_least(torch.version.cuda, MIN_CUDA) and torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def cuda_at_least(version: str | None, least: tuple[int, int]) -> bool:
+    """Whether a CUDA version string ("12.4", "13.0"; None for a CPU build) is at least `least`."""
+    if not version:
+        return False
+    try:
+        return tuple(int(x) for x in version.split(".")[:2]) >= least
+    except ValueError:
+        return False
 
 
 def launch_dependent(t: torch.Tensor) -> bool:

@@ -24,3 +24,12 @@ def test_cuda_without_an_index_becomes_the_current_gpu(monkeypatch):
 def test_cpu_engines_keep_their_device():
     assert resolve_device(torch.device("cpu")).type == "cpu"
     assert TwoBatchOverlap(4, "cpu").device == torch.device("cpu")
+
+
+def test_pdl_needs_a_recent_cuda_build():
+    from specdec.kernels.pdl import MIN_CUDA, cuda_at_least
+
+    assert MIN_CUDA == (12, 4)
+    assert cuda_at_least("13.0", MIN_CUDA) and cuda_at_least("12.4", MIN_CUDA) and cuda_at_least("12.10", MIN_CUDA)
+    assert not cuda_at_least("12.1", MIN_CUDA) and not cuda_at_least(None, MIN_CUDA)
+    assert not cuda_at_least("", MIN_CUDA) and not cuda_at_least("rocm", MIN_CUDA)
