@@ -211,18 +211,8 @@ def simulated(res, args, target):
     synchronous). Plain decoding is the target's own (its `Generate`: one call at a time). Each row keeps the
     policy's records (`auto_history`) and every call of the timed runs (`plain_calls`, `spec_calls`,
     `auto_calls`)."""
-    opts = _opts(args.backend, dummy_weights=True, max_batch_size=max(args.batch_sizes), max_context=4096,
-                 num_pages=8192)
-    draft = build_draft(args.draft_config, "llama3-8b", SpecConfig(6, 1, 6), opts, target.max_context)
+    draft = simulated_draft(target, args.draft_config, args.backend, max(args.batch_sizes))
     res["simulated_draft"] = args.draft_config
-    # the verify shapes auto may send, captured before any timing (as the draft service does at start-up): a shape
-    # first met inside a row stalled its step for a whole ladder's capture (eighth pass: 4 steps of ~345 ms)
-    n = draft.spec.num_draft_tokens
-    warm_verify_shapes(target, [n if b == FULL else b for b in budget_menu(n)], draft.spec.topk,
-                       feature_layers_for(draft), target.cfg.vocab_size)
-    # as the services do once loaded: without it a full collection (~150-200 ms here) landed in one admission of
-    # 64 requests in ~8 (seventeenth pass), and a row's timed run that met it read ~10% slow
-    freeze_start_up_objects()
     rows = []
     for bs in args.batch_sizes:
         prompts = [list(range(1000 + i, 1256 + i)) for i in range(bs)]
@@ -256,6 +246,21 @@ def simulated(res, args, target):
             rows[-1].update(plain_calls=plain_t.calls, spec_calls=spec_t.calls, auto_calls=auto_t.calls)
     target.simulate_accept_len = 0.0
     res["SIMULATED_acceptance_rows"] = rows
+
+
+def simulated_draft(target, config: str, backend: str, max_batch_size: int):
+    """The 8B-shaped draft head `config` (chain of 6) beside `target`, set up as a draft service is before any
+    timing: the verify shapes `auto` may send captured (a shape first met inside a row stalled its step for a whole
+    ladder's capture: eighth pass, 4 steps of ~345 ms), then the start-up objects frozen out of the collector (a
+    full collection, ~150-200 ms here, landed in one admission of 64 requests in ~8, and a row's timed run that met
+    it read ~10% slow: seventeenth pass)."""
+    opts = _opts(backend, dummy_weights=True, max_batch_size=max_batch_size, max_context=4096, num_pages=8192)
+    draft = build_draft(config, "llama3-8b", SpecConfig(6, 1, 6), opts, target.max_context)
+    n = draft.spec.num_draft_tokens
+    warm_verify_shapes(target, [n if b == FULL else b for b in budget_menu(n)], draft.spec.topk,
+                       feature_layers_for(draft), target.cfg.vocab_size)
+    freeze_start_up_objects()
+    return draft
 
 
 def plain_batches(res, args, target):

@@ -25,15 +25,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from gpu_bench import _decode_rate, _opts  # noqa: E402
+from gpu_bench import _decode_rate, _opts, simulated_draft  # noqa: E402
 
-from specdec.engine.adaptive import FULL, SpeculationPolicy, budget_menu  # noqa: E402
-from specdec.engine.draft_engine import SpecConfig  # noqa: E402
-from specdec.engine.factory import build_draft, build_target  # noqa: E402
-from specdec.engine.generate import feature_layers_for  # noqa: E402
+from specdec.engine.adaptive import SpeculationPolicy, budget_menu  # noqa: E402
+from specdec.engine.factory import build_target  # noqa: E402
 from specdec.engine.requests import StepTimings  # noqa: E402
-from specdec.engine.warmup import warm_verify_shapes  # noqa: E402
-from specdec.serving.long_lived import freeze_start_up_objects  # noqa: E402
 
 
 def plain_call_ms(timings: StepTimings) -> list[float]:
@@ -42,7 +38,7 @@ def plain_call_ms(timings: StepTimings) -> list[float]:
 
 
 def kernels(run) -> dict:
-    """GPU ms per kernel name over one run, and the run's wall ms."""
+    """GPU ms per kernel name over one run."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -67,11 +63,8 @@ def main() -> int:
     bs = args.batch_size
     opts = _opts("flashinfer", dummy_weights=True, max_batch_size=bs, max_context=4096, num_pages=8192)
     target = build_target("llama3-8b", opts)
-    draft = build_draft("llama3-8b-eagle1", "llama3-8b", SpecConfig(6, 1, 6), opts, target.max_context)
+    draft = simulated_draft(target, "llama3-8b-eagle1", "flashinfer", bs)
     n = draft.spec.num_draft_tokens
-    warm_verify_shapes(target, [n if b == FULL else b for b in budget_menu(n)], draft.spec.topk,
-                       feature_layers_for(draft), target.cfg.vocab_size)
-    freeze_start_up_objects()
     prompts = [list(range(1000 + i, 1256 + i)) for i in range(bs)]
     target.simulate_accept_len = args.tau
     policy = SpeculationPolicy(budget_menu(n), history=[])

@@ -48,9 +48,7 @@ def cuda_at_least(version: str | None, least: tuple[int, int]) -> bool:
 
 def launch_dependent(t: torch.Tensor) -> bool:
     """Whether the kernels launch with PDL on `t`'s device (the `PDL` constexpr and `launch_pdl` of a launch)."""
-    if not t.is_cuda:
-        return False
-    return _pdl_on(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return t.is_cuda and _pdl_on(t.device.index)  # (a CUDA tensor's device always has its index)
 
 
 def pdl_options(t: torch.Tensor) -> dict:

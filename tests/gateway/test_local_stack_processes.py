@@ -18,18 +18,17 @@ from gateway.client import GatewayClient
 from gateway.local_stack import HEALTH_NAMES, StackConfig, _is_serving
 
 
+def cmdline(pid: int | str) -> str:
+    """A process's command line, arguments joined by spaces ("" once it is gone; Linux /proc)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def pids_running(fragment: str) -> list[int]:
-    """Processes whose command line contains `fragment` (Linux /proc)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if fragment in cmdline:
-                found.append(int(entry.name))
-    return found
+    """Processes whose command line contains `fragment`."""
+    return [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit() and fragment in cmdline(e.name)]
 
 
 def wait_for(check, timeout_s: float, what: str) -> None:
@@ -49,8 +48,7 @@ def test_up_restarts_a_killed_draft_and_the_gateway_serves_throughout():
     try:
         wait_for(lambda: _is_serving(cfg.addr("gateway"), HEALTH_NAMES["gateway"]), 240, "the stack serves")
         fragment = f"serve-draft --model {cfg.draft_dir}"
-        (draft,) = [p for p in pids_running(fragment) if f"--port {cfg.draft_port}" in Path(f"/proc/{p}/cmdline")
-                    .read_bytes().replace(b"\0", b" ").decode()]
+        (draft,) = [p for p in pids_running(fragment) if f"--port {cfg.draft_port}" in cmdline(p)]
         with GatewayClient(cfg.addr("gateway"), timeout_s=60) as client:
             before, stats = client.complete("def fibonacci(n):", max_new_tokens=16)
             assert stats.speculative
@@ -114,8 +112,7 @@ def test_sigterm_to_generate_stops_the_stack_it_started():
         if gen.poll() is None:
             gen.kill()
             gen.communicate()
-    left = [pid for pid in services if Path(f"/proc/{pid}").exists() and "serve-" in
-            Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")]
+    left = [pid for pid in services if "serve-" in cmdline(pid)]
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left, f"{len(left)} services outlived `specdec generate`"
