@@ -11,15 +11,12 @@ differs, so results match torch's to the dtype's rounding (not bit for bit).
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from specdec.kernels import on_device
-from specdec.kernels.pdl import pdl_enter, pdl_options
+from specdec.kernels.pdl import early_weights, pdl_enter, pdl_options
 
 
 @triton.jit
@@ -45,13 +42,6 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, 
         acc += w * x[None, :]
         w_ptrs += BLOCK_K
     tl.store(out_ptr + offs_n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
-
-
-@functools.cache
-def early_weights() -> bool:
-    """Whether a kernel launched with PDL reads its first weight chunk before it waits for the kernel before it
-    (`SPECDEC_GEMV_EARLY=0`: after; a benchmark's switch)."""
-    return os.environ.get("SPECDEC_GEMV_EARLY", "1") != "0"
 
 
 def config(n: int, k: int) -> tuple[int, int, int, int] | None:

@@ -36,6 +36,13 @@ def _pdl_on(device_index: int) -> bool:
     return cuda_at_least(torch.version.cuda, MIN_CUDA) and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
+@functools.cache
+def early_weights() -> bool:
+    """Whether a projection kernel launched with PDL (`gemv.py`, `skinny.py`) reads its first weight chunk before it
+    waits for the kernel before it (`SPECDEC_GEMV_EARLY=0`: after; a benchmark's switch)."""
+    return os.environ.get("SPECDEC_GEMV_EARLY", "1") != "0"
+
+
 def cuda_at_least(version: str | None, least: tuple[int, int]) -> bool:
     """Whether a CUDA version string ("12.4", "13.0"; None for a CPU build) is at least `least`."""
     if not version:

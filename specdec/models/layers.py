@@ -13,7 +13,8 @@ from specdec.kernels import attention_fused, fused, linear
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` (same parameters and checkpoint names) whose one-row products go through `kernels.linear`."""
+    """`nn.Linear` (same parameters and checkpoint names) whose products go through `kernels.linear` (one row or a
+    few: Triton kernels)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)

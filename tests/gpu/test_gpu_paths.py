@@ -307,6 +307,30 @@ def test_one_row_projections_go_through_the_kernel_on_gpu(monkeypatch):
     assert len(calls) == len(weights)
 
 
+@pytest.mark.parametrize("rows", [2, 9, 16])
+def test_few_row_projections_go_through_the_skinny_kernel_on_gpu(monkeypatch, rows):
+    """Every projection of the tiny target at a few rows (a chain verify at batch 1, a few requests' decode) equals
+    cuBLAS within the bf16 rounding of the result; `kernels.linear` runs kernels/skinny.py (counted) for each one
+    its `config` takes (all of them here) and cuBLAS for the rest."""
+    from specdec import kernels
+    from specdec.kernels import skinny as skinny_module
+    from specdec.models.layers import Linear
+
+    eng = _engine("flashinfer")
+    calls, real = [], skinny_module.skinny_linear
+    monkeypatch.setattr(skinny_module, "skinny_linear", lambda x, w: calls.append(tuple(w.shape)) or real(x, w))
+    weights = [m.weight for m in eng.model.modules() if isinstance(m, Linear)]
+    weights += [t for layer in eng.model.model.layers for t in (layer.self_attn.qkv, layer.mlp.gate_up)
+                if t is not None]
+    for w in weights:
+        x = torch.randn(rows, w.shape[1], device="cuda", dtype=w.dtype)
+        got, want = kernels.linear(x, w).float(), torch.nn.functional.linear(x, w).float()
+        scale = want.abs().max()
+        assert ((got - want).abs() <= 1e-2 * scale + 2**-7 * want.abs()).all(), tuple(w.shape)
+    taken = [tuple(w.shape) for w in weights if skinny_module.config(*w.shape) is not None]
+    assert calls == taken and len(taken) >= 4 * len(eng.model.model.layers)
+
+
 def test_fused_forward_matches_unfused(monkeypatch):
     """A whole target forward with the fused kernels on vs off (SPECDEC_FUSED_KERNELS=0): bf16 tolerance."""
     from specdec import kernels

@@ -12,6 +12,7 @@ from specdec.kernels.gemv import gemv
 from specdec.kernels.norm import rmsnorm
 from specdec.kernels.paged_decode import decode_counters, paged_decode
 from specdec.kernels.rope import rope_store
+from specdec.kernels.skinny import skinny_linear
 from specdec.models.layers import RotaryEmbedding
 
 
@@ -76,6 +77,7 @@ def main(device: str, dtype: torch.dtype) -> None:
     check_chain_step(device, dtype, g)
     check_decode_graph(device, dtype, g)
     check_gemv(device, dtype, g)
+    check_skinny(device, dtype, g)
     print("all kernel checks passed")
 
 
@@ -90,6 +92,28 @@ def check_gemv(device, dtype, g):
         scale = want.abs().max().item()
         atol, rtol = (1e-5 * scale, 1e-5) if dtype == torch.float32 else (1e-2, 2**-7)
         check(f"gemv {n}x{k}", gemv(x, w), want, atol, rtol)
+
+
+def check_skinny(device, dtype, g):
+    """A few rows times a weight (`skinny.py`): each of its configurations (64 weight rows a program in 128- and
+    64-column chunks, 128 rows for n > 8192, 256-column chunks for k > 8192), 2 to 16 rows, an x whose rows are a
+    strided view; against the float64 product, within the dtype's rounding of the result; a row's result is the
+    same whatever the other rows (bit for bit)."""
+    for n, k in ((64, 128), (192, 64), (8320, 128), (64, 8448)):
+        w = torch.randn(n, k, generator=g).to(device, dtype)
+        for rows in (2, 7, 16):
+            x = torch.randn(rows, k, generator=g).to(device, dtype)
+            want = (x.double() @ w.double().T).float()
+            scale = want.abs().max().item()
+            atol, rtol = (1e-5 * scale, 1e-5) if dtype == torch.float32 else (1e-2 * scale, 2**-7)
+            got = skinny_linear(x, w)
+            check(f"skinny {rows}x{k} @ {n}x{k}", got, want, atol, rtol)
+        check(f"skinny {n}x{k}: rows independent", skinny_linear(x[:3], w), got[:3], 0.0)
+    wide = torch.randn(5, 2 * 128, generator=g).to(device, dtype)[:, :128]  # rows 256 apart
+    w = torch.randn(64, 128, generator=g).to(device, dtype)
+    want = (wide.double() @ w.double().T).float()
+    check("skinny strided rows", skinny_linear(wide, w), want, 1e-5 * want.abs().max().item() if
+          dtype == torch.float32 else 1e-2 * want.abs().max().item(), 1e-5 if dtype == torch.float32 else 2**-7)
 
 
 def torch_decode(q, k_cache, v_cache, pages, n, page_size, scale):

@@ -1,5 +1,6 @@
-"""Which projections go to the one-row kernel (`specdec.kernels.gemv`): one 16-bit row without a bias, of a shape
-it takes, where the fused kernels run; everything else stays torch's `linear`. (The kernel's numbers are checked
+"""Which projections go to the one-row kernel (`specdec.kernels.gemv`) and to the few-rows kernel
+(`specdec.kernels.skinny`): 16-bit rows without a bias, of a shape each takes, where the fused kernels run;
+everything else stays torch's `linear`. (The kernel's numbers are checked
 in test_kernels.py under Triton's interpreter and in tests/gpu.)"""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import torch
 
 import specdec.kernels as kernels
 from specdec.kernels import gemv as gemv_module
+from specdec.kernels import skinny as skinny_module
 from specdec.models.layers import Linear
 
 
@@ -17,13 +19,16 @@ def spy(monkeypatch):
     """Pretend the fused kernels run on this CPU and record the one-row kernel's calls instead of running it."""
     calls = []
 
-    def fake_gemv(x, weight):
-        calls.append((tuple(x.shape), tuple(weight.shape)))
-        return torch.nn.functional.linear(x, weight)
+    def fake(name):
+        def run(x, weight):
+            calls.append((name, tuple(x.shape), tuple(weight.shape)))
+            return torch.nn.functional.linear(x, weight)
+        return run
 
     monkeypatch.setattr(kernels, "fused", lambda t: True)
     monkeypatch.setattr(kernels, "_gemv_on", lambda: True)
-    monkeypatch.setattr(gemv_module, "gemv", fake_gemv)
+    monkeypatch.setattr(gemv_module, "gemv", fake("gemv"))
+    monkeypatch.setattr(skinny_module, "skinny_linear", fake("skinny"))
     return calls
 
 
@@ -32,17 +37,32 @@ def test_one_row_goes_to_the_kernel(spy, dtype):
     layer = Linear(512, 48, bias=False).to(dtype)
     x = torch.randn(1, 512, dtype=dtype)
     assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight))
-    assert spy == [((1, 512), (48, 512))]
+    assert spy == [("gemv", (1, 512), (48, 512))]
 
 
-@pytest.mark.parametrize("case", ["two rows", "float32", "bias", "odd width", "strided row", "flag off"])
+@pytest.mark.parametrize("rows", [2, 9, skinny_module.MAX_ROWS])
+def test_a_few_rows_go_to_the_skinny_kernel(spy, rows):
+    layer = Linear(512, 64, bias=False).to(torch.bfloat16)
+    x = torch.randn(rows, 512, dtype=torch.bfloat16)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight))
+    assert spy == [("skinny", (rows, 512), (64, 512))]
+
+
+@pytest.mark.parametrize("case", ["too many rows", "no rows", "float32", "bias", "odd width", "odd rows of w",
+                                  "strided row", "strided columns", "flag off"])
 def test_everything_else_stays_torch(spy, monkeypatch, case):
     dtype = torch.float32 if case == "float32" else torch.bfloat16
     k = 300 if case == "odd width" else 512  # 300: no chunk width divides it
     layer = Linear(k, 48, bias=case == "bias").to(dtype)
-    x = torch.randn(2 if case == "two rows" else 1, k, dtype=dtype)
+    x = torch.randn(1, k, dtype=dtype)
+    if case in ("too many rows", "no rows"):
+        x = torch.randn(skinny_module.MAX_ROWS + 1 if case == "too many rows" else 0, k, dtype=dtype)
+    if case == "odd rows of w":  # 48 weight rows: fine for one row, not a multiple of the few-rows kernel's 64
+        x = torch.randn(3, k, dtype=dtype)
     if case == "strided row":
         x = torch.randn(1, 2 * k, dtype=dtype)[:, ::2]
+    if case == "strided columns":
+        x = torch.randn(3, 2 * k, dtype=dtype)[:, ::2]
     if case == "flag off":
         monkeypatch.setattr(kernels, "_gemv_on", lambda: False)
     assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
@@ -58,9 +78,12 @@ def test_config_by_shape():
     assert gemv_module.config(64, 300) is None
 
 
-def test_cpu_tensors_never_reach_the_kernel():
-    """Without the interpreter a CPU tensor is never `fused`, whatever its dtype."""
-    layer = Linear(512, 48, bias=False).to(torch.bfloat16)
-    x = torch.randn(1, 512, dtype=torch.bfloat16)
-    assert not kernels.fused(x)
-    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight))
+def test_skinny_config_by_shape():
+    assert skinny_module.config(6144, 4096) == (64, 128, 4, 6)  # qkv, o: 64 weight rows a program, 6 stages
+    assert skinny_module.config(4096, 4096) == (64, 128, 4, 6)
+    assert skinny_module.config(4096, 14336) == (64, 256, 4, 4)  # long rows (down): 256-column chunks
+    assert skinny_module.config(28672, 4096) == (128, 128, 4, 3)  # wide (gate_up, lm_head): 128 rows a program
+    assert skinny_module.config(128256, 4096) == (128, 128, 4, 3)
+    assert skinny_module.config(640, 384) == (64, 128, 4, 6)  # the tiny model's qkv
+    assert skinny_module.config(48, 512) is None  # weight rows not a multiple of 64
+    assert skinny_module.config(64, 96) is None  # no chunk width divides k
