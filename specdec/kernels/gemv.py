@@ -50,6 +50,8 @@ def config(n: int, k: int) -> tuple[int, int, int, int] | None:
     in 256-column chunks with 4 warps, the others in 512-column chunks with 8 warps; narrower chunks only where k
     needs them (the tiny model's 384). Sweeps put 8 rows a program within +-3% on some shapes and 15% behind on
     the 6144-row qkv with 8 warps, between two runs of noise that size: this is the setting measured end to end."""
+    if n <= 0 or k <= 0:
+        return None
     if n > 8192 and k % 256 == 0:
         return 16, 256, 4, 3
     for block_k in (512, 256, 128):

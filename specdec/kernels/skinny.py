@@ -15,6 +15,8 @@ count); it equals torch's to the dtype's rounding, not bit for bit.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -24,6 +26,8 @@ from specdec.kernels.pdl import early_weights, pdl_enter, pdl_options
 
 MAX_ROWS = 16  # more rows go to torch's linear (cuBLAS); `skinny_linear` itself takes up to 32
 STAGE_BYTES = 160 * 1024  # the most shared memory the pipeline's stages may take (the H200 gives a block 227 KB)
+SPARE_BYTES = 64 * 1024  # shared memory left to the compiler's own use on a GPU that gives a block less
+FALLBACK_SHARED = 99 * 1024  # a block's shared memory where the driver does not say (the smallest of recent GPUs)
 
 
 @triton.jit
@@ -62,6 +66,8 @@ def config(n: int, k: int) -> tuple[int, int, int, int] | None:
     chunks, 4 stages; the others 64 rows in 128-column chunks, 6 stages; 4 warps. Alone, the wide ones and qkv
     streamed 1-8% slower than cuBLAS on some machines; inside a forward's graph (PDL) sending them here too measured
     faster than keeping them on cuBLAS (`bench/pdl_ab.py`, session 19), so every width comes here."""
+    if n <= 0 or k <= 0:
+        return None
     if n > 8192 and n % 128 == 0 and k % 128 == 0:
         return 128, 128, 4, 3
     if n % 64:
@@ -74,11 +80,35 @@ def config(n: int, k: int) -> tuple[int, int, int, int] | None:
     return None
 
 
+@functools.cache
+def shared_bytes(device_index: int) -> int:
+    """The shared memory a block may use on this GPU (Triton's device properties)."""
+    try:
+        return int(triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"])
+    except Exception:  # noqa: BLE001 - a driver or Triton that does not say: assume a small GPU
+        return FALLBACK_SHARED
+
+
+def _stages(x: torch.Tensor, block_m: int, block_n: int, block_k: int, stages: int) -> int:
+    """The pipeline stages of a launch: the config's, fewer where its tiles do not fit the stage budget (float32 in
+    the GPU checks, 32 rows in the bench, a GPU with less shared memory than the H200); at least 2."""
+    budget = STAGE_BYTES
+    if x.is_cuda:
+        budget = min(budget, shared_bytes(x.device.index) - SPARE_BYTES)
+    return max(2, min(stages, budget // ((block_n + block_m) * block_k * x.element_size())))
+
+
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """For an x of 2..MAX_ROWS rows (`kernels.linear` checks the rows): a 16-bit x with unit column stride against
-    a contiguous weight of the same dtype and a shape `config` takes."""
-    return (x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and x.stride(1) == 1
-            and weight.is_contiguous() and weight.shape[1] == x.shape[1] and config(*weight.shape) is not None)
+    a contiguous weight of the same dtype and a shape `config` takes, whose two pipeline stages fit the GPU's shared
+    memory."""
+    if not (x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and x.stride(1) == 1
+            and weight.is_contiguous() and weight.shape[1] == x.shape[1]):
+        return False
+    cfg = config(*weight.shape)
+    if cfg is None:
+        return False
+    return not x.is_cuda or 2 * (cfg[0] + 16) * cfg[1] * x.element_size() <= shared_bytes(x.device.index)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -88,8 +118,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     n = weight.shape[0]
     block_n, block_k, warps, stages = config(n, k)
     block_m = 16 if m <= 16 else 32
-    # fewer stages where the tiles are larger than measured (float32 in the GPU checks, 32 rows in the bench)
-    stages = max(2, min(stages, STAGE_BYTES // ((block_n + block_m) * block_k * x.element_size())))
+    stages = _stages(x, block_m, block_n, block_k, stages)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     launch = pdl_options(x)
     with on_device(x):

@@ -76,6 +76,7 @@ def test_config_by_shape():
     assert gemv_module.config(64, 256) == (16, 256, 8, 4)
     assert gemv_module.config(64, 384) == (16, 128, 8, 4)  # the tiny model's width
     assert gemv_module.config(64, 300) is None
+    assert gemv_module.config(64, 0) is None and gemv_module.config(0, 256) is None  # empty: torch's linear
 
 
 def test_skinny_config_by_shape():
@@ -87,3 +88,39 @@ def test_skinny_config_by_shape():
     assert skinny_module.config(640, 384) == (64, 128, 4, 6)  # the tiny model's qkv
     assert skinny_module.config(48, 512) is None  # weight rows not a multiple of 64
     assert skinny_module.config(64, 96) is None  # no chunk width divides k
+    assert skinny_module.config(64, 0) is None and skinny_module.config(0, 128) is None  # empty: torch's linear
+
+
+class _CudaRows:
+    """Stands in for a CUDA x (what `skinny._stages` / `applies` read of it) on this CPU."""
+
+    is_cuda, dtype, shape = True, torch.bfloat16, (4, 4096)
+
+    class device:
+        index = 0
+
+    def element_size(self):
+        return 2
+
+    def stride(self, dim):
+        return (4096, 1)[dim]
+
+
+@pytest.mark.parametrize("gpu_shared_kb, want_stages", [(227, (6, 4, 3)), (163, (4, 2, 2)), (99, (2, 2, 2))])
+def test_skinny_stages_fit_the_gpus_shared_memory(monkeypatch, gpu_shared_kb, want_stages):
+    """The H200's 227 KB a block keeps the measured stages; an A100's 163 or an L4's 99 get fewer, never under 2."""
+    monkeypatch.setattr(skinny_module, "shared_bytes", lambda index: gpu_shared_kb * 1024)
+    configs = [skinny_module.config(n, k) for n, k in ((4096, 4096), (4096, 14336), (28672, 4096))]
+    got = tuple(skinny_module._stages(_CudaRows(), 16, block_n, block_k, stages)
+                for block_n, block_k, _, stages in configs)
+    assert got == want_stages
+
+
+def test_skinny_not_taken_where_two_stages_do_not_fit(monkeypatch):
+    w = torch.empty(4096, 14336, dtype=torch.bfloat16)  # 2 stages of 64 x 256 weight + 16 x 256 x: 80 KB
+    x = _CudaRows()
+    x.shape, x.stride = (4, 14336), lambda dim: (14336, 1)[dim]
+    monkeypatch.setattr(skinny_module, "shared_bytes", lambda index: 99 * 1024)
+    assert skinny_module.applies(x, w)
+    monkeypatch.setattr(skinny_module, "shared_bytes", lambda index: 64 * 1024)
+    assert not skinny_module.applies(x, w)
