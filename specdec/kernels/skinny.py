@@ -28,6 +28,7 @@ MAX_ROWS = 16  # more rows go to torch's linear (cuBLAS); `skinny_linear` itself
 STAGE_BYTES = 160 * 1024  # the most shared memory the pipeline's stages may take (the H200 gives a block 227 KB)
 SPARE_BYTES = 64 * 1024  # shared memory left to the compiler's own use on a GPU that gives a block less
 FALLBACK_SHARED = 99 * 1024  # a block's shared memory where the driver does not say (the smallest of recent GPUs)
+MIN_CAPABILITY = (8, 0)  # older GPUs (no bfloat16 tensor-core MMA) keep cuBLAS
 
 
 @triton.jit
@@ -81,6 +82,12 @@ def config(n: int, k: int) -> tuple[int, int, int, int] | None:
 
 
 @functools.cache
+def capable(device_index: int) -> bool:
+    """Whether the GPU is one this kernel runs on (compute capability `MIN_CAPABILITY` or later)."""
+    return torch.cuda.get_device_capability(device_index) >= MIN_CAPABILITY
+
+
+@functools.cache
 def shared_bytes(device_index: int) -> int:
     """The shared memory a block may use on this GPU (Triton's device properties)."""
     try:
@@ -100,15 +107,18 @@ def _stages(x: torch.Tensor, block_m: int, block_n: int, block_k: int, stages: i
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """For an x of 2..MAX_ROWS rows (`kernels.linear` checks the rows): a 16-bit x with unit column stride against
-    a contiguous weight of the same dtype and a shape `config` takes, whose two pipeline stages fit the GPU's shared
-    memory."""
+    a contiguous weight of the same dtype and a shape `config` takes, on a GPU of compute capability 8.0 or later
+    whose shared memory holds two pipeline stages."""
     if not (x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and x.stride(1) == 1
             and weight.is_contiguous() and weight.shape[1] == x.shape[1]):
         return False
     cfg = config(*weight.shape)
     if cfg is None:
         return False
-    return not x.is_cuda or 2 * (cfg[0] + 16) * cfg[1] * x.element_size() <= shared_bytes(x.device.index)
+    if not x.is_cuda:  # Triton's interpreter (the CPU tests)
+        return True
+    index = x.device.index
+    return capable(index) and 2 * (cfg[0] + 16) * cfg[1] * x.element_size() <= shared_bytes(index)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

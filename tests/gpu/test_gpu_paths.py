@@ -287,47 +287,30 @@ def test_fused_kernels_match_torch_on_gpu():
         assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_one_row_projections_go_through_the_kernel_on_gpu(monkeypatch):
-    """Every projection of the tiny target at one row (fused qkv and gate_up included): `kernels.linear` runs
-    kernels/gemv.py (counted) and equals cuBLAS within the bf16 rounding of the result."""
+@pytest.mark.parametrize("rows", [1, 2, 9, 16])
+def test_projections_go_through_the_kernels_on_gpu(monkeypatch, rows):
+    """Every projection of the tiny target (fused qkv and gate_up included) equals cuBLAS within the bf16 rounding
+    of the result, and `kernels.linear` runs it through kernels/gemv.py at one row, through kernels/skinny.py at
+    2-16 rows (a chain verify at batch 1, a few requests' decode), wherever the kernel's `config` takes the shape
+    (counted: all of the layers' weights)."""
     from specdec import kernels
     from specdec.kernels import gemv as gemv_module
-    from specdec.models.layers import Linear
-
-    eng = _engine("flashinfer")
-    calls, real = [], gemv_module.gemv
-    monkeypatch.setattr(gemv_module, "gemv", lambda x, w: calls.append(tuple(w.shape)) or real(x, w))
-    weights = [m.weight for m in eng.model.modules() if isinstance(m, Linear)]
-    weights += [t for layer in eng.model.model.layers for t in (layer.self_attn.qkv, layer.mlp.gate_up)
-                if t is not None]
-    for w in weights:
-        x = torch.randn(1, w.shape[1], device="cuda", dtype=w.dtype)
-        got, want = kernels.linear(x, w).float(), torch.nn.functional.linear(x, w).float()
-        assert ((got - want).abs() <= 1e-2 + 2**-7 * want.abs()).all(), tuple(w.shape)
-    assert len(calls) == len(weights)
-
-
-@pytest.mark.parametrize("rows", [2, 9, 16])
-def test_few_row_projections_go_through_the_skinny_kernel_on_gpu(monkeypatch, rows):
-    """Every projection of the tiny target at a few rows (a chain verify at batch 1, a few requests' decode) equals
-    cuBLAS within the bf16 rounding of the result; `kernels.linear` runs kernels/skinny.py (counted) for each one
-    its `config` takes (all of them here) and cuBLAS for the rest."""
-    from specdec import kernels
     from specdec.kernels import skinny as skinny_module
     from specdec.models.layers import Linear
 
+    module, name = (gemv_module, "gemv") if rows == 1 else (skinny_module, "skinny_linear")
     eng = _engine("flashinfer")
-    calls, real = [], skinny_module.skinny_linear
-    monkeypatch.setattr(skinny_module, "skinny_linear", lambda x, w: calls.append(tuple(w.shape)) or real(x, w))
+    calls, real = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda x, w: calls.append(tuple(w.shape)) or real(x, w))
     weights = [m.weight for m in eng.model.modules() if isinstance(m, Linear)]
     weights += [t for layer in eng.model.model.layers for t in (layer.self_attn.qkv, layer.mlp.gate_up)
                 if t is not None]
     for w in weights:
         x = torch.randn(rows, w.shape[1], device="cuda", dtype=w.dtype)
         got, want = kernels.linear(x, w).float(), torch.nn.functional.linear(x, w).float()
-        scale = want.abs().max()
-        assert ((got - want).abs() <= 1e-2 * scale + 2**-7 * want.abs()).all(), tuple(w.shape)
-    taken = [tuple(w.shape) for w in weights if skinny_module.config(*w.shape) is not None]
+        atol = 1e-2 * max(want.abs().max().item(), 1.0)
+        assert ((got - want).abs() <= atol + 2**-7 * want.abs()).all(), tuple(w.shape)
+    taken = [tuple(w.shape) for w in weights if module.config(*w.shape) is not None]
     assert calls == taken and len(taken) >= 4 * len(eng.model.model.layers)
 
 

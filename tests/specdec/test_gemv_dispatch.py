@@ -117,10 +117,26 @@ def test_skinny_stages_fit_the_gpus_shared_memory(monkeypatch, gpu_shared_kb, wa
 
 
 def test_skinny_not_taken_where_two_stages_do_not_fit(monkeypatch):
+    """An 80 KB pair of stages fits an L4's 99 KB a block, not a 64 KB one."""
     w = torch.empty(4096, 14336, dtype=torch.bfloat16)  # 2 stages of 64 x 256 weight + 16 x 256 x: 80 KB
     x = _CudaRows()
     x.shape, x.stride = (4, 14336), lambda dim: (14336, 1)[dim]
+    monkeypatch.setattr(skinny_module, "capable", lambda index: True)
     monkeypatch.setattr(skinny_module, "shared_bytes", lambda index: 99 * 1024)
     assert skinny_module.applies(x, w)
     monkeypatch.setattr(skinny_module, "shared_bytes", lambda index: 64 * 1024)
     assert not skinny_module.applies(x, w)
+
+
+def test_skinny_not_taken_on_gpus_before_ampere(monkeypatch):
+    w = torch.empty(4096, 4096, dtype=torch.bfloat16)
+    monkeypatch.setattr(skinny_module, "shared_bytes", lambda index: 227 * 1024)
+    monkeypatch.setattr(skinny_module.torch.cuda, "get_device_capability", lambda index: (7, 5))
+    skinny_module.capable.cache_clear()
+    try:
+        assert not skinny_module.applies(_CudaRows(), w)
+        monkeypatch.setattr(skinny_module.torch.cuda, "get_device_capability", lambda index: (9, 0))
+        skinny_module.capable.cache_clear()
+        assert skinny_module.applies(_CudaRows(), w)
+    finally:
+        skinny_module.capable.cache_clear()
