@@ -176,7 +176,7 @@ class TargetEngine:
             last = hidden[start + n - 1 : start + n]
             token = self._pick(req, self.model.compute_logits(last))[0]
             first = start + n - kept_feature_rows(n, inp.feature_rows)
-            feats = self._features(req, hidden, aux, torch.arange(first, start + n)) if inp.return_features else None
+            feats = self._features(req, hidden, aux, slice(first, start + n)) if inp.return_features else None
             toks, reason = self._commit_tokens(inp.request_id, req, [token])
             outputs.append(PrefillOutput(inp.request_id, toks[0], feats, reason))
             start += n
@@ -308,8 +308,12 @@ class TargetEngine:
         if len({r.feature_layers for r in reqs}) > 1:
             return [self._features(r, hidden, aux, s + torch.tensor(c)) for r, s, c in zip(reqs, starts, committed,
                                                                                           strict=True)]
-        flat = host_tensor([s + r for s, c in zip(starts, committed, strict=True) for r in c])
-        return list(self._features(reqs[0], hidden, aux, flat).split([len(c) for c in committed]))
+        flat = [s + r for s, c in zip(starts, committed, strict=True) for r in c]
+        # the first row to the last with no gap (a chain at batch 1, a plain step) is one slice, read without an
+        # index tensor sent to the device
+        whole = flat[-1] - flat[0] == len(flat) - 1 and flat == list(range(flat[0], flat[-1] + 1))
+        rows_of = slice(flat[0], flat[-1] + 1) if whole else host_tensor(flat)
+        return list(self._features(reqs[0], hidden, aux, rows_of).split([len(c) for c in committed]))
 
     def _accept(self, inp: VerifyInput, verdict, committed_rows: list[int], feats) -> VerifyOutput:
         rid, req = inp.request_id, self.requests[inp.request_id]
@@ -462,8 +466,13 @@ class TargetEngine:
         return {layer: aux_cat[:, j * h : (j + 1) * h] for j, layer in enumerate(layers)} if layers else {}
 
     @staticmethod
-    def _features(req: TargetRequest, hidden, aux: dict, rows: torch.Tensor) -> torch.Tensor:
-        """The feature the request's draft consumes, at `rows` of the batch. # [len(rows), feature_size]"""
+    def _features(req: TargetRequest, hidden, aux: dict, rows: torch.Tensor | slice) -> torch.Tensor:
+        """The feature the request's draft consumes, at `rows` of the batch (indices, or a slice: copied, never a
+        view, since `hidden` may be a captured graph's output, which the next replay overwrites).
+        # [len(rows), feature_size]"""
+        if isinstance(rows, slice):
+            return torch.cat([hidden[rows]] if not req.feature_layers else [aux[i][rows] for i in req.feature_layers],
+                             dim=-1)
         rows = to_device(rows, hidden.device)
         if not req.feature_layers:
             return hidden[rows]
