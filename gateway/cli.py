@@ -37,6 +37,8 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
         metavar="DRAFT_ADDR=TARGET_ADDR",
         help="a draft/target pair (repeatable); '=TARGET_ADDR' is a target without a draft",
     )
+    p.add_argument("--served-model-name", default="", metavar="NAME",
+                   help="the model id ListModels reports (default: the target's model name, e.g. its path)")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
     p.add_argument("--port", type=int, default=DEFAULT_PORTS["gateway"], help="port (default 50050)")
     p.add_argument("--api-key-file", metavar="FILE", help="accepted API keys, one per line (Bearer auth)")

@@ -10,6 +10,7 @@ DEFAULT_MAX_NEW_TOKENS_LIMIT = 4096
 DEFAULT_MAX_NEW_TOKENS = 128  # when a request does not say (capped by the limit)
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+MAX_MODEL_NAME_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,12 @@ class GatewayConfig:
     pairs: tuple[PairAddress, ...]
     limits: GatewayLimits = GatewayLimits()
     health_interval_s: float = 2.0  # how often pairs are health-checked (faster while none is up)
+    served_model_name: str = ""  # the model id ListModels reports; "": the target's model name
 
     def __post_init__(self) -> None:
         if not self.pairs:
             raise ConfigError("the gateway needs at least one --pair DRAFT=TARGET (or =TARGET)")
+        name = self.served_model_name
+        if name and (len(name) > MAX_MODEL_NAME_CHARS or not name.isprintable() or name != name.strip()):
+            raise ConfigError(f"--served-model-name {name!r}: expected up to {MAX_MODEL_NAME_CHARS} printable "
+                              "characters without leading or trailing spaces")

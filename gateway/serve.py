@@ -68,7 +68,8 @@ async def start_gateway(
     """Start serving (call inside the event loop); `await gateway.stop()` when done."""
     tokenizer = load_tokenizer(config.model_dir)
     router = Router.connect(config.pairs, pair_tls(tls), config.health_interval_s)
-    servicer = GatewayServicer(tokenizer, router, config.limits, config.model_dir, clients_by_key=bool(api_keys))
+    servicer = GatewayServicer(tokenizer, router, config.limits, config.model_dir, clients_by_key=bool(api_keys),
+                               served_model_name=config.served_model_name)
     interceptors = [*server_interceptors(), AccessLogInterceptor()]
     if metrics is not None:
         interceptors.append(MetricsInterceptor(metrics))
@@ -95,6 +96,7 @@ async def serve(args: argparse.Namespace, shutdown: asyncio.Event, ready: Callab
         pairs=tuple(PairAddress.parse(spec) for spec in args.pair),
         limits=GatewayLimits(args.max_prompt_tokens, args.max_new_tokens, args.max_concurrent_streams,
                              args.max_streams_per_client),
+        served_model_name=args.served_model_name,
     )
     tls = TlsConfig.from_args(args)
     api_keys = load_api_keys(args.api_key_file) if args.api_key_file else ()

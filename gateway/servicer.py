@@ -38,13 +38,14 @@ GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full
 @map_servicer_errors
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     def __init__(self, tokenizer: Tokenizer, router: Router, limits: GatewayLimits, model_dir: str,
-                 clients_by_key: bool = False) -> None:
+                 clients_by_key: bool = False, served_model_name: str = "") -> None:
         self._tokenizer = tokenizer
         self._router = router
         self._limits = limits
         self._slots = StreamSlots(limits.max_concurrent_streams, limits.max_streams_per_client)
         self._clients_by_key = clients_by_key  # API keys are checked: a key identifies a client
         self._model_dir_name = Path(model_dir).name
+        self._served_model_name = served_model_name  # ListModels' id; "": the target's model name
 
     # -- Generate -------------------------------------------------------------------------------------------
     async def Generate(self, request, context):
@@ -147,7 +148,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         known = up or self._router.pairs
         target = next((p.target_model for p in known if p.target_model), self._model_dir_name)
         draft = next((p.draft_model for p in known if p.draft_model), "")
-        card = gateway_pb2.ModelCard(
-            id=target, target=target, draft=draft, max_context_len=self._max_context_len(), pairs_up=len(up)
-        )
+        card = gateway_pb2.ModelCard(id=self._served_model_name or target, target=target, draft=draft,
+                                     max_context_len=self._max_context_len(), pairs_up=len(up))
         return gateway_pb2.ListModelsResponse(models=[card])

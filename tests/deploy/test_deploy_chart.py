@@ -161,6 +161,16 @@ def test_a_draft_value_reaches_its_flag_and_a_bad_one_is_refused(key, flag_name,
     assert proc.returncode != 0 and key in proc.stderr
 
 
+def test_served_model_name_reaches_the_gateway_when_set():
+    gateway = container(one(render("default"), "Deployment", f"{FULL}-gateway"), "gateway")
+    assert flag(gateway, "served-model-name") is None
+    gateway = container(one(render("default", "--set", "gateway.servedModelName=code tiny: v1"), "Deployment",
+                            f"{FULL}-gateway"), "gateway")
+    assert flag(gateway, "served-model-name") == "code tiny: v1"
+    proc = run_helm(*template_args("default", "--set", "gateway.servedModelName= padded"), check=False)
+    assert proc.returncode != 0 and "servedModelName" in proc.stderr
+
+
 def test_speculation_can_be_switched_off_and_other_modes_are_refused():
     pair = one(render("default", "--set", "draft.speculation=off"), "StatefulSet", f"{FULL}-pair")
     assert flag(container(pair, "draft"), "speculation") == "off"

@@ -188,6 +188,24 @@ def test_gateway_list_models_and_detokenize(fake_model, model_dir, tiny_tokenize
     assert bad[0] == "INVALID_ARGUMENT" and "outside the vocabulary" in bad[1]
 
 
+def test_gateway_served_model_name_is_the_listed_id(fake_model, model_dir):
+    async def body():
+        async with fake_stack(fake_model, model_dir, served_model_name="code-tiny") as (_, _, stub):
+            return (await stub.ListModels(gateway_pb2.ListModelsRequest())).models
+
+    (card,) = run(body())
+    assert (card.id, card.target, card.draft) == ("code-tiny", "fake-target", "fake-draft")
+
+
+@pytest.mark.parametrize("name", [" padded", "a\nb", "x" * 257])
+def test_gateway_refuses_a_bad_served_model_name(name):
+    from gateway.config import GatewayConfig, PairAddress
+    from specdec.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--served-model-name"):
+        GatewayConfig(model_dir="m", pairs=(PairAddress.parse("=b:2"),), served_model_name=name)
+
+
 @pytest.mark.parametrize("spec", ["a:1=b:2", "=b:2"])
 def test_gateway_pair_address_parses(spec):
     from gateway.config import PairAddress
