@@ -14,6 +14,7 @@ from specdec.rpc.sampling_codec import sampling_from_proto
 from specdec.rpc.target_codec import check_request_id, finish_to_proto
 from specdec.serving.engine_loop import EngineLoop
 from specdec.telemetry import bind_request_id
+from specdec.tree import TreeCap
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -43,17 +44,22 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             raise InvalidInput(f"prompt token id {bad} outside the vocabulary [0, {self.vocab_size})")
         sampling = sampling_from_proto(request.sampling if request.HasField("sampling") else None)
         sampling.validate(self.vocab_size)
-        if request.HasField("spec"):
-            self._check_spec(request.spec)
-        return rid, prompt, sampling
+        cap = self._tree_cap(request.spec) if request.HasField("spec") else None
+        return rid, prompt, sampling, cap
 
-    def _check_spec(self, spec) -> None:
+    def _tree_cap(self, spec) -> TreeCap | None:
+        """The request's own tree shape: each field it sets from 1 up to the service's (a smaller tree is the
+        service's, pruned: `TreeCap.prune`); None where it asks for the service's own."""
         mine = self.engine.spec
-        asked = {f: getattr(spec, f) for f in ("num_steps", "topk", "num_draft_tokens") if spec.HasField(f)}
-        differs = {f: v for f, v in asked.items() if v != getattr(mine, f)}
-        if differs:
+        fields = ("num_steps", "topk", "num_draft_tokens")
+        asked = {f: getattr(spec, f) for f in fields if spec.HasField(f)}
+        bad = {f: v for f, v in asked.items() if not 1 <= v <= getattr(mine, f)}
+        if bad:
             raise InvalidInput(f"this draft service runs num_steps={mine.num_steps} topk={mine.topk} "
-                               f"num_draft_tokens={mine.num_draft_tokens}; per-request {differs} is not supported")
+                               f"num_draft_tokens={mine.num_draft_tokens}; a request's spec may ask for each "
+                               f"from 1 up to that, not {bad}")
+        cap = TreeCap(*(asked.get(f, getattr(mine, f)) for f in fields))
+        return None if all(getattr(cap, f) == getattr(mine, f) for f in fields) else cap
 
     async def Generate(self, request, context):
         outcome = "CANCELLED"  # unless the stream ends or fails: the client left
@@ -73,11 +79,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 self.metrics.observe_request(outcome)
 
     async def _generate(self, request):
-        rid, prompt, sampling = self._check(request)
+        rid, prompt, sampling, cap = self._check(request)
         with bind_request_id(rid):
             t0 = time.perf_counter()
             ttft, n, steps, per_pos = None, 0, 0, []
-            async for ev in self.loop.stream(rid, prompt, sampling):
+            async for ev in self.loop.stream(rid, prompt, sampling, cap):
                 if ttft is None:
                     ttft = time.perf_counter() - t0
                 n += len(ev.tokens)

@@ -9,6 +9,7 @@ depths [1, 1, 2]; verify input [root, a, b, c] at positions base + [0, 1, 1, 2].
 
 from __future__ import annotations
 
+import collections
 import functools
 from dataclasses import dataclass
 
@@ -80,6 +81,41 @@ def _depths(parents: tuple[int, ...]) -> tuple[int, ...]:
 def max_depth(parents) -> int:
     """Depth of the deepest draft node (0 for no draft nodes)."""
     return max(_depths(tuple(parents)), default=0)
+
+
+@dataclass(frozen=True)
+class TreeCap:
+    """A request's own, smaller tree shape (`SpecParams` on its Generate): at most `num_steps` levels, `topk`
+    children per node and `num_draft_tokens` nodes, each no more than the draft service's."""
+
+    num_steps: int
+    topk: int
+    num_draft_tokens: int
+
+    def prune(self, tree: TokenTree) -> TokenTree:
+        """The part of the service's `tree` this shape allows: nodes at most `num_steps` deep, each node's first
+        `topk` children (a proposal lists a node's children best first), then the first `num_draft_tokens` of what
+        is left in the tree's order (parents before children: for a chain, its first levels); parents remapped.
+        Any such subtree verifies losslessly: it only drafts less."""
+        if (len(tree.tokens) <= self.num_draft_tokens and max_depth(tree.parents) <= self.num_steps
+                and max(collections.Counter(tree.parents).values(), default=0) <= self.topk):
+            return tree  # within the shape already (a chain the service proposed as this request asks)
+        new_index: dict[int, int] = {}
+        children: dict[int, int] = {}
+        tokens: list[int] = []
+        parents: list[int] = []
+        for i, (token, parent, depth) in enumerate(zip(tree.tokens, tree.parents, depths(tree.parents),
+                                                       strict=True)):
+            if len(tokens) == self.num_draft_tokens:
+                break
+            if depth > self.num_steps or (parent >= 0 and parent not in new_index) or \
+                    children.get(parent, 0) == self.topk:
+                continue
+            children[parent] = children.get(parent, 0) + 1
+            new_index[i] = len(tokens)
+            tokens.append(token)
+            parents.append(new_index[parent] if parent >= 0 else -1)
+        return TokenTree(tuple(tokens), tuple(parents))
 
 
 def is_chain(parents) -> bool:

@@ -11,7 +11,7 @@ from specdec.engine.finish import length_room
 from specdec.engine.requests import RUNNING
 from specdec.errors import SpecdecError
 from specdec.sampling_params import SamplingParams
-from specdec.tree import TokenTree
+from specdec.tree import TokenTree, TreeCap
 
 
 @dataclass
@@ -43,6 +43,7 @@ class RunState:
     # committed tokens (and their features [n, feature]) the draft has not extended over yet: left by plain calls
     backlog_tokens: list[int] = field(default_factory=list)
     backlog_features: Any = None
+    tree_cap: TreeCap | None = None  # the request's own smaller tree shape (None: the service's)
 
     def room(self, max_context: int) -> int:
         """Tokens the request may still commit before a length limit ends it (max_new_tokens, the context)."""

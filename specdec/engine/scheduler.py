@@ -32,7 +32,7 @@ from specdec.engine.run_state import Event, Launch, RunState
 from specdec.errors import NotReady, SpecdecError
 from specdec.sampling_params import SamplingParams
 from specdec.telemetry.tracing import StepSpanSampler, batch_parent
-from specdec.tree import TokenTree, max_depth
+from specdec.tree import TokenTree, TreeCap, max_depth
 
 __all__ = ["Event", "Launch", "RunState", "Scheduler"]
 
@@ -96,9 +96,11 @@ class Scheduler(Admission):
         self._prompt_window = 0  # feature rows per prompt of the admission under way (0: whole prompts)
 
     # ---- queue ----------------------------------------------------------------------------------------------
-    def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, trace_context=None) -> RunState:
-        """Queue a request; `trace_context` (see `current_trace_context`) parents its spans on this thread."""
-        state = RunState(request_id, list(prompt_ids), sampling, trace_context=trace_context)
+    def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, trace_context=None,
+            tree_cap: TreeCap | None = None) -> RunState:
+        """Queue a request; `trace_context` (see `current_trace_context`) parents its spans on this thread;
+        `tree_cap`: its own smaller tree shape (its trees are the service's, pruned to it)."""
+        state = RunState(request_id, list(prompt_ids), sampling, trace_context=trace_context, tree_cap=tree_cap)
         self.waiting.append(state)
         return state
 
@@ -392,6 +394,10 @@ class Scheduler(Admission):
         t0 = time.perf_counter()
         size = None if budget == FULL else budget
         proposed = dict(zip(eligible, self.draft.propose(eligible, size), strict=True)) if eligible else {}
+        for rid in eligible:
+            cap = self.running[rid].tree_cap
+            if cap is not None:
+                proposed[rid] = cap.prune(proposed[rid])
         self.timings.propose_s += time.perf_counter() - t0
         return [proposed.get(r, empty) for r in rids]
 

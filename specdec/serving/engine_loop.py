@@ -23,6 +23,7 @@ from specdec.engine.scheduler import Event, Scheduler
 from specdec.errors import DuplicateRequest, NotReady, SpecdecError
 from specdec.sampling_params import SamplingParams
 from specdec.telemetry.tracing import current_trace_context
+from specdec.tree import TreeCap
 
 log = logging.getLogger(__name__)
 
@@ -83,12 +84,14 @@ class EngineLoop:
             self._cond.notify()
         return await call.future
 
-    async def stream(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> AsyncIterator[Event]:
-        """Add a request to the scheduler and yield its events until it finishes; leaving early aborts it."""
+    async def stream(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
+                     tree_cap: TreeCap | None = None) -> AsyncIterator[Event]:
+        """Add a request to the scheduler and yield its events until it finishes; leaving early aborts it.
+        `tree_cap`: the request's own smaller tree shape (`Scheduler.add`)."""
         loop = asyncio.get_running_loop()
         s = _Stream(asyncio.Queue(), loop)
         # the caller's trace (contextvars do not reach the engine thread): parents the request's spans there
-        await self.call(self._add_stream, request_id, prompt_ids, sampling, s, current_trace_context())
+        await self.call(self._add_stream, request_id, prompt_ids, sampling, s, current_trace_context(), tree_cap)
         finished = False
         try:
             while True:
@@ -104,11 +107,12 @@ class EngineLoop:
             if not finished:
                 await asyncio.shield(self.call(self._abort_stream, request_id))
 
-    def _add_stream(self, request_id, prompt_ids, sampling, stream: _Stream, trace_context=None) -> None:
+    def _add_stream(self, request_id, prompt_ids, sampling, stream: _Stream, trace_context=None,
+                    tree_cap: TreeCap | None = None) -> None:
         if request_id in self._streams:
             raise DuplicateRequest(f"request {request_id!r} is already running")
         self._streams[request_id] = stream
-        self.scheduler.add(request_id, prompt_ids, sampling, trace_context)
+        self.scheduler.add(request_id, prompt_ids, sampling, trace_context, tree_cap)
 
     def _abort_stream(self, request_id: str) -> bool:
         found = request_id in self._streams

@@ -124,9 +124,12 @@ def _draft_cases() -> list[tuple]:
         ("empty request id", "Generate", D(prompt_ids=PROMPT_IDS), INVALID, "request_id is empty"),
         ("over-long request id", "Generate", D(request_id="y" * 257, prompt_ids=PROMPT_IDS), INVALID,
          "longer than 256"),
-        ("tree shape unsupported", "Generate",
+        ("tree larger than the service's", "Generate",
          D(request_id="d", prompt_ids=PROMPT_IDS, spec=common_pb2.SpecParams(num_draft_tokens=999)), INVALID,
-         "is not supported"),
+         "from 1 up to that, not {'num_draft_tokens': 999}"),
+        ("tree of no steps", "Generate",
+         D(request_id="d", prompt_ids=PROMPT_IDS, spec=common_pb2.SpecParams(num_steps=0)), INVALID,
+         "not {'num_steps': 0}"),
         ("empty request id", "Abort", draft_pb2.AbortRequest(), INVALID, "request_id is empty"),
     ]
     return cases

@@ -387,3 +387,36 @@ def test_burst_gathering_service_is_lossless_and_a_negative_window_is_refused(st
     at once still equal target Generate with a long window, and a negative window stops start-up with a message
     naming the flag."""
     _lossless_with_and_refused(stack[0], prompts[:10], 16, "--admission-gather-ms", "200", "-1", 16)
+
+
+def test_a_requests_own_smaller_tree_stays_lossless_beside_full_trees(stack, prompts):
+    """`spec` on a Generate (SpecParams) asks for a smaller tree than the service's (num_steps 4, topk 2, 6 drafts
+    here): that request's trees are the service's pruned to it, verified in the same batch as the full trees of
+    the others. Every stream equals target Generate; a capped request never commits more tokens a step than its
+    tree is deep (+1, the bonus token); the service's own shape is accepted too; both KV pools end free."""
+    caps = [None, common_pb2.SpecParams(num_draft_tokens=2), common_pb2.SpecParams(num_steps=1),
+            common_pb2.SpecParams(topk=1, num_draft_tokens=3), common_pb2.SpecParams(num_steps=4, topk=2,
+                                                                                     num_draft_tokens=6), None]
+    target, draft = stack
+
+    async def run():
+        async with make_channel(draft.addr) as dch, make_channel(target.addr) as tch:
+            d, t = draft_pb2_grpc.DraftServiceStub(dch), target_pb2_grpc.TargetServiceStub(tch)
+            jobs = []
+            for i, (p, cap) in enumerate(zip(prompts, caps)):  # noqa: B905 - the first len(caps) prompts
+                req = draft_pb2.DraftServiceGenerateRequest(request_id=f"cap-{i}", prompt_ids=p,
+                                                            sampling=_sampling(max_new_tokens=40))
+                if cap is not None:
+                    req.spec.CopyFrom(cap)
+                jobs.append(_collect(d.Generate(req)))
+                jobs.append(_collect(t.Generate(target_pb2.TargetServiceGenerateRequest(
+                    request_id=f"cap-plain-{i}", prompt_ids=p, sampling=_sampling(max_new_tokens=40)))))
+            return await asyncio.gather(*jobs)
+
+    out = asyncio.run(run())
+    for cap, (spec_tokens, last), (plain_tokens, _) in zip(caps, out[::2], out[1::2], strict=True):
+        assert spec_tokens == plain_tokens
+        depth = 4 if cap is None else min(cap.num_steps or 4, cap.num_draft_tokens or 6)
+        assert len(last.final.accepted_per_position) <= depth
+        assert last.final.tau <= depth + 1
+    assert asyncio.run(_kv_free(stack)) == (True, True)
