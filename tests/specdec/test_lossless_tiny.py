@@ -16,14 +16,20 @@ SETTINGS = {
 }
 
 
+# 16 prompts: with 6 the acceptance of one setting moved by ~0.4 when a prompt changed (a fresh clone's prompts are
+# the project's own function openings, which change with its code; EAGLE-3's tree read 3.296 against 3.656 on
+# ../shared's), more than the margin its bound leaves
+NUM_PROMPTS = 16
+
+
 @pytest.fixture(scope="module")
 def prompts(dev_prompts, tiny_tokenizer):
-    return [tiny_tokenizer.encode(p)[-128:] for p in dev_prompts[:6]]
+    return [tiny_tokenizer.encode(p)[-128:] for p in dev_prompts[:NUM_PROMPTS]]
 
 
 @pytest.fixture(scope="module")
 def plain(prompts):
-    return generate(tiny_target(), None, prompts, SamplingParams(max_new_tokens=40), max_batch_size=6)
+    return generate(tiny_target(), None, prompts, SamplingParams(max_new_tokens=40), max_batch_size=NUM_PROMPTS)
 
 
 @pytest.mark.parametrize("kind", ["draft", "draft-eagle3"])
@@ -31,13 +37,15 @@ def plain(prompts):
 def test_greedy_speculative_equals_plain(kind, setting, prompts, plain):
     target = tiny_target()
     draft = tiny_draft(kind, SETTINGS[setting])
-    spec = generate(target, draft, prompts, SamplingParams(max_new_tokens=40), max_batch_size=6)
+    spec = generate(target, draft, prompts, SamplingParams(max_new_tokens=40), max_batch_size=NUM_PROMPTS)
     for s, p in zip(spec, plain, strict=True):
         assert s.tokens == p.tokens
         assert s.finish_reason == p.finish_reason
     steps = sum(r.num_verify_steps for r in spec)
     tau = sum(len(r.tokens) - 1 for r in spec) / steps
-    # README of the pair: tau 3.78 (EAGLE-1) / 3.90 (EAGLE-3) for the 5-step chain over 50 prompts
+    # README of the pair: tau 3.78 (EAGLE-1) / 3.90 (EAGLE-3) for the 5-step chain over 50 prompts; here, 16
+    # prompts of ../shared: 3.30 / 3.76 (chains), 3.74 / 3.74 (trees); of the project's own code: 3.10 / 3.01, 3.57 /
+    # 3.51 (session 19)
     assert tau > (2.8 if setting == "chain5" else 3.3), tau
     assert target.kv.num_free_pages == target.kv.num_total_pages and target._reserved == 0
     assert draft.kv.num_free_pages == draft.kv.num_total_pages and not draft.requests
