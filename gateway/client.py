@@ -15,7 +15,7 @@ Errors are `grpc.RpcError`s with the gateway's status and message (`exc.code()`,
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -105,25 +105,34 @@ class GatewayClient:
         temperature: float | None = None,
         top_k: int | None = None,
         top_p: float | None = None,
+        min_p: float | None = None,
         seed: int | None = None,
+        ignore_eos: bool | None = None,
         stop: Sequence[str] = (),
+        stop_token_ids: Sequence[int] = (),
         no_speculation: bool = False,
         request_id: str = "",
+        spec: Mapping[str, int] | None = None,
     ) -> GenerationStream:
-        """Stream a completion of `prompt` (text) or a chat reply (`[{"role": ..., "content": ...}, ...]`)."""
-        sampling = common_pb2.SamplingParams()
+        """Stream a completion of `prompt` (text) or a chat reply (`[{"role": ..., "content": ...}, ...]`). `spec`:
+        this request's own smaller tree (`num_steps`, `topk`, `num_draft_tokens`, each up to the draft service's)."""
+        sampling = common_pb2.SamplingParams(stop_token_ids=list(stop_token_ids))
         for name, value in (
             ("max_new_tokens", max_new_tokens),
             ("temperature", temperature),
             ("top_k", top_k),
             ("top_p", top_p),
+            ("min_p", min_p),
             ("seed", seed),
+            ("ignore_eos", ignore_eos),
         ):
             if value is not None:
                 setattr(sampling, name, value)
         request = gateway_pb2.GatewayServiceGenerateRequest(
             sampling=sampling, stop=list(stop), no_speculation=no_speculation, request_id=request_id
         )
+        if spec is not None:
+            request.spec.CopyFrom(common_pb2.SpecParams(**spec))
         if isinstance(prompt, str):
             request.prompt = prompt
         else:

@@ -54,6 +54,29 @@ def test_gateway_e2e_greedy_speculative_text_equals_plain(client, plain_texts):
         assert stats.finish_reason in ("length", "stop")
 
 
+def test_gateway_e2e_a_requests_own_smaller_tree(client, plain_texts):
+    """The client's `spec`: a tree of 2 drafts gives the same text, never accepting past depth 2; one deeper than
+    the draft service's (5 steps) is INVALID_ARGUMENT naming its shape."""
+    text, stats = client.complete(PROMPTS[0], max_new_tokens=NEW_TOKENS, spec={"num_draft_tokens": 2})
+    assert text == plain_texts[0] and stats.speculative
+    assert len(stats.accepted_per_position) <= 2 and stats.tau <= 3.0
+    with pytest.raises(grpc.RpcError) as err:
+        client.complete(PROMPTS[0], max_new_tokens=4, spec={"num_steps": 6})
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "num_steps=5" in err.value.details()
+
+
+def test_gateway_e2e_client_sampling_fields(client):
+    """min_p, ignore_eos and stop_token_ids reach the engine: a stop id ends the greedy stream at that token's first
+    place (the stop token itself included)."""
+    whole = client.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS, no_speculation=True)
+    "".join(whole)
+    stop_id = whole.token_ids[3]
+    cut = client.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS, min_p=0.0, ignore_eos=True, stop_token_ids=[stop_id])
+    "".join(cut)
+    assert cut.stats.finish_reason == "stop"
+    assert cut.token_ids == whole.token_ids[: whole.token_ids.index(stop_id) + 1]
+
+
 def test_gateway_e2e_stop_string(client, plain_texts):
     plain = plain_texts[0]
     stop = plain[len(plain) // 2 : len(plain) // 2 + 3]
