@@ -88,8 +88,12 @@ def _register_generate(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--addr", help=f"gateway address (default: {DEFAULT_ADDR}, else a local stack)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, help="sample from the k most likely tokens")
     p.add_argument("--top-p", type=float, help="nucleus sampling mass")
+    p.add_argument("--min-p", type=float, help="drop tokens under this fraction of the top probability")
     p.add_argument("--seed", type=int, help="seed for reproducible sampling")
+    p.add_argument("--num-draft-tokens", type=int, metavar="N",
+                   help="this request's own smaller tree: at most N draft tokens a step (up to the draft's own)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     p.add_argument("--chat", action="store_true", help="send PROMPT as one user message of the chat template")
     p.add_argument("--no-speculation", action="store_true", help="use the target's plain Generate (baseline)")

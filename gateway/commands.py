@@ -86,10 +86,13 @@ def run_generate(args: argparse.Namespace) -> int:
                 [{"role": "user", "content": args.prompt}] if args.chat else args.prompt,
                 max_new_tokens=args.max_new_tokens,
                 temperature=args.temperature,
+                top_k=args.top_k,
                 top_p=args.top_p,
+                min_p=args.min_p,
                 seed=args.seed,
                 stop=args.stop,
                 no_speculation=args.no_speculation,
+                spec=None if args.num_draft_tokens is None else {"num_draft_tokens": args.num_draft_tokens},
             )
             for text in stream:
                 sys.stdout.write(text)

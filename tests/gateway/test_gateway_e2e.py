@@ -77,6 +77,20 @@ def test_gateway_e2e_client_sampling_fields(client):
     assert cut.token_ids == whole.token_ids[: whole.token_ids.index(stop_id) + 1]
 
 
+def test_generate_command_takes_the_sampling_and_tree_flags(stack, plain_texts):
+    """`specdec generate --num-draft-tokens 2 --top-k 1 --min-p 0` prints the same greedy text as plain decoding;
+    a tree larger than the draft's is an error naming its shape (exit 1)."""
+    base = [sys.executable, "-m", "specdec", "generate", "--addr", stack.gateway_addr, "--max-new-tokens",
+            str(NEW_TOKENS)]
+    ok = subprocess.run([*base, "--num-draft-tokens", "2", "--top-k", "1", "--min-p", "0", PROMPTS[0]],
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout == plain_texts[0] + "\n"
+    bad = subprocess.run([*base, "--num-draft-tokens", "99", PROMPTS[0]], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "num_draft_tokens=5" in bad.stderr
+
+
 def test_gateway_e2e_stop_string(client, plain_texts):
     plain = plain_texts[0]
     stop = plain[len(plain) // 2 : len(plain) // 2 + 3]
