@@ -394,12 +394,12 @@ class Scheduler(Admission):
         t0 = time.perf_counter()
         size = None if budget == FULL else budget
         proposed = dict(zip(eligible, self.draft.propose(eligible, size), strict=True)) if eligible else {}
-        for rid in eligible:
-            cap = self.running[rid].tree_cap
-            if cap is not None:
-                proposed[rid] = cap.prune(proposed[rid])
+        trees = []
+        for rid in rids:  # a request with its own smaller shape gets the service's tree pruned to it
+            tree, cap = proposed.get(rid, empty), self.running[rid].tree_cap
+            trees.append(tree if cap is None else cap.prune(tree))
         self.timings.propose_s += time.perf_counter() - t0
-        return [proposed.get(r, empty) for r in rids]
+        return trees
 
     def _count(self, state: RunState, num_drafts: int, num_accepted: int, tokens: list[int], steps: int) -> None:
         state.num_verify_steps += steps

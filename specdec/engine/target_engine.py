@@ -470,13 +470,11 @@ class TargetEngine:
         """The feature the request's draft consumes, at `rows` of the batch (indices, or a slice: copied, never a
         view, since `hidden` may be a captured graph's output, which the next replay overwrites).
         # [len(rows), feature_size]"""
-        if isinstance(rows, slice):
-            return torch.cat([hidden[rows]] if not req.feature_layers else [aux[i][rows] for i in req.feature_layers],
-                             dim=-1)
-        rows = to_device(rows, hidden.device)
-        if not req.feature_layers:
-            return hidden[rows]
-        return torch.cat([aux[i][rows] for i in req.feature_layers], dim=-1)
+        copied = not isinstance(rows, slice)  # an index reads into new memory; a slice is a view
+        if copied:
+            rows = to_device(rows, hidden.device)
+        parts = [hidden[rows]] if not req.feature_layers else [aux[i][rows] for i in req.feature_layers]
+        return parts[0] if copied and len(parts) == 1 else torch.cat(parts, dim=-1)
 
     def _pick(self, req: TargetRequest, logits: torch.Tensor) -> list[int]:
         if req.sampling.greedy:

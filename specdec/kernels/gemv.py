@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from specdec.kernels import on_device
-from specdec.kernels.pdl import early_weights, pdl_enter, pdl_options
+from specdec.kernels.pdl import pdl_enter, projection_options
 
 
 @triton.jit
@@ -73,9 +73,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     n, k = weight.shape
     block_n, block_k, warps, stages = config(n, k)
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    launch = pdl_options(x)
     with on_device(x):
         _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, out, n, k, weight.stride(0), BLOCK_N=block_n,
                                                   BLOCK_K=block_k, num_warps=warps, num_stages=stages,
-                                                  EARLY=launch["PDL"] and early_weights(), **launch)
+                                                  **projection_options(x))
     return out

@@ -63,6 +63,13 @@ def pdl_options(t: torch.Tensor) -> dict:
     return {"PDL": True, "launch_pdl": True} if launch_dependent(t) else {"PDL": False}
 
 
+def projection_options(t: torch.Tensor) -> dict:
+    """`pdl_options` for a projection kernel (`gemv.py`, `skinny.py`), with its `EARLY` constexpr: under PDL it
+    reads its first weight chunk before the wait (`early_weights`)."""
+    launch = pdl_options(t)
+    return {**launch, "EARLY": launch["PDL"] and early_weights()}
+
+
 @triton.jit
 def pdl_enter(PDL: tl.constexpr):
     """First thing in a kernel launched with PDL: wait for the kernel before it, then let the next one be

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from specdec.kernels import on_device
-from specdec.kernels.pdl import early_weights, pdl_enter, pdl_options
+from specdec.kernels.pdl import pdl_enter, projection_options
 
 MAX_ROWS = 16  # more rows go to torch's linear (cuBLAS); `skinny_linear` itself takes up to 32
 STAGE_BYTES = 160 * 1024  # the most shared memory the pipeline's stages may take (the H200 gives a block 227 KB)
@@ -102,7 +102,12 @@ def _stages(x: torch.Tensor, block_m: int, block_n: int, block_k: int, stages: i
     budget = STAGE_BYTES
     if x.is_cuda:
         budget = min(budget, shared_bytes(x.device.index) - SPARE_BYTES)
-    return max(2, min(stages, budget // ((block_n + block_m) * block_k * x.element_size())))
+    return max(2, min(stages, budget // _stage_bytes(x, block_m, block_n, block_k)))
+
+
+def _stage_bytes(x: torch.Tensor, block_m: int, block_n: int, block_k: int) -> int:
+    """Shared memory of one pipeline stage: a weight tile and an x tile."""
+    return (block_n + block_m) * block_k * x.element_size()
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -118,7 +123,7 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if not x.is_cuda:  # Triton's interpreter (the CPU tests)
         return True
     index = x.device.index
-    return capable(index) and 2 * (cfg[0] + 16) * cfg[1] * x.element_size() <= shared_bytes(index)
+    return capable(index) and 2 * _stage_bytes(x, 16, cfg[0], cfg[1]) <= shared_bytes(index)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -130,10 +135,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     block_m = 16 if m <= 16 else 32
     stages = _stages(x, block_m, block_n, block_k, stages)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    launch = pdl_options(x)
     with on_device(x):
         _skinny_kernel[(n // block_n,)](x, weight, out, m, k, x.stride(0), weight.stride(0), out.stride(0),
                                         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                                         num_warps=warps, num_stages=stages,
-                                        EARLY=launch["PDL"] and early_weights(), **launch)
+                                        **projection_options(x))
     return out
