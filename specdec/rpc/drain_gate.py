@@ -1,13 +1,17 @@
-"""Refuse new calls once a server drains: every call but a health check gets UNAVAILABLE from the moment its
-`ServerHandle.stop` begins.
+"""Refuse new calls while a server drains, and count the calls still running so the drain knows when it is done.
 
-`grpc.aio.Server.stop` refuses new calls itself, but only once it runs: the health flip to NOT_SERVING comes
-first (so load balancers stop routing) and awaits, and a call that arrived in between was accepted, then
-cancelled when the grace period ended (CANCELLED where a client retries only UNAVAILABLE; seen once under load
-in `tests/reliability/test_reliability_drain.py`). Calls accepted before the drain run on for the grace period.
+From the moment `ServerHandle.stop` begins, every call but a health check gets UNAVAILABLE (a status clients and
+load balancers retry elsewhere). The server itself keeps running through the grace period: `grpc.aio.Server.stop`
+refuses new calls too, but a call that reaches the core after it starts is never matched to a handler and is
+cancelled (CANCELLED, which clients do not retry; seen under load in
+`tests/reliability/test_reliability_drain.py`). So `stop` waits here for the calls in flight to end (or the grace
+to run out) before it stops the server.
 """
 
 from __future__ import annotations
+
+import asyncio
+import inspect
 
 import grpc
 import grpc.aio
@@ -18,12 +22,54 @@ HEALTH_PREFIX = "/grpc.health.v1.Health/"
 class DrainGate(grpc.aio.ServerInterceptor):
     def __init__(self) -> None:
         self.draining = False
+        self.in_flight = 0  # calls accepted and not yet ended (health checks not counted)
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if not self.draining or handler is None or handler_call_details.method.startswith(HEALTH_PREFIX):
+        if handler is None or handler_call_details.method.startswith(HEALTH_PREFIX):
             return handler
-        return _refusing(handler)
+        if self.draining:
+            return _rebuilt(handler, _refuse_stream if handler.response_streaming else _refuse)
+        return _rebuilt(handler, self._counted(_behaviour(handler)))
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """True once no counted call is running; False if `timeout_s` ran out first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), max(timeout_s, 0.0))
+        except TimeoutError:
+            return False
+        return True
+
+    def _counted(self, behaviour):
+        if inspect.isasyncgenfunction(behaviour):
+            async def stream(request, context):
+                self._enter()
+                try:
+                    async for message in behaviour(request, context):
+                        yield message
+                finally:
+                    self._exit()
+            return stream
+
+        async def call(request, context):
+            self._enter()
+            try:
+                result = behaviour(request, context)
+                return await result if inspect.isawaitable(result) else result
+            finally:
+                self._exit()
+        return call
+
+    def _enter(self) -> None:
+        self.in_flight += 1
+        self._idle.clear()
+
+    def _exit(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
 
 
 async def _refuse(request, context) -> None:
@@ -35,11 +81,18 @@ async def _refuse_stream(request, context):
     yield  # pragma: no cover - abort raises first; this makes it an async generator, as a streaming handler is
 
 
-def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of the same kind and (de)serializers as `handler` that answers UNAVAILABLE at once."""
+_MAKERS = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+           (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+
+
+def _behaviour(handler: grpc.RpcMethodHandler):
     kind = (handler.request_streaming, handler.response_streaming)
-    make = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
-            (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
-    behaviour = _refuse_stream if handler.response_streaming else _refuse
-    return make[kind](behaviour, request_deserializer=handler.request_deserializer,
-                      response_serializer=handler.response_serializer)
+    return {(False, False): handler.unary_unary, (False, True): handler.unary_stream,
+            (True, False): handler.stream_unary, (True, True): handler.stream_stream}[kind]
+
+
+def _rebuilt(handler: grpc.RpcMethodHandler, behaviour) -> grpc.RpcMethodHandler:
+    """A handler of the same kind and (de)serializers as `handler` that runs `behaviour`."""
+    make = _MAKERS[(handler.request_streaming, handler.response_streaming)]
+    return make(behaviour, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)

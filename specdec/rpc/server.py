@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -61,10 +62,18 @@ class ServerHandle:
 
     async def stop(self, grace_s: float | None = 10.0) -> None:
         """New calls refused (UNAVAILABLE; health checks still answer), NOT_SERVING for good (load balancers stop
-        routing), then let in-flight calls finish for grace_s."""
+        routing), then let in-flight calls finish for grace_s (None: cancel them at once), then stop the server.
+
+        The server keeps running while calls finish, so a call arriving then gets the gate's UNAVAILABLE, not the
+        CANCELLED a stopping grpc server gives calls it no longer matches to a handler."""
         self.gate.draining = True
+        t0 = time.monotonic()
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace_s)
+        if grace_s is None:
+            await self.server.stop(None)
+            return
+        await self.gate.wait_idle(grace_s - (time.monotonic() - t0))
+        await self.server.stop(max(grace_s - (time.monotonic() - t0), 0.0))
 
     async def wait_for_termination(self) -> None:
         await self.server.wait_for_termination()

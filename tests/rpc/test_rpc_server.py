@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import grpc
 import grpc.aio
@@ -200,5 +201,43 @@ def test_a_draining_server_refuses_new_calls_with_unavailable_and_finishes_runni
                 rest += chunk.token_ids
             assert rest == [1, 2] and await running.code() == grpc.StatusCode.OK
             await handle.stop(grace_s=2)
+
+    run(body())
+
+
+def test_a_call_arriving_during_the_grace_period_gets_unavailable_and_the_drain_ends_with_the_last_call(fake_server):
+    """While `stop(grace)` waits for a running stream, the server still runs: a new call is refused by the gate
+    (UNAVAILABLE, retried elsewhere), not cancelled by a stopping grpc server. A stream that outlives the grace is
+    cancelled at its end; with nothing running, `stop` does not wait out the grace."""
+
+    async def body():
+        async with fake_server() as (handle, servicer), make_channel(f"127.0.0.1:{handle.bound_port}") as ch:
+            await handle.set_serving(True)
+            stub = target_pb2_grpc.TargetServiceStub(ch)
+            hanging = stub.Generate(target_pb2.TargetServiceGenerateRequest(request_id="hang"))
+            assert list((await hanging.read()).token_ids) == [0]
+            assert handle.gate.in_flight == 1
+            t0 = time.monotonic()
+            stopping = asyncio.ensure_future(handle.stop(grace_s=1.5))
+            while await health_of(ch, TARGET) == SERVING:
+                await asyncio.sleep(0.01)
+            for _ in range(5):  # repeatedly through the grace period
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Prefill(target_pb2.PrefillRequest(request_id="late", prompt_ids=[1]), timeout=5)
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+                await asyncio.sleep(0.2)
+            assert not stopping.done()
+            await stopping
+            assert 1.4 < time.monotonic() - t0 < 5
+            assert await hanging.code() != grpc.StatusCode.OK  # ended by the stop, with a status
+            assert servicer.stream_closed.is_set() and handle.gate.in_flight == 0
+
+        async with fake_server() as (handle, _), make_channel(f"127.0.0.1:{handle.bound_port}") as ch:
+            stub = target_pb2_grpc.TargetServiceStub(ch)
+            await handle.set_serving(True)
+            assert list((await stub.Generate(target_pb2.TargetServiceGenerateRequest()).read()).token_ids) == [0]
+            t0 = time.monotonic()
+            await handle.stop(grace_s=30)
+            assert time.monotonic() - t0 < 5 and handle.gate.in_flight == 0
 
     run(body())
