@@ -2,8 +2,8 @@
 
     python bench/step_breakdown.py --out breakdown.json
 
-For plain decode (1 token) and a chain verify (1 + 8 tokens) at each of `--batch-sizes` (default 1; requests of
-`--context` prompt tokens) it reports:
+For plain decode (1 token) and a chain verify (1 + 8 tokens; `--rows` adds `tree64`, a 64-token tree) at each of
+`--batch-sizes` (default 1; requests of `--context` prompt tokens) it reports:
 - `replay_ms`: the captured forward alone, replayed back to back (pure GPU time of the graph);
 - `step_ms`: a whole `TargetEngine.verify` call (host work + graph + logits + acceptance), synced;
 - `host_ms`: step_ms - replay_ms - logits_ms, the host time the GPU waits for;
@@ -34,6 +34,18 @@ from specdec.engine.draft_engine import SpecConfig  # noqa: E402
 from specdec.engine.factory import EngineOptions, build_draft, build_target  # noqa: E402
 from specdec.engine.requests import PrefillInput, VerifyInput  # noqa: E402
 from specdec.sampling_params import SamplingParams  # noqa: E402
+
+# row label -> (draft tokens a request, topk): chains, and the 64-token tree of gpu_bench's verify rows (8 roots'
+# children, then one child each)
+ROWS = {"decode": (0, 1), "verify8": (8, 1), "verify5": (5, 1), "tree64": (64, 8)}
+DEFAULT_ROWS = "decode,verify8,verify5"
+
+
+def tree_parents(n_draft: int, topk: int) -> list[int]:
+    """A chain (topk 1), or topk children of the root each growing a chain (gpu_bench's 64-token tree)."""
+    if topk == 1:
+        return list(range(-1, n_draft - 1))
+    return [-1] * topk + [i - topk for i in range(topk, n_draft)]
 
 
 def timed(fn, repeats: int) -> float:
@@ -131,20 +143,21 @@ def target_rows(args, out_dir: Path) -> dict:
     res = {}
     prompt = [1000 + i % 20000 for i in range(args.context)]
     for b in sizes:
-        for label, n_draft in (("decode", 0), ("verify8", 8), ("verify5", 5)):
-            if b == 1 and label == "verify5":
+        for label in args.rows.split(","):
+            n_draft, topk = ROWS[label]
+            if b == 1 and label == "verify5" and args.rows == DEFAULT_ROWS:
                 continue  # batch 1 keeps its historical rows (decode, verify8)
             key = label if b == 1 else f"{label}_bs{b}"
             rids = [f"r-{key}-{i}" for i in range(b)]
             target.prefill([PrefillInput(rid, prompt, SamplingParams(max_new_tokens=new_tokens,
                                                                           ignore_eos=True)) for rid in rids])
-            inp = [VerifyInput(rid, [7] * n_draft, list(range(-1, n_draft - 1))) for rid in rids]
+            inp = [VerifyInput(rid, [7] * n_draft, tree_parents(n_draft, topk)) for rid in rids]
             for _ in range(3):
                 target.verify(inp)  # captures the graphs on first use
             graphs = target.graphs
             bucket = next((x for x in graphs.ladder if x >= b), None) if graphs else None
-            g = graphs.graphs.get((bucket, n_draft + 1, (), True)) if graphs else None
-            if graphs:  # what a causal forward of these contexts replays (the Triton kernel's graph at small batch)
+            g = graphs.graphs.get((bucket, n_draft + 1, (), topk == 1)) if graphs else None
+            if graphs and topk == 1:  # what a causal forward of these contexts replays (the Triton kernel's graph)
                 g = graphs.triton_graph(bucket, n_draft + 1, (), args.context + n_draft + 1) or g
             row = {"batch": b, "tokens_per_request": n_draft + 1, "context": args.context}
             if g is not None:
@@ -211,6 +224,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--batch-sizes", default="1", help="target rows at these batch sizes, e.g. 1,32,128")
     ap.add_argument("--context", type=int, default=512, help="prompt tokens of each request")
+    ap.add_argument("--rows", default=DEFAULT_ROWS, help=f"target rows, of {','.join(ROWS)}")
     ap.add_argument("--skip-draft", action="store_true", help="target rows only")
     ap.add_argument("--skip-target", action="store_true", help="draft rows only")
     args = ap.parse_args()

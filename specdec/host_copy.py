@@ -2,9 +2,13 @@
 
 torch's blocking copy from host memory to a GPU (`tensor.to("cuda")`, `torch.tensor(values, device="cuda")`, a
 `copy_` without `non_blocking`) synchronizes the stream after it: the host stops until every kernel queued before
-has finished, so whatever it plans next (the next step's page tables, a graph launch) starts on an idle GPU. A
-non-blocking copy from pageable memory may still be staged synchronously by the driver. So engines and attention
-planners copy through pinned memory, non-blocking: torch keeps the pinned block alive until its copy has run.
+has finished, so whatever it plans next (the next step's page tables, a graph launch) starts on an idle GPU. So
+engines and attention planners copy non-blocking. Small copies (up to `PAGEABLE_BYTES`: ids, positions, page-table
+rows) go straight from pageable memory, which the driver stages at once without waiting for the GPU; larger ones
+through pinned memory (torch keeps the pinned block alive until its copy has run), where a pageable copy queued
+behind GPU work waits for the driver's staging space. `python bench/host_copy_micro.py` on an H200 host: up to 4 KB,
+7.4-8.4 us a copy pageable against 17.5-26.7 through `pin_memory()`, idle or 20 ms behind the GPU; at 64 KB,
+15 / 59 us pageable (idle / behind) against 22 / 53-63 pinned (twentieth pass, docs/benchmarks.md).
 `bench/sync_audit.py` lists the synchronizing calls left in an engine step.
 """
 
@@ -18,6 +22,7 @@ from pathlib import Path
 import torch
 
 SYNC_COPIES = False  # True: every copy here blocks like torch's default (bench/sync_audit.py's "before" rows)
+PAGEABLE_BYTES = 4096  # copies up to this size skip pinning (measured above)
 _ARRAY_CODES = {torch.int32: "i", torch.int64: "q"}
 
 
@@ -38,7 +43,7 @@ def to_device(values, device: torch.device | str, dtype: torch.dtype | None = No
     device = torch.device(device)
     if device.type != "cuda" or t.device.type != "cpu" or SYNC_COPIES:
         return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    return staged(t).to(device, non_blocking=True)
 
 
 def copy_in(dst: torch.Tensor, values) -> torch.Tensor:
@@ -47,8 +52,15 @@ def copy_in(dst: torch.Tensor, values) -> torch.Tensor:
     if SYNC_COPIES:
         return dst.copy_(src)
     if dst.device.type == "cuda" and src.device.type == "cpu":
-        src = src.pin_memory()
+        src = staged(src)
     return dst.copy_(src, non_blocking=True)
+
+
+def staged(t: torch.Tensor) -> torch.Tensor:
+    """A host tensor ready for a non-blocking copy to a GPU: itself when small (or pinned already), else pinned."""
+    if t.numel() * t.element_size() <= PAGEABLE_BYTES or t.is_pinned():
+        return t
+    return t.pin_memory()
 
 
 def synchronizing_calls(fn) -> dict[str, int]:

@@ -14,12 +14,13 @@ import builtins
 import itertools
 import weakref
 
+import numpy as np
 import torch
 
 from specdec.attention import register_backend, triton_decode
 from specdec.attention.batch import AttentionBatch, SeqAttention
 from specdec.attention.torch_backend import visibility_mask
-from specdec.host_copy import host_tensor, to_device
+from specdec.host_copy import copy_in, host_tensor, staged, to_device
 
 WORKSPACE_BYTES = 256 << 20
 
@@ -107,39 +108,62 @@ def plan_paged(wrapper, kv, num_qo_heads: int, seqs: list[SeqAttention], causal:
     # `bench/plan_host.py` on a 2-core CPU)
     plan_pages(wrapper, kv, num_qo_heads, [s.num_q for s in seqs], lens,
                lambda npages: torch.cat([s.ctx_slots[::ps] for s in seqs]) // ps,
-               None if causal else torch.cat([visibility_mask(s, "cpu").reshape(-1) for s in seqs]))
+               None if causal else [visibility_mask(s, "cpu") for s in seqs])
 
 
-def plan_pages(wrapper, kv, num_qo_heads: int, num_q: list[int], lens: list[int], page_ids, mask=None) -> None:
+def plan_pages(wrapper, kv, num_qo_heads: int, num_q: list[int], lens: list[int], page_ids, masks=None) -> None:
     """plan_paged's core, for callers that know their page ids without slot tensors: sequence i has `num_q[i]`
     queries over a context of `lens[i]` positions; `page_ids(npages)` gets each sequence's page count and returns
-    their page ids (all sequences, page order; a list or an int tensor). `mask`: flattened [num_q, len]
-    visibility masks of all sequences (None: causal)."""
+    their page ids (all sequences, page order; a list or an int tensor). `masks`: each sequence's [num_q, len]
+    visibility mask on the host (None: causal)."""
     ps = kv.page_size
     npages = [-(-n // ps) for n in lens]
     last = [n - (p - 1) * ps for n, p in zip(lens, npages, strict=True)]
-    # Causal plans take the lengths as host tensors: flashinfer reads them on the host anyway (device ones cost a
-    # sync each) and copies them into its buffers. With a custom mask it packs the mask on the GPU from device
-    # ones. Page ids always go to the GPU: flashinfer copies host ones into a graph's buffer with a blocking copy.
+    # The lengths go as host tensors: flashinfer reads them on the host anyway (device ones cost a sync each)
+    # and copies them into its buffers without waiting (`host_copy.staged`: pinned when large). Page ids and
+    # the packed masks go to the GPU: flashinfer copies host ones into a graph's buffers with a blocking copy.
+    # Masks are packed here, on the host: flashinfer packs device masks on the GPU after reading their sizes
+    # back (four syncs and a dozen small kernels a plan: ~0.7 ms of a 64-token tree's verify at batch 1,
+    # twentieth pass).
     dev = kv.k.device
-    where = "cpu" if mask is None else dev
 
-    def index(values, to=where) -> torch.Tensor:
+    def index(values, to="cpu") -> torch.Tensor:
         values = host_tensor(values, torch.int32)
-        if to == "cpu":  # pinned: flashinfer's non-blocking copies from it never wait for the GPU
-            return values.pin_memory() if dev.type == "cuda" else values
+        if to == "cpu":  # flashinfer's non-blocking copies from it never wait for the GPU
+            return staged(values) if dev.type == "cuda" else values
         return to_device(values, to)
 
+    packed, mask_indptr = (None, None) if masks is None else pack_masks(masks)
     _await_last_plan(wrapper)
     wrapper.plan(
         index([0, *itertools.accumulate(num_q)]), index([0, *itertools.accumulate(npages)]),
         index(page_ids(npages), dev), index(last), num_qo_heads, kv.k.shape[2], kv.k.shape[3], ps,
-        custom_mask=None if mask is None else to_device(mask, dev), causal=mask is None,
+        packed_custom_mask=None if packed is None else to_device(packed, dev), causal=masks is None,
         sm_scale=kv.k.shape[3] ** -0.5, q_data_type=kv.k.dtype, kv_data_type=kv.k.dtype,
     )
+    if mask_indptr is not None:
+        _set_mask_indptr(wrapper, mask_indptr)
     if dev.type == "cuda":
         _planned[wrapper] = torch.cuda.Event()
         _planned[wrapper].record()
+
+
+def pack_masks(masks: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """The sequences' [num_q, len] bool masks as flashinfer's kernels read a custom mask: each one flattened row
+    by row and packed 8 to a byte, least significant bit first (`flashinfer.segment_packbits(..., "little")`),
+    every sequence starting on a byte of its own; and the byte offset where each starts (+ the total)."""
+    parts = [np.packbits(m.reshape(-1).numpy(), bitorder="little") for m in masks]
+    return torch.from_numpy(np.concatenate(parts)), [0, *itertools.accumulate(len(p) for p in parts)]
+
+
+def _set_mask_indptr(wrapper, mask_indptr: list[int]) -> None:
+    """Give the wrapper the byte offsets of the sequences' packed masks. Handed a packed mask, flashinfer 0.5.3's
+    plan keeps offsets counted in bits (`_compute_page_mask_indptr`), while its kernels add them to a byte
+    pointer: right for one sequence only (offset 0)."""
+    if wrapper.is_cuda_graph_enabled:  # the captured kernels read this buffer
+        copy_in(wrapper._mask_indptr_buf, host_tensor(mask_indptr, torch.int32))
+    else:
+        wrapper._mask_indptr_buf = to_device(mask_indptr, wrapper.device, torch.int32)
 
 
 # A wrapper's plan leaves its work partition in the wrapper's pinned host buffer and queues a copy from there to

@@ -35,6 +35,22 @@ def test_flashinfer_matches_torch_backend_prefill_and_tree():
         assert a.features is not None and b.features is not None
         rel = ((a.features.float() - b.features.float()).norm() / a.features.float().norm()).item()
         assert rel < 2e-2 and a.tokens == b.tokens
+    # three requests of different lengths with different trees in one verify (each mask packed at its own byte
+    # offset), eagerly and from a captured graph (padded 3 -> 4)
+    trees = [([5, 6, 7, 8, 9, 10], [-1, -1, 0, 0, 2, 1]), ([11, 12, 13, 14, 15, 16], [-1, 0, 0, 1, 1, 4]),
+             ([17, 18, 19, 20, 21, 22], [-1, -1, -1, 0, 1, 2])]
+    graphed = _engine("flashinfer")
+    batch = []
+    for eng in (torch_eng, fi_eng, graphed):
+        if eng is fi_eng:
+            eng.graphs = None
+        eng.prefill([PrefillInput(f"b{i}", list(range(200 + i, 230 + 17 * i)), SamplingParams(max_new_tokens=50))
+                     for i in range(3)])
+        batch.append(eng.verify([VerifyInput(f"b{i}", *tree) for i, tree in enumerate(trees)]))
+    for outs in batch[1:]:
+        for a, b in zip(batch[0], outs, strict=True):
+            rel = ((a.features.float() - b.features.float()).norm() / a.features.float().norm()).item()
+            assert rel < 2e-2 and a.tokens == b.tokens, (a.request_id, rel, a.tokens, b.tokens)
 
 
 @pytest.mark.parametrize("graphs", [False, True])
@@ -374,8 +390,8 @@ def test_features_go_to_host_in_one_batch_per_width():
 
 def test_engine_steps_make_one_host_sync_each():
     """The host never waits for the GPU inside a step (`specdec.host_copy`): a 16-step plain call synchronizes
-    once (its tokens), a chain verify once (its verdict), a captured chain proposal once (its tokens) and a
-    captured extend not at all, as `bench/sync_audit.py` found on the 8B shape (ninth pass)."""
+    once (its tokens), a chain verify and a tree verify once each (its verdict), a captured chain proposal once
+    (its tokens) and a captured extend not at all, as `bench/sync_audit.py` found on the 8B shape (ninth pass)."""
     from repo_paths import TINY
 
     from specdec.engine.draft_engine import SpecConfig
@@ -392,18 +408,22 @@ def test_engine_steps_make_one_host_sync_each():
     draft.add("r", 600)
     draft.extend([("r", prompt[1:] + [first.first_token], first.features)])
     chain = VerifyInput("r", [5, 6, 7, 8, 9], [-1, 0, 1, 2, 3])
+    tree = VerifyInput("r", [5, 6, 7, 8, 9, 10], [-1, -1, 0, 0, 2, 1])  # a custom mask: flashinfer's plan
     for _ in range(3):  # graphs captured on first use
         target.verify([VerifyInput("r", [], [])], plain_steps=16)
         target.verify([chain])
+        target.verify([tree])
         draft.propose(["r"])
     plain = synchronizing_calls(lambda: target.verify([VerifyInput("r", [], [])], plain_steps=16))
     verify = synchronizing_calls(lambda: target.verify([chain]))
+    tree_verify = synchronizing_calls(lambda: target.verify([tree]))
     propose = synchronizing_calls(lambda: draft.propose(["r"]))
     feats = torch.randn(4, draft.model.feature_size, device="cuda", dtype=torch.bfloat16)
     extend = synchronizing_calls(lambda: draft.extend([("r", [5, 6, 7, 8], feats)]))
     assert draft.extend_graphs is not None and draft.graphs is not None
     assert sum(plain.values()) == 1, plain
     assert sum(verify.values()) == 1, verify
+    assert sum(tree_verify.values()) == 1, tree_verify
     assert sum(propose.values()) == 1, propose
     assert sum(extend.values()) == 0, extend
     target.release("r")
@@ -478,3 +498,29 @@ def test_two_batch_overlap_on_one_gpu_named_cuda(dev_prompts, tiny_tokenizer):
     for kv in (draft.kv, target.kv):
         _, total, free = kv.stats()
         assert free == total
+
+
+def test_host_copies_land_behind_queued_gpu_work_without_waiting_for_it():
+    """`specdec.host_copy`: small copies go from pageable memory, large ones through pinned memory; both are
+    queued behind GPU work without the host waiting for it, and land intact even though their host tensors are
+    gone by then."""
+    import time
+
+    from specdec.host_copy import PAGEABLE_BYTES, copy_in, staged, to_device
+
+    small, large = torch.arange(PAGEABLE_BYTES // 8), torch.arange(4 * PAGEABLE_BYTES)
+    assert staged(small) is small and staged(large).is_pinned()
+    a = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    for _ in range(50):  # ~tens of ms of queued work
+        a = a @ a / 64
+    t0 = time.perf_counter()
+    outs = [to_device(list(range(i, i + 300)), "cuda") for i in range(20)]
+    dst = torch.empty(4 * PAGEABLE_BYTES, dtype=torch.int64, device="cuda")
+    copy_in(dst, large.clone())
+    host_s = time.perf_counter() - t0
+    assert not torch.cuda.current_stream().query(), "the queued work finished before the copies: not a test"
+    torch.cuda.synchronize()
+    assert all(o.tolist() == list(range(i, i + 300)) for i, o in enumerate(outs))
+    assert torch.equal(dst.cpu(), large)
+    assert host_s < 0.01, host_s
