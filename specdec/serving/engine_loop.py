@@ -91,7 +91,17 @@ class EngineLoop:
         loop = asyncio.get_running_loop()
         s = _Stream(asyncio.Queue(), loop)
         # the caller's trace (contextvars do not reach the engine thread): parents the request's spans there
-        await self.call(self._add_stream, request_id, prompt_ids, sampling, s, current_trace_context(), tree_cap)
+        adding = asyncio.ensure_future(
+            self.call(self._add_stream, request_id, prompt_ids, sampling, s, current_trace_context(), tree_cap))
+        adding.add_done_callback(lambda t: t.cancelled() or t.exception())  # read, even when no one awaits it
+        try:
+            await asyncio.shield(adding)
+        except asyncio.CancelledError:
+            # the caller left (a client's cancel, a deadline) while the add was queued: the engine thread adds the
+            # request all the same, so this stream's abort is queued right behind it (calls run in order), and the
+            # request does not run on, holding its pages and its id, with no one reading it
+            await asyncio.shield(self.call(self._abort_stream, request_id, s))
+            raise
         finished = False
         try:
             while True:
@@ -105,7 +115,7 @@ class EngineLoop:
                     return
         finally:
             if not finished:
-                await asyncio.shield(self.call(self._abort_stream, request_id))
+                await asyncio.shield(self.call(self._abort_stream, request_id, s))
 
     def _add_stream(self, request_id, prompt_ids, sampling, stream: _Stream, trace_context=None,
                     tree_cap: TreeCap | None = None) -> None:
@@ -114,8 +124,10 @@ class EngineLoop:
         self._streams[request_id] = stream
         self.scheduler.add(request_id, prompt_ids, sampling, trace_context, tree_cap)
 
-    def _abort_stream(self, request_id: str) -> bool:
-        found = request_id in self._streams
+    def _abort_stream(self, request_id: str, stream: _Stream | None = None) -> bool:
+        """Abort the request (only if `stream` is the one it runs under, when given: not a request that took
+        the id after, nor the one whose id a refused duplicate asked for)."""
+        found = request_id in self._streams and (stream is None or self._streams[request_id] is stream)
         if found:
             self.scheduler.abort(request_id)
         return found

@@ -115,6 +115,22 @@ def test_gateway_e2e_cancel_frees_kv(client, stack):
     assert wait_all_pages_free(stack) == (total, total)
 
 
+def test_gateway_e2e_cancels_in_the_first_milliseconds_free_kv_and_ids(client, stack):
+    """A client that cancels 0-15 ms after starting (before its request reached the draft's engine, or just
+    after) leaves nothing running: every page comes back and the ids can be used again at once. Before, a cancel
+    that came while the draft's engine was still adding the request left it running to its length limit."""
+    total = wait_all_pages_free(stack)[1]
+    ids = [f"early-cancel-{i}" for i in range(10)]
+    for i, rid in enumerate(ids):
+        stream = client.generate(PROMPTS[1], max_new_tokens=2000, ignore_eos=True, request_id=rid)
+        time.sleep(0.005 * (i % 4))
+        stream.cancel()
+    assert wait_all_pages_free(stack, timeout_s=20) == (total, total)
+    for rid in ids:
+        text, stats = client.complete(PROMPTS[0], max_new_tokens=2, request_id=rid)
+        assert stats.completion_tokens == 2
+
+
 def test_gateway_e2e_bad_input_statuses(client):
     with pytest.raises(grpc.RpcError) as too_many:
         client.complete("x", max_new_tokens=5000)
