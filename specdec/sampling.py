@@ -22,7 +22,10 @@ def make_generator(params: SamplingParams) -> torch.Generator:
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """[n, vocab] float32 logits -> [n, vocab] float32 probabilities after all of the request's filters."""
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    logits = logits.float()
+    # shifted by the row's max before the division: a tiny temperature (1e-39) sends the top logit to 0 and the
+    # rest to -inf (near-greedy), where logits / temperature overflowed to inf and the softmax to NaN
+    probs = torch.softmax((logits - logits.max(dim=-1, keepdim=True).values) / params.temperature, dim=-1)
     if params.top_k > 0 and params.top_k < probs.shape[-1]:
         kth = torch.topk(probs, params.top_k, dim=-1).values[:, -1:]  # [n, 1]
         probs = torch.where(probs >= kth, probs, 0.0)
@@ -39,6 +42,7 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     sorted_p, order = torch.sort(probs, dim=-1, descending=True)
     mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass of strictly more likely tokens
     keep_sorted = mass_before < top_p
+    keep_sorted[..., 0] = True  # the most likely token, even where top_p rounds to 0 in float32 (1e-46)
     keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
     return torch.where(keep, probs, 0.0)
 

@@ -88,3 +88,19 @@ def test_seeded_verification_is_reproducible():
         g = torch.Generator().manual_seed(7)
         runs.append([verify_stochastic(tokens, parents, probs, g) for _ in range(50)])
     assert runs[0] == runs[1]
+
+
+def test_extreme_but_valid_temperature_and_top_p_stay_near_greedy():
+    """A temperature or top_p that float32 cannot hold (1e-39, 1e-46: both inside the documented ranges) gives the
+    most likely token's one-hot distribution, not NaN (which sampled the last vocabulary id every time)."""
+    from specdec.sampling import target_probs
+
+    logits = torch.tensor([[1.0, 3.5, -2.0, 3.0], [0.5, -1.0, 2.0, 1.9]])
+    for params in (SamplingParams(temperature=1e-39), SamplingParams(temperature=1e-30),
+                   SamplingParams(temperature=1.0, top_p=1e-46), SamplingParams(temperature=1.0, top_p=1e-45),
+                   SamplingParams(temperature=1e-39, top_p=1e-46, top_k=2, min_p=0.5)):
+        probs = target_probs(logits, params)
+        assert torch.isfinite(probs).all(), params
+        assert probs.argmax(-1).tolist() == [1, 2] and torch.allclose(probs.max(-1).values, torch.ones(2)), params
+    # ordinary settings are the plain softmax of logits / temperature
+    assert torch.allclose(target_probs(logits, SamplingParams(temperature=0.7)), torch.softmax(logits / 0.7, -1))
