@@ -16,6 +16,8 @@ import inspect
 import grpc
 import grpc.aio
 
+from specdec.rpc.handlers import behaviour_of, rebuilt
+
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
 
@@ -31,8 +33,8 @@ class DrainGate(grpc.aio.ServerInterceptor):
         if handler is None or handler_call_details.method.startswith(HEALTH_PREFIX):
             return handler
         if self.draining:
-            return _rebuilt(handler, _refuse_stream if handler.response_streaming else _refuse)
-        return _rebuilt(handler, self._counted(_behaviour(handler)))
+            return rebuilt(handler, _refuse_stream if handler.response_streaming else _refuse)
+        return rebuilt(handler, self._counted(behaviour_of(handler)))
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """True once no counted call is running; False if `timeout_s` ran out first."""
@@ -79,20 +81,3 @@ async def _refuse(request, context) -> None:
 async def _refuse_stream(request, context):
     await _refuse(request, context)
     yield  # pragma: no cover - abort raises first; this makes it an async generator, as a streaming handler is
-
-
-_MAKERS = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
-           (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
-
-
-def _behaviour(handler: grpc.RpcMethodHandler):
-    kind = (handler.request_streaming, handler.response_streaming)
-    return {(False, False): handler.unary_unary, (False, True): handler.unary_stream,
-            (True, False): handler.stream_unary, (True, True): handler.stream_stream}[kind]
-
-
-def _rebuilt(handler: grpc.RpcMethodHandler, behaviour) -> grpc.RpcMethodHandler:
-    """A handler of the same kind and (de)serializers as `handler` that runs `behaviour`."""
-    make = _MAKERS[(handler.request_streaming, handler.response_streaming)]
-    return make(behaviour, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)

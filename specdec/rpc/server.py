@@ -2,7 +2,8 @@
 
 Each server gets explicit message limits and keepalive (`options`), `grpc.health.v1` (every service name and
 the overall "" NOT_SERVING until `set_serving(True)`: a service flips it once its model is loaded), server
-reflection for all its services, and optional TLS / mutual TLS.
+reflection for all its services, optional TLS / mutual TLS, and INVALID_ARGUMENT for a request whose bytes do
+not parse (`decode_guard`: grpc itself answers UNKNOWN and logs a traceback).
 
     async def serve(shutdown: asyncio.Event) -> None:
         handle = await start_server(
@@ -31,6 +32,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specdec.errors import ConfigError
+from specdec.rpc.decode_guard import DecodeGuard
 from specdec.rpc.drain_gate import DrainGate
 from specdec.rpc.options import DEFAULT_MAX_MESSAGE_BYTES, server_options
 from specdec.rpc.tls import TlsConfig, add_tls_args
@@ -95,7 +97,12 @@ async def start_server(
     by health (NOT_SERVING until `set_serving(True)`) and listed by reflection.
     """
     gate = DrainGate()  # first: a call refused while draining reaches no other interceptor
-    server = grpc.aio.server(options=server_options(max_message_bytes), interceptors=[gate, *interceptors])
+    # The decode guard last, nearest the servicer: a request that does not parse then passes every other
+    # interceptor like any refused call (counted by the gate, refused while loading, seen by the gateway's API-key
+    # check and access log as INVALID_ARGUMENT). They all keep the handler's request_deserializer, so the tolerant
+    # one the guard sets is the one grpc calls.
+    chain = [gate, *interceptors, DecodeGuard()]
+    server = grpc.aio.server(options=server_options(max_message_bytes), interceptors=chain)
     for add in servicers:
         add(server)
     health_servicer = health.aio.HealthServicer()

@@ -6,8 +6,10 @@ The cases are tables (`TARGET_CASES`, `DRAFT_CASES`, `GATEWAY_CASES`); docs/reli
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
+import time
 
 import grpc
 import pytest
@@ -279,6 +281,48 @@ def test_reliability_bad_input_oversized_message(stack):
             raw(b"\x0a" + b"\x00" * (256 * 1024 * 1024 + 16), timeout=60)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and err.value.details()
     assert health(target.addr, TARGET_HEALTH) == SERVING
+
+
+# Bytes that are not the request message: a string field 1 (tag 0x0a, length) with invalid UTF-8, and garbage
+MALFORMED_BYTES = [b"\x0a\x09abc\xed\xa0\x80def", b"\xff\xfe\xfd\x07\x00\x13"]
+# (service: 0 target, 1 draft, 2 gateway; method; server-streaming)
+RAW_METHODS = [(0, "/specdec.v1.TargetService/Prefill", False), (0, "/specdec.v1.TargetService/Generate", True),
+               (1, "/specdec.v1.DraftService/Generate", True), (2, "/specdec.v1.GatewayService/Generate", True),
+               (2, "/specdec.v1.GatewayService/Tokenize", False)]
+
+
+def test_reliability_bad_input_malformed_bytes(stack, caplog):
+    """INVALID_ARGUMENT "malformed request: ..." (not UNKNOWN), no traceback in the log, one gateway access-log
+    line per refused gateway call, and every service still healthy with all its pages free."""
+    for name in ("grpc", "specdec", "gateway"):
+        caplog.set_level(logging.DEBUG, logger=name)
+    for service, method, streaming in RAW_METHODS:
+        with grpc.insecure_channel(stack[service].addr) as ch:
+            call = ch.unary_stream(method) if streaming else ch.unary_unary(method)  # raw bytes both ways
+            for payload in MALFORMED_BYTES:
+                with pytest.raises(grpc.RpcError) as err:
+                    list(call(payload, timeout=30)) if streaming else call(payload, timeout=30)
+                assert err.value.code() == INVALID, f"{method}: {err.value.code()} {err.value.details()}"
+                assert err.value.details().startswith("malformed request: "), err.value.details()
+    tracebacks = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert not tracebacks, tracebacks
+    access = _access_lines(caplog, "INVALID_ARGUMENT", 2 * len(MALFORMED_BYTES))
+    assert len(access) == 2 * len(MALFORMED_BYTES), access
+    target, draft, gateway = stack
+    for addr, name in ((target.addr, TARGET_HEALTH), (draft.addr, DRAFT_HEALTH), (gateway.addr, GATEWAY_HEALTH)):
+        assert health(addr, name) == SERVING
+    assert wait_whole(target_kv, target.addr)[2] == 0 and wait_whole(draft_kv, draft.addr)[2] == 0
+
+
+def _access_lines(caplog, fragment: str, expected: int, timeout_s: float = 5.0) -> list[str]:
+    """The gateway's access-log lines holding `fragment`, waited for until `expected` are there: `context.abort`
+    sends the status before the access log's wrapper writes its line, so the client can see the status first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        lines = [r.getMessage() for r in caplog.records if r.name == "gateway.access" and fragment in r.getMessage()]
+        if len(lines) >= expected or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.02)
 
 
 @pytest.mark.parametrize("dtype,shape,nbytes,fragment", [

@@ -17,6 +17,7 @@ from specdec.rpc.errors import map_servicer_errors
 from specdec.rpc.metadata import downstream_timeout, request_id_from
 from specdec.rpc.server import start_server
 from specdec.rpc.tensor_codec import tensor_to_proto
+from specdec.rpc.wire import add_servicer
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 
 TARGET_SERVICE = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
@@ -69,14 +70,18 @@ class FakeTarget(target_pb2_grpc.TargetServiceServicer):
 
 @pytest.fixture
 def fake_server():
-    """`async with fake_server(**start_server_kwargs) as (handle, servicer)` runs a FakeTarget on loopback."""
+    """`async with fake_server(**start_server_kwargs) as (handle, servicer)` runs a FakeTarget on loopback;
+    `fake_server(via_wire=True)` registers it with `specdec.rpc.wire.add_servicer`, as the target service does."""
 
     @contextlib.asynccontextmanager
-    async def serve(**kwargs):
+    async def serve(via_wire: bool = False, **kwargs):
         servicer = FakeTarget()
         kwargs.setdefault("host", "127.0.0.1")
+        service = target_pb2.DESCRIPTOR.services_by_name["TargetService"]
+        add = (lambda s: add_servicer(service, servicer, s)) if via_wire else (
+            lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s))
         handle = await start_server(
-            [lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s)],
+            [add],
             [TARGET_SERVICE],
             **kwargs,
         )
