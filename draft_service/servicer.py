@@ -13,6 +13,7 @@ from specdec.rpc.errors import map_servicer_errors
 from specdec.rpc.sampling_codec import sampling_from_proto
 from specdec.rpc.target_codec import check_request_id, finish_to_proto
 from specdec.serving.engine_loop import EngineLoop
+from specdec.spec_params import TREE_CAP_FIELDS, asked_tree_shape
 from specdec.telemetry import bind_request_id
 from specdec.tree import TreeCap
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -32,7 +33,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.metrics = None
 
     def _check(self, request) -> tuple[str, list[int], object]:
-        rid = check_request_id(request.request_id)
+        rid = check_request_id(request.request_id, chosen_by_client=True)
         prompt = list(request.prompt_ids)
         if not prompt:
             raise InvalidInput("prompt is empty")
@@ -51,15 +52,14 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         """The request's own tree shape: each field it sets from 1 up to the service's (a smaller tree is the
         service's, pruned: `TreeCap.prune`); None where it asks for the service's own."""
         mine = self.engine.spec
-        fields = ("num_steps", "topk", "num_draft_tokens")
-        asked = {f: getattr(spec, f) for f in fields if spec.HasField(f)}
-        bad = {f: v for f, v in asked.items() if not 1 <= v <= getattr(mine, f)}
+        asked = asked_tree_shape(spec)
+        bad = {f: v for f, v in asked.items() if v > getattr(mine, f)}
         if bad:
             raise InvalidInput(f"this draft service runs num_steps={mine.num_steps} topk={mine.topk} "
                                f"num_draft_tokens={mine.num_draft_tokens}; a request's spec may ask for each "
                                f"from 1 up to that, not {bad}")
-        cap = TreeCap(*(asked.get(f, getattr(mine, f)) for f in fields))
-        return None if all(getattr(cap, f) == getattr(mine, f) for f in fields) else cap
+        cap = TreeCap(*(asked.get(f, getattr(mine, f)) for f in TREE_CAP_FIELDS))
+        return None if all(getattr(cap, f) == getattr(mine, f) for f in TREE_CAP_FIELDS) else cap
 
     async def Generate(self, request, context):
         outcome = "CANCELLED"  # unless the stream ends or fails: the client left

@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sequence
 
 from gateway.config import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, GatewayLimits
 from specdec.errors import InvalidInput, SpecdecError
+from specdec.request_ids import check_not_reserved
 from specdec.rpc.sampling_codec import sampling_from_proto
 from specdec.sampling_params import SamplingParams
 from specdec.v1 import common_pb2
@@ -24,11 +25,22 @@ def check_prompt_length(num_tokens: int, limits: GatewayLimits, max_context_len:
     """The prompt must be non-empty, within --max-prompt-tokens and leave room for one token in the context."""
     if num_tokens == 0:
         raise InvalidInput("the prompt is empty")
+    _check_fits(num_tokens, f"{num_tokens} tokens", limits, max_context_len)
+
+
+def check_prompt_chars(num_chars: int, min_tokens: int, limits: GatewayLimits, max_context_len: int = 0) -> None:
+    """Before tokenizing: a text of `num_chars` characters has at least `min_tokens` tokens
+    (`Tokenizer.min_num_tokens`); if even that many do not fit, refuse it untokenized (a 100 MB prompt took
+    15 s to tokenize)."""
+    _check_fits(min_tokens, f"at least {min_tokens} tokens ({num_chars} characters)", limits, max_context_len)
+
+
+def _check_fits(num_tokens: int, counted: str, limits: GatewayLimits, max_context_len: int) -> None:
     if limits.max_prompt_tokens is not None and num_tokens > limits.max_prompt_tokens:
-        raise InvalidInput(f"the prompt has {num_tokens} tokens; the limit is {limits.max_prompt_tokens}")
+        raise InvalidInput(f"the prompt has {counted}; the limit is {limits.max_prompt_tokens}")
     if max_context_len and num_tokens >= max_context_len:
         raise InvalidInput(
-            f"the prompt has {num_tokens} tokens; the model's context holds {max_context_len} "
+            f"the prompt has {counted}; the model's context holds {max_context_len} "
             "(prompt plus at least one new token)"
         )
 
@@ -43,12 +55,13 @@ MAX_REQUEST_ID_CHARS = 128
 
 
 def check_request_id(request_id: str) -> str:
-    """A client's request id travels downstream in metadata (`x-request-id`): printable ASCII, at most 128."""
+    """A client's request id travels downstream in metadata (`x-request-id`): printable ASCII, at most 128,
+    not the services' reserved warm-up prefix."""
     if len(request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidInput(f"request_id is {len(request_id)} characters long; the limit is {MAX_REQUEST_ID_CHARS}")
     if not all(" " <= c <= "~" for c in request_id):
         raise InvalidInput("request_id must be printable ASCII")
-    return request_id
+    return check_not_reserved(request_id)
 
 
 def check_stop_strings(stop: Sequence[str]) -> tuple[str, ...]:

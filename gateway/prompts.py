@@ -2,10 +2,14 @@
 
 Special-token strings typed by a user (`<|separator|>`, `<|eos|>`) stay plain text in both cases: only the
 chat template itself inserts control tokens.
+
+A large input is tokenized on a worker thread (tiktoken releases the GIL), so one client's big prompt does not
+stall every other stream and the health checks on the event loop; a small one is tokenized in place.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from specdec.errors import InvalidInput
@@ -14,6 +18,24 @@ from specdec.v1 import gateway_pb2
 
 CHAT_ROLES = ("system", "user", "assistant")
 
+# Measured on the tiny model's 8k vocabulary with Python source text (2-core box): an `asyncio.to_thread` round
+# trip costs 64 us (median; p90 77 us); encoding costs 34 us per 1000 characters (4.5 us at 100, 0.56 ms at
+# 16k, 37 ms at 1M). From 16k characters a prompt would hold the loop for ~9 hops' worth: below that the hop
+# is not worth it, above it blocking grows without bound.
+OFF_LOOP_MIN_CHARS = 16_384
+
+
+@dataclass(frozen=True)
+class RequestInput:
+    """The request's `input` oneof, read once: every read of a protobuf string field copies it (40 ms at 100 MB)."""
+
+    text: str | None  # `prompt` (Generate) or `text` (Tokenize); None for a chat
+    messages: tuple[dict, ...] = ()
+
+    @property
+    def num_chars(self) -> int:
+        return len(self.text) if self.text is not None else sum(len(m["content"]) for m in self.messages)
+
 
 @dataclass(frozen=True)
 class EncodedInput:
@@ -21,24 +43,34 @@ class EncodedInput:
     is_chat: bool
 
 
-def encode_input(
-    tokenizer: Tokenizer, request: gateway_pb2.GatewayServiceGenerateRequest | gateway_pb2.TokenizeRequest
-) -> EncodedInput:
-    """Token ids of the request's `input` oneof (`prompt`/`text` or `chat`); InvalidInput if it is unset."""
+def read_input(request: gateway_pb2.GatewayServiceGenerateRequest | gateway_pb2.TokenizeRequest) -> RequestInput:
+    """The request's `input` oneof (`prompt`/`text` or `chat`), checked; InvalidInput if it is unset."""
     which = request.WhichOneof("input")
     if which is None:
         text_field = "prompt" if isinstance(request, gateway_pb2.GatewayServiceGenerateRequest) else "text"
         raise InvalidInput(f"set exactly one of {text_field} or chat")
     if which == "chat":
-        return EncodedInput(tuple(encode_chat(tokenizer, request.chat)), is_chat=True)
-    return EncodedInput(tuple(tokenizer.encode(getattr(request, which))), is_chat=False)
+        return RequestInput(None, chat_messages(request.chat))
+    return RequestInput(getattr(request, which))
 
 
-def encode_chat(tokenizer: Tokenizer, chat: gateway_pb2.ChatMessages) -> list[int]:
+async def encode_input(tokenizer: Tokenizer, request: RequestInput) -> EncodedInput:
+    """Token ids of `request`; off the event loop from `OFF_LOOP_MIN_CHARS` characters."""
+    if request.num_chars < OFF_LOOP_MIN_CHARS:
+        return _encode(tokenizer, request)
+    return await asyncio.to_thread(_encode, tokenizer, request)
+
+
+def _encode(tokenizer: Tokenizer, request: RequestInput) -> EncodedInput:
+    if request.text is None:
+        return EncodedInput(tuple(tokenizer.apply_chat_template(list(request.messages))), is_chat=True)
+    return EncodedInput(tuple(tokenizer.encode(request.text)), is_chat=False)
+
+
+def chat_messages(chat: gateway_pb2.ChatMessages) -> tuple[dict, ...]:
     if not chat.messages:
         raise InvalidInput("chat has no messages")
     for i, message in enumerate(chat.messages):
         if message.role not in CHAT_ROLES:
             raise InvalidInput(f"chat message {i}: role {message.role!r} is not one of {', '.join(CHAT_ROLES)}")
-    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return tuple({"role": m.role, "content": m.content} for m in chat.messages)

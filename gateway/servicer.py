@@ -18,16 +18,18 @@ from gateway.downstream import Finish
 from gateway.fallback import FINISH_STOP, FallbackGeneration, GenerationPlan
 from gateway.limits import (
     StreamSlots,
+    check_prompt_chars,
     check_prompt_length,
     check_request_id,
     check_stop_strings,
     resolve_sampling,
 )
-from gateway.prompts import EncodedInput, encode_input
+from gateway.prompts import EncodedInput, encode_input, read_input
 from gateway.router import Router
 from gateway.stream import TextStream
 from specdec.rpc.errors import map_servicer_errors
 from specdec.rpc.metadata import downstream_timeout
+from specdec.spec_params import asked_tree_shape
 from specdec.telemetry import bind_request_id, get_tracer
 from specdec.tokenizer import Tokenizer
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc
@@ -53,7 +55,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         request_id = check_request_id(request.request_id) or uuid.uuid4().hex
         with bind_request_id(request_id):
             with get_tracer().start_as_current_span("gateway.tokenize") as span:
-                plan, stop = self._plan(request, request_id)
+                plan, stop = await self._plan(request, request_id)
                 span.set_attribute("num_prompt_tokens", len(plan.prompt_ids))
             with self._slots.hold(client_identity(context, self._clients_by_key)):
                 generation = FallbackGeneration(self._router, plan, lambda: downstream_timeout(context))
@@ -63,14 +65,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 except grpc.aio.AioRpcError as exc:  # a downstream refusal (bad input, KV full, deadline)
                     await context.abort(exc.code(), exc.details() or exc.code().name)
 
-    def _plan(self, request, request_id: str) -> tuple[GenerationPlan, tuple[str, ...]]:
-        """Validate the request and turn it into what the pair runs; raises InvalidInput."""
-        encoded = encode_input(self._tokenizer, request)
-        check_prompt_length(len(encoded.token_ids), self._limits, self._max_context_len())
+    async def _plan(self, request, request_id: str) -> tuple[GenerationPlan, tuple[str, ...]]:
+        """Validate the request and turn it into what the pair runs, the cheap checks before tokenizing; raises
+        InvalidInput."""
+        spec = request.spec if request.HasField("spec") else None
+        if spec is not None:
+            asked_tree_shape(spec)  # on every route: with no_speculation too
         sampling = resolve_sampling(
             request.sampling if request.HasField("sampling") else None, self._limits, self._tokenizer.vocab_size
         )
         stop = check_stop_strings(request.stop)
+        encoded = await self._encode_prompt(request)
         stop_ids = self._stop_token_ids(encoded, sampling.stop_token_ids, sampling.ignore_eos)
         finish_ids = stop_ids if sampling.ignore_eos else (*stop_ids, *self._tokenizer.eos_token_ids)
         plan = GenerationPlan(
@@ -79,9 +84,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             sampling=dataclasses.replace(sampling, stop_token_ids=stop_ids),
             speculative=not request.no_speculation,
             finish_token_ids=frozenset(finish_ids),
-            spec=request.spec if request.HasField("spec") else None,
+            spec=spec,
         )
         return plan, stop
+
+    async def _encode_prompt(self, request) -> EncodedInput:
+        prompt, max_context_len = read_input(request), self._max_context_len()
+        if prompt.text is not None:  # a text too long to fit is refused before tokenizing it
+            min_tokens = self._tokenizer.min_num_tokens(prompt.text)
+            check_prompt_chars(len(prompt.text), min_tokens, self._limits, max_context_len)
+        encoded = await encode_input(self._tokenizer, prompt)
+        check_prompt_length(len(encoded.token_ids), self._limits, max_context_len)
+        return encoded
 
     def _stop_token_ids(self, encoded: EncodedInput, requested: tuple[int, ...], ignore_eos: bool) -> tuple[int, ...]:
         """A chat reply also ends at the template's turn-end marker (unless the client ignores eos)."""
@@ -138,7 +152,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     # -- the rest -------------------------------------------------------------------------------------------
     async def Tokenize(self, request, context):
-        return gateway_pb2.TokenizeResponse(token_ids=encode_input(self._tokenizer, request).token_ids)
+        encoded = await encode_input(self._tokenizer, read_input(request))
+        return gateway_pb2.TokenizeResponse(token_ids=encoded.token_ids)
 
     async def Detokenize(self, request, context):
         return gateway_pb2.DetokenizeResponse(text=self._tokenizer.decode(request.token_ids))

@@ -11,8 +11,8 @@ from specdec.engine.admission import MAX_PREFILL_TOKENS
 from specdec.engine.plain_steps import check_plain_steps
 from specdec.engine.requests import RUNNING
 from specdec.engine.target_engine import TargetEngine
-from specdec.engine.warmup import is_warmup
 from specdec.errors import SpecdecError
+from specdec.request_ids import is_warmup
 from specdec.rpc.errors import map_servicer_errors
 from specdec.rpc.sampling_codec import sampling_from_proto
 from specdec.rpc.target_codec import (
@@ -185,7 +185,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     async def Generate(self, request, context):
         """Plain decoding (no speculation): the fallback and the baseline."""
-        rid = check_request_id(request.request_id)
+        rid = check_request_id(request.request_id, chosen_by_client=True)
         sampling = sampling_from_proto(request.sampling if request.HasField("sampling") else None)
         prompt = list(request.prompt_ids)
         await self.loop.call(self._validate, prompt, sampling)

@@ -18,16 +18,12 @@ from opentelemetry import context as otel_context
 
 from specdec.engine.requests import PrefillInput, VerifyInput
 from specdec.errors import SpecdecError
+from specdec.request_ids import WARMUP_PREFIX
 from specdec.sampling_params import SamplingParams
 from specdec.telemetry.tracing import attached, untraced_context
 
 log = logging.getLogger(__name__)
 WARMUP_PROMPT_LEN = 16
-WARMUP_PREFIX = "__warmup-"  # request ids of warm-up traffic: served like any other, left out of the metrics
-
-
-def is_warmup(request_id: str) -> bool:
-    return request_id.startswith(WARMUP_PREFIX)
 
 
 def warmup_trees(sizes: list[int], topk: int) -> list[list[int]]:

@@ -7,6 +7,7 @@ import torch
 
 from specdec.engine.requests import ABORT, LENGTH, RUNNING, STOP, PrefillInput, PrefillOutput, VerifyInput, VerifyOutput
 from specdec.errors import InvalidInput
+from specdec.request_ids import check_not_reserved
 from specdec.rpc.sampling_codec import sampling_from_proto, sampling_to_proto
 from specdec.rpc.tensor_codec import FEATURE_DTYPES, pack_fp8_rows, tensor_from_proto, tensor_to_proto
 from specdec.rpc.wire import encode_with_tensor
@@ -30,12 +31,14 @@ def finish_from_proto(value: int) -> str:
     return _FINISH_FROM_PROTO.get(value, ABORT)
 
 
-def check_request_id(rid: str) -> str:
+def check_request_id(rid: str, chosen_by_client: bool = False) -> str:
+    """`chosen_by_client`: a Generate's id, which must not take the warm-up prefix (`specdec.request_ids`). The
+    draft-to-target calls (Prefill, Verify, Release) keep the default: the warm-up itself goes through them."""
     if not rid:
         raise InvalidInput("request_id is empty")
     if len(rid) > MAX_REQUEST_ID_LEN:
         raise InvalidInput(f"request_id longer than {MAX_REQUEST_ID_LEN} characters")
-    return rid
+    return check_not_reserved(rid) if chosen_by_client else rid
 
 
 # ---- Prefill ---------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from specdec.telemetry.logs import loggable_id
 from specdec.telemetry.tracing import active_provider, get_tracer
 
 PROPAGATOR = TraceContextTextMapPropagator()
@@ -214,7 +215,7 @@ def server_span(
     attributes = _rpc_attributes(name)
     request_id = _request_id(request) or metadata.get(REQUEST_ID_METADATA_KEY)
     if isinstance(request_id, str) and request_id:
-        attributes["specdec.request_id"] = request_id
+        attributes["specdec.request_id"] = loggable_id(request_id)  # a client's, not yet checked
     tracer = tracer or get_tracer()
     with tracer.start_as_current_span(
         name,

@@ -37,10 +37,30 @@ _RECORD_FIELDS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))
 _OUR_FIELDS = frozenset({"request_id", "trace_id", "span_id", "context"})
 
 
+# Past this many characters a request id is cut in logs: the gateway's 128 plus a retry's `~n`, with room to spare.
+MAX_LOGGED_ID_CHARS = 160
+
+
+def loggable_id(request_id: str | None) -> str | None:
+    """`request_id` as a log line may show it. A client's id is logged before it is checked (the access log binds
+    it first), so one that is not printable ASCII is `repr`-escaped (a newline cannot split the line) and a long
+    one is cut with a marker (10 000 characters do not reach the log); a valid id stays as it is."""
+    if request_id is None:
+        return None
+    plain = request_id.isascii() and request_id.isprintable()
+    if plain and len(request_id) <= MAX_LOGGED_ID_CHARS:
+        return request_id
+    shown = request_id if plain else repr(request_id)
+    if len(shown) > MAX_LOGGED_ID_CHARS:
+        shown = f"{shown[:MAX_LOGGED_ID_CHARS]}...({len(request_id)} chars)"
+    return shown
+
+
 @contextlib.contextmanager
 def bind_request_id(request_id: str | None) -> Iterator[None]:
-    """Every record logged inside the block (and in tasks started inside it) carries `request_id`."""
-    token = request_id_var.set(request_id)
+    """Every record logged inside the block (and in tasks started inside it) carries `request_id`, made safe for a
+    log line (`loggable_id`)."""
+    token = request_id_var.set(loggable_id(request_id))
     try:
         yield
     finally:

@@ -20,6 +20,10 @@ from specdec.tokenizer.vocab_export import export_vocab
 
 AllowedSpecial = Literal["all", "default"] | set[str] | frozenset[str] | None
 
+# Unicode's longest canonical decomposition is 4 code points (U+1F82 = alpha + 3 marks; checked by a test), so
+# normalizing (any form: it decomposes, then at most recomposes) leaves at least a quarter of a text's code points.
+MAX_CODE_POINTS_COMPOSED = 4
+
 
 class Tokenizer:
     def __init__(
@@ -47,6 +51,9 @@ class Tokenizer:
         )
         self._special_ids = frozenset(vocab.special_tokens.values())
         self._bytes_by_id = _bytes_by_id(vocab)  # [vocab_size], None where no token has the id
+        self.max_token_bytes = max(len(token) for token in self._bytes_by_id if token)
+        # a code point is at least one UTF-8 byte, so one token stands for at most this many code points of text
+        self._max_chars_per_token = self.max_token_bytes * (MAX_CODE_POINTS_COMPOSED if vocab.normalization else 1)
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.name!r}, vocab_size={self.vocab_size})"
@@ -61,6 +68,10 @@ class Tokenizer:
         if not allowed:
             return self._encoding.encode_ordinary(text)
         return self._encoding.encode(text, allowed_special=allowed, disallowed_special=())
+
+    def min_num_tokens(self, text: str) -> int:
+        """A lower bound on `len(self.encode(text))` in O(1), without encoding: refuses an oversized text early."""
+        return -(-len(text) // self._max_chars_per_token)
 
     def encode_ordinary(self, text: str) -> list[int]:
         return self.encode(text)

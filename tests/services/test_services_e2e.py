@@ -119,6 +119,7 @@ def test_cancel_and_abort_free_kv_in_both_services(stack, prompts):
     (dict(prompt_ids=[5, 6], sampling=_sampling(top_p=0)), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
     (dict(prompt_ids=[5] * 5000), grpc.StatusCode.INVALID_ARGUMENT, "context length"),
     (dict(prompt_ids=[5, 6], request_id=""), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
+    (dict(prompt_ids=[5, 6], request_id="__warmup-mine"), grpc.StatusCode.INVALID_ARGUMENT, "reserved"),
 ])
 def test_bad_input_gets_status_and_services_keep_serving(stack, req, code, msg):
     target, draft = stack

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 from core_engines import tiny_target
 
 from specdec.engine.warmup import warm_verify_shapes, warmup_trees
-from specdec.errors import NotReady
+from specdec.errors import InvalidInput, NotReady
+from specdec.request_ids import WARMUP_PREFIX
+from specdec.rpc.target_codec import check_request_id
 from specdec.tree import is_chain
 
 
@@ -47,3 +50,13 @@ def test_a_target_that_fails_does_not_stop_the_warm_up_from_returning(caplog):
 
     warm_verify_shapes(Down(), [5], 1, (), 100)
     assert "warm-up skipped" in caplog.text
+
+
+def test_a_client_may_not_name_its_request_with_the_warm_up_prefix_but_the_warm_up_may():
+    """The services' Generate (a client's id) refuses `__warmup-`; Prefill/Verify/Release, which the warm-up
+    itself goes through, keep accepting it."""
+    rid = f"{WARMUP_PREFIX}0123456789ab"
+    assert check_request_id(rid) == rid
+    with pytest.raises(InvalidInput, match="must not start with '__warmup-'"):
+        check_request_id(rid, chosen_by_client=True)
+    assert check_request_id("warmup-but-not-reserved", chosen_by_client=True) == "warmup-but-not-reserved"

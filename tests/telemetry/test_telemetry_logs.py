@@ -11,6 +11,7 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 
 from specdec.telemetry import bind_request_id, setup_logging
+from specdec.telemetry.logs import loggable_id
 
 logger = logging.getLogger("specdec.test")
 
@@ -93,3 +94,17 @@ def test_request_id_survives_awaits_and_stays_per_task(capture):
         ("a", "after await"), ("a", "in child task"),
         (None, "done"),
     ]  # fmt: skip
+
+
+def test_a_request_id_is_logged_escaped_and_cut_but_a_valid_one_as_it_is(capture):
+    """A client's id reaches the logs before it is checked: a newline must not split a line, 10 000 characters
+    must not fill one; a valid id (a gateway retry's `~n` included) is unchanged."""
+    valid = "r" * 128 + "~2"
+    assert loggable_id(valid) == valid and loggable_id(None) is None
+    assert loggable_id("a\nb") == "'a\\nb'"
+    long = loggable_id("x" * 10_000)
+    assert long == "x" * 160 + "...(10000 chars)"
+    buffer = capture("text")
+    with bind_request_id("evil\n2025-01-01 00:00:00,000 INFO forged"):
+        logger.info("one line")
+    assert len(buffer.getvalue().splitlines()) == 1 and "[req='evil\\n2025" in buffer.getvalue()

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+import sys
+import unicodedata
+
 import pytest
 from tokenizer_corpus import CORPUS, SPECIAL_LOOKING
+from tokenizer_testdata import TINY_CODE_DIR
 
 from specdec.errors import InvalidInput
+from specdec.tokenizer.load import find_tokenizer_file, load_vocab
+from specdec.tokenizer.tokenizer import MAX_CODE_POINTS_COMPOSED, Tokenizer
+from specdec.tokenizer.tokenizer_config import TokenizerConfig
 
 
 def test_round_trip_multilingual_text_and_code(tiny_code):
@@ -60,3 +68,26 @@ def test_token_bytes_and_unknown_ids(tiny_code):
     for bad in (-1, 8192, 10**12):
         with pytest.raises(InvalidInput, match="outside the vocabulary"):
             tiny_code.decode([bad])
+
+
+def test_min_num_tokens_is_a_lower_bound_even_for_the_longest_tokens(tiny_code):
+    """`min_num_tokens` (what the gateway refuses a huge prompt by, untokenized) never exceeds the real count,
+    even for text made of the vocabulary's longest token (here 32 emoji in 128 bytes)."""
+    longest = next(t for t in map(tiny_code.token_bytes, range(tiny_code.vocab_size))
+                   if len(t) == tiny_code.max_token_bytes).decode()
+    for text in [*CORPUS, *SPECIAL_LOOKING, "", "a\u0301", "\U0010ffff" * 9, " " * 5000, longest * 40]:
+        assert tiny_code.min_num_tokens(text) <= len(tiny_code.encode(text))
+    assert tiny_code.min_num_tokens("x" * (128 * 1000 + 1)) == 1001
+
+
+def test_min_num_tokens_allows_for_normalization_folding_code_points(tiny_code):
+    """NFC folds up to 4 code points into one (alpha + 3 marks -> U+1F82): a normalizing vocabulary's bound counts
+    4 times fewer tokens, and 4 is indeed Unicode's longest canonical decomposition."""
+    vocab = dataclasses.replace(load_vocab(find_tokenizer_file(TINY_CODE_DIR), TokenizerConfig.from_dir(TINY_CODE_DIR)),
+                                normalization="NFC")
+    nfc = Tokenizer(vocab, tiny_code.chat_template, tiny_code.eos_token_ids, tiny_code.chat_stop_token_ids)
+    folded = unicodedata.normalize("NFD", "\u1f82") * 500
+    assert len(unicodedata.normalize("NFC", folded)) * 4 == len(folded)
+    assert nfc.min_num_tokens(folded) <= len(nfc.encode(folded))
+    assert max(len(unicodedata.normalize("NFD", chr(c))) for c in range(sys.maxunicode + 1)
+               if not 0xD800 <= c < 0xE000) == MAX_CODE_POINTS_COMPOSED

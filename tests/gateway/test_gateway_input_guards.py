@@ -1,0 +1,163 @@
+"""Inputs that could hurt the gateway rather than just be wrong: huge prompts (the event loop), raw request ids
+in the logs, ids posing as warm-up traffic, and `spec` checked on every route; over fake pairs."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+import grpc.aio
+import pytest
+from gateway_fakes import collect, fake_stack, run
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gateway.prompts import OFF_LOOP_MIN_CHARS
+from specdec.telemetry.logs import TEXT_FORMAT, ContextFilter
+from specdec.tokenizer import Tokenizer
+from specdec.v1 import common_pb2, gateway_pb2
+
+# Python source, as a prompt: ~4.4 characters a token with the tiny vocabulary
+SOURCE_LINE = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
+
+
+async def status_of(call) -> tuple[str, str]:
+    try:
+        await collect(call) if isinstance(call, grpc.aio.UnaryStreamCall) else await call
+    except grpc.aio.AioRpcError as exc:
+        return exc.code().name, exc.details()
+    return "OK", ""
+
+
+async def health_check_s(port: int) -> float:
+    """Seconds a health Check of the gateway takes to answer."""
+    started = time.monotonic()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    return time.monotonic() - started
+
+
+def test_a_huge_prompt_is_refused_untokenized_while_health_checks_answer(fake_model, model_dir, monkeypatch):
+    """50 MB of text cannot fit a 512-token context (a token covers at most 128 bytes here): refused from its
+    length alone, fast, while the gateway keeps answering health checks. Before, the whole text was tokenized on
+    the event loop first (seconds, the health check waiting)."""
+    encoded = []
+    real_encode = Tokenizer.encode
+    monkeypatch.setattr(Tokenizer, "encode", lambda self, text, *a: encoded.append(len(text)) or real_encode(
+        self, text, *a))
+    huge = SOURCE_LINE * (50_000_000 // len(SOURCE_LINE))
+
+    async def body():
+        async with fake_stack(fake_model, model_dir) as (pairs, gateway, stub):
+            started = time.monotonic()
+            refused = asyncio.ensure_future(status_of(stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(
+                prompt=huge))))
+            await asyncio.sleep(0.05)  # the request is on its way in
+            health_s = await health_check_s(gateway.port)
+            code, details = await refused
+            return code, details, time.monotonic() - started, health_s, pairs[0].draft.seen.requests
+
+    code, details, refused_s, health_s, downstream = run(body())
+    assert code == "INVALID_ARGUMENT" and details.startswith(f"the prompt has at least {-(-len(huge) // 128)} tokens")
+    assert "the model's context holds 512" in details and not downstream
+    assert max(encoded, default=0) < 1000  # the huge text itself was never tokenized
+    assert refused_s < 3.0 and health_s < 1.0
+
+
+BIG_INPUTS = {
+    "prompt": lambda text: gateway_pb2.GatewayServiceGenerateRequest(prompt=text),
+    "chat": lambda text: gateway_pb2.GatewayServiceGenerateRequest(chat=gateway_pb2.ChatMessages(
+        messages=[gateway_pb2.ChatMessage(role="user", content=text)])),
+    "Tokenize": lambda text: gateway_pb2.TokenizeRequest(text=text),
+}
+
+
+@pytest.mark.parametrize("kind", BIG_INPUTS)
+def test_a_large_input_is_tokenized_off_the_event_loop(fake_model, model_dir, monkeypatch, kind):
+    """A text that may fit but is large is tokenized on a worker thread: with its tokenizing made to take 1.5 s,
+    a small Generate and a health check sent meanwhile answer at once. Before, both waited behind it."""
+    real_encode = Tokenizer.encode
+
+    def slow_encode(self, text, *args):
+        if len(text) >= OFF_LOOP_MIN_CHARS:
+            time.sleep(1.5)
+        return real_encode(self, text, *args)
+
+    monkeypatch.setattr(Tokenizer, "encode", slow_encode)
+    big = BIG_INPUTS[kind]((SOURCE_LINE * (OFF_LOOP_MIN_CHARS // len(SOURCE_LINE) + 1))[:OFF_LOOP_MIN_CHARS])
+
+    async def body():
+        async with fake_stack(fake_model, model_dir) as (_, gateway, stub):
+            call = stub.Tokenize(big) if kind == "Tokenize" else stub.Generate(big)
+            slow = asyncio.ensure_future(status_of(call))
+            await asyncio.sleep(0.2)  # the big one is being tokenized
+            started = time.monotonic()
+            small = await status_of(stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(
+                prompt="def fib(n):", sampling=common_pb2.SamplingParams(max_new_tokens=2))))
+            small_s = time.monotonic() - started
+            health_s = await health_check_s(gateway.port)
+            return small, small_s, health_s, slow.done(), await slow
+
+    small, small_s, health_s, slow_done_first, (slow_code, _) = run(body())
+    assert small == ("OK", "") and small_s < 0.5 and health_s < 0.5
+    assert not slow_done_first  # they answered while the big input was still being tokenized
+    assert slow_code in ("OK", "INVALID_ARGUMENT")  # ~3700 tokens: more than the fakes' 512-token context
+
+
+@pytest.mark.parametrize("request_id", ["line\nbreak [req=forged] INFO gateway.access ok", "x" * 10_000])
+def test_the_access_log_shows_a_refused_request_id_escaped_and_cut(fake_model, model_dir, caplog, request_id):
+    """A client's request id is bound to the access log before the servicer refuses it: a newline must not split
+    the log line and 10 000 characters must not reach it."""
+    caplog.handler.addFilter(ContextFilter())
+    caplog.set_level(logging.INFO, logger="gateway.access")
+
+    async def body():
+        async with fake_stack(fake_model, model_dir) as (_, _, stub):
+            return await status_of(stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(
+                prompt="def fib(n):", request_id=request_id)))
+
+    code, _ = run(body())
+    (record,) = [r for r in caplog.records if r.name == "gateway.access"]
+    line = logging.Formatter(TEXT_FORMAT).format(record)
+    assert code == "INVALID_ARGUMENT"
+    assert "\n" not in line and len(record.request_id) < 200 and len(line) < 400
+    assert record.request_id.startswith(repr(request_id)[:20] if "\n" in request_id else "x" * 20)
+    assert "\n" in request_id or record.request_id.endswith("...(10000 chars)")
+
+
+def test_a_client_request_id_may_not_take_the_warm_up_prefix(fake_model, model_dir):
+    """Ids starting `__warmup-` are left out of the target's metrics: a client's would hide its traffic."""
+    async def body():
+        async with fake_stack(fake_model, model_dir) as (pairs, _, stub):
+            refused = await status_of(stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(
+                prompt="def fib(n):", request_id="__warmup-mine")))
+            near = await status_of(stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(
+                prompt="def fib(n):", request_id="warmup-mine", sampling=common_pb2.SamplingParams(max_new_tokens=2))))
+            return refused, near, pairs[0].draft.seen.requests
+
+    (code, details), near, downstream = run(body())
+    assert code == "INVALID_ARGUMENT" and "'__warmup-'" in details and "reserved" in details
+    assert near == ("OK", "") and [rid for rid, *_ in downstream] == ["warmup-mine"]
+
+
+@pytest.mark.parametrize("no_speculation", [False, True])
+def test_spec_values_are_checked_on_every_route(fake_model, model_dir, no_speculation):
+    """`spec` below 1 is INVALID_ARGUMENT whether the request speculates or not (before, `no_speculation` skipped
+    the check and the request ran); a valid `spec` runs either way."""
+    def generate(stub, **spec):
+        return stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(
+            prompt="def fib(n):", no_speculation=no_speculation, spec=common_pb2.SpecParams(**spec),
+            sampling=common_pb2.SamplingParams(max_new_tokens=2)))
+
+    async def body():
+        async with fake_stack(fake_model, model_dir) as (pairs, _, stub):
+            bad = [await status_of(generate(stub, **{field: value}))
+                   for field, value in (("num_draft_tokens", -1), ("num_steps", 0), ("topk", 0))]
+            good = await status_of(generate(stub, num_draft_tokens=2))
+            return bad, good, pairs[0].draft.seen.requests + pairs[0].target.seen.requests
+
+    bad, good, downstream = run(body())
+    assert [code for code, _ in bad] == ["INVALID_ARGUMENT"] * 3
+    assert "not {'num_draft_tokens': -1}" in bad[0][1] and "not {'topk': 0}" in bad[2][1]
+    assert good == ("OK", "") and len(downstream) == 1  # only the good one went downstream
