@@ -8,6 +8,7 @@ tells a service that is down or broke from a request the service refused (which 
 from __future__ import annotations
 
 import contextlib
+import enum
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
@@ -65,6 +66,12 @@ def open_channel(addr: str, tls: TlsConfig | None) -> grpc.aio.Channel:
     return make_channel(addr, tls, interceptors=client_interceptors())
 
 
+class Health(enum.Enum):
+    SERVING = "serving"
+    NOT_SERVING = "not serving"
+    NO_ANSWER = "no answer"
+
+
 class _ServiceClient:
     service_name = ""
 
@@ -73,14 +80,16 @@ class _ServiceClient:
         self.channel = open_channel(addr, tls)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
-    async def is_serving(self, timeout_s: float = 1.0) -> bool:
-        """One health check; any error counts as not serving."""
+    async def probe(self, timeout_s: float = 1.0) -> Health:
+        """One health check: SERVING, NOT_SERVING (an answer saying so, or any error but a deadline: a service
+        that is gone refuses the connection at once), or NO_ANSWER (the deadline passed: a busy service, whose
+        event loop waits behind a long engine step on a small CPU, misses one now and then)."""
         request = health_pb2.HealthCheckRequest(service=self.service_name)
         try:
             reply = await self._health.Check(request, timeout=timeout_s)
-        except grpc.aio.AioRpcError:
-            return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError as exc:
+            return Health.NO_ANSWER if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else Health.NOT_SERVING
+        return Health.SERVING if reply.status == health_pb2.HealthCheckResponse.SERVING else Health.NOT_SERVING
 
     async def close(self) -> None:
         await self.channel.close()

@@ -5,7 +5,9 @@ is up too serves them speculatively, otherwise through the target's plain Genera
 with the fewest streams in flight among the best class (speculative pairs first when the request wants
 speculation), round-robin among equals; the request keeps its `Lease` (and so its pair) until it ends, unless
 the pair fails under it. A part that fails a call is marked down at once (`report_failure`); the health loop
-probes every part (every 0.25 s while some part is down) and brings it back when it answers SERVING again.
+probes every part (every 0.25 s while some part is down) and brings it back when it answers SERVING again; an
+up part that does not answer is marked down after `MISSED_CHECKS_DOWN` checks in a row (one is a busy service
+more often than a dead one).
 """
 
 from __future__ import annotations
@@ -21,13 +23,18 @@ from dataclasses import dataclass, field
 import grpc.aio
 
 from gateway.config import PairAddress
-from gateway.downstream import DraftClient, TargetClient
+from gateway.downstream import DraftClient, Health, TargetClient
 from specdec.errors import NotReady
 from specdec.rpc.tls import TlsConfig
 
 log = logging.getLogger(__name__)
 
 FAST_POLL_S = 0.25  # health-check interval while some part of some pair is down
+# health checks in a row that get no answer before a part that is up is marked down. One unanswered check is
+# a busy service more often than a dead one (seen on a 2-core CPU under one long request: down, then up 0.25 s
+# later, refusing new requests in between); a dead one refuses the connection (down at once), and a failing
+# call marks its part down at once whatever the checks say.
+MISSED_CHECKS_DOWN = 3
 
 
 class Part(enum.Enum):
@@ -74,6 +81,7 @@ class Router:
         self._health_interval_s = health_interval_s
         self._turn = itertools.count()
         self._health_task: asyncio.Task | None = None
+        self._missed: dict[tuple[int, Part], int] = {}  # (pair index, part) -> unanswered health checks in a row
         self.any_up = asyncio.Event()
 
     @classmethod
@@ -129,15 +137,29 @@ class Router:
             self.any_up.set()
 
     async def _check_pair(self, pair: Pair) -> None:
-        target_up = await pair.target.is_serving()
+        target_up = self._judge(pair, Part.TARGET, await pair.target.probe())
         if target_up and not pair.target_up:
             await self._learn_target(pair)
         self._set(pair, Part.TARGET, target_up)
         if pair.draft is not None:
-            draft_up = await pair.draft.is_serving()
+            draft_up = self._judge(pair, Part.DRAFT, await pair.draft.probe())
             if draft_up and not pair.draft_up:
                 await self._learn_draft(pair)
             self._set(pair, Part.DRAFT, draft_up)
+
+    def _judge(self, pair: Pair, part: Part, health: Health) -> bool:
+        """Up or down after this check: an unanswered check keeps an up part up until MISSED_CHECKS_DOWN in a
+        row; a part that is down comes back only on SERVING."""
+        key = (pair.index, part)
+        if health is not Health.NO_ANSWER:
+            self._missed.pop(key, None)
+            return health is Health.SERVING
+        self._missed[key] = missed = self._missed.get(key, 0) + 1
+        up = getattr(pair, "draft_up" if part is Part.DRAFT else "target_up")
+        if up and missed < MISSED_CHECKS_DOWN:
+            log.info("%s: %s did not answer a health check (%d in a row)", pair, part.value, missed)
+            return True
+        return False
 
     def _set(self, pair: Pair, part: Part, up: bool) -> None:
         attr = "draft_up" if part is Part.DRAFT else "target_up"
@@ -160,7 +182,8 @@ class Router:
                 await self.check_once()
             except Exception:  # a bug here must not stop routing; the next round tries again
                 log.exception("health check round failed")
-            await asyncio.sleep(FAST_POLL_S if self._any_part_down() else self._health_interval_s)
+            # fast while a part is down or did not answer: back (or out) within a second
+            await asyncio.sleep(FAST_POLL_S if self._any_part_down() or self._missed else self._health_interval_s)
 
     def _any_part_down(self) -> bool:
         return any(not p.target_up or (p.draft is not None and not p.draft_up) for p in self.pairs)

@@ -148,3 +148,45 @@ def test_fake_model_is_deterministic_across_continuations():
     sampling = common_pb2.SamplingParams(max_new_tokens=10)
     assert model.plan("a", [1, 1], sampling) == ([5, 6, 7, 2], common_pb2.FINISH_REASON_STOP)
     assert model.plan("a~1", [1, 1, 5, 6], sampling) == ([7, 2], common_pb2.FINISH_REASON_STOP)
+
+
+def test_an_unanswered_health_check_keeps_a_pair_up_until_several_in_a_row(fake_model, model_dir, monkeypatch):
+    """A busy service misses a health check now and then (its event loop waits behind a long step on a small
+    CPU): one or two unanswered checks leave its part up (new requests keep their pair), MISSED_CHECKS_DOWN in a
+    row mark it down, and a refused connection (a dead service) marks it down at once."""
+    from gateway import router as router_module
+    from gateway.downstream import Health
+
+    async def body():
+        async with fake_stack(fake_model, model_dir) as (pairs, gateway, stub):
+            router = gateway.router
+            pair = router.pairs[0]
+            router._health_task.cancel()  # the background loop off: the checks below are the only ones
+            answers = []
+
+            async def probe(timeout_s=1.0):
+                return answers.pop(0)
+
+            monkeypatch.setattr(pair.target, "probe", probe)
+            monkeypatch.setattr(pair.draft, "probe", lambda timeout_s=1.0: asyncio.sleep(0, Health.SERVING))
+            seen = []
+            for health in [Health.NO_ANSWER] * (router_module.MISSED_CHECKS_DOWN - 1):
+                answers.append(health)
+                await router.check_once()
+                seen.append(pair.target_up)
+            _, _, final, _ = await collect(stub.Generate(request()))
+            answers.append(Health.SERVING)  # answered again: the count starts over
+            await router.check_once()
+            for _ in range(router_module.MISSED_CHECKS_DOWN):
+                answers.append(Health.NO_ANSWER)
+                await router.check_once()
+            down_after_misses = not pair.target_up
+            answers += [Health.SERVING, Health.NOT_SERVING]
+            await router.check_once()
+            back = pair.target_up
+            await router.check_once()
+            return seen, final, down_after_misses, back, pair.target_up
+
+    seen, final, down_after_misses, back, up_after_refusal = run(body())
+    assert all(seen) and final.finish_reason == common_pb2.FINISH_REASON_STOP
+    assert down_after_misses and back and not up_after_refusal

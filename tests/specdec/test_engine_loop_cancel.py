@@ -65,6 +65,7 @@ def test_a_caller_cancelled_while_its_request_is_added_aborts_it():
                 break
             await asyncio.sleep(0.01)
         assert sched.log == [("add", "r1"), ("abort", "r1")] and not sched.running
+        await asyncio.wait([task], timeout=5)  # its abort call's answer comes back through the event loop
         assert task.cancelled()
         # the id is free again: a new stream under it is added and, left early too, aborted
         again = asyncio.ensure_future(read())
