@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -178,16 +179,24 @@ def test_message_over_the_limit_is_resource_exhausted(fake_server):
     run(body())
 
 
+@contextlib.asynccontextmanager
+async def _serving_with_stream(fake_server, request_id: str):
+    """A SERVING fake target with one Generate stream started under `request_id`, its first chunk read; yields
+    (handle, servicer, channel, stub, stream)."""
+    async with fake_server() as (handle, servicer), make_channel(f"127.0.0.1:{handle.bound_port}") as ch:
+        await handle.set_serving(True)
+        stub = target_pb2_grpc.TargetServiceStub(ch)
+        stream = stub.Generate(target_pb2.TargetServiceGenerateRequest(request_id=request_id))
+        assert list((await stream.read()).token_ids) == [0]
+        yield handle, servicer, ch, stub, stream
+
+
 def test_a_draining_server_refuses_new_calls_with_unavailable_and_finishes_running_ones(fake_server):
     """From the moment `stop` begins (before the health flip and the server's own stop, both of which await):
     new unary and streaming calls get UNAVAILABLE, health checks still answer, a stream accepted before runs on."""
 
     async def body():
-        async with fake_server() as (handle, _), make_channel(f"127.0.0.1:{handle.bound_port}") as ch:
-            await handle.set_serving(True)
-            stub = target_pb2_grpc.TargetServiceStub(ch)
-            running = stub.Generate(target_pb2.TargetServiceGenerateRequest(request_id="slow"))
-            assert list((await running.read()).token_ids) == [0]
+        async with _serving_with_stream(fake_server, "slow") as (handle, _, ch, stub, running):
             handle.gate.draining = True  # what `stop` sets first
             for call in (lambda: stub.GetModelInfo(target_pb2.TargetServiceGetModelInfoRequest()),
                          lambda: stub.Generate(target_pb2.TargetServiceGenerateRequest()).read()):
@@ -211,11 +220,7 @@ def test_a_call_arriving_during_the_grace_period_gets_unavailable_and_the_drain_
     cancelled at its end; with nothing running, `stop` does not wait out the grace."""
 
     async def body():
-        async with fake_server() as (handle, servicer), make_channel(f"127.0.0.1:{handle.bound_port}") as ch:
-            await handle.set_serving(True)
-            stub = target_pb2_grpc.TargetServiceStub(ch)
-            hanging = stub.Generate(target_pb2.TargetServiceGenerateRequest(request_id="hang"))
-            assert list((await hanging.read()).token_ids) == [0]
+        async with _serving_with_stream(fake_server, "hang") as (handle, servicer, ch, stub, hanging):
             assert handle.gate.in_flight == 1
             t0 = time.monotonic()
             stopping = asyncio.ensure_future(handle.stop(grace_s=1.5))
