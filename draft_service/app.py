@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import os
+import threading
 import time
 
 from draft_service.servicer import DraftServicer
@@ -33,8 +34,13 @@ HISTORY_ENV = "SPECDEC_POLICY_HISTORY"  # diagnosis: where `--speculation auto` 
 HEALTH_NAME = "specdec.v1.DraftService"
 
 
-def _connect(client: TargetClient, timeout_s: float):
-    """Wait for the target to answer GetModelInfo (it may still be loading)."""
+class StartCancelled(NotReady):
+    """A shutdown came while the service was still starting (waiting for its target)."""
+
+
+def _connect(client: TargetClient, timeout_s: float, stop: threading.Event):
+    """Wait for the target to answer GetModelInfo (it may still be loading), until `stop` is set: SIGTERM while
+    waiting must end the process then, not once --target-wait-seconds ran out (a pod's grace period is shorter)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -42,22 +48,26 @@ def _connect(client: TargetClient, timeout_s: float):
         except NotReady as exc:
             if time.monotonic() > deadline:
                 raise NotReady(f"target at {client.addr} not ready after {timeout_s:.0f} s: {exc}") from None
-            time.sleep(0.5)
+            if stop.wait(0.5):
+                raise StartCancelled("shutting down while waiting for the target") from None
 
 
-def _load(args, opts, spec: SpecConfig, off: bool):
-    """`off` (`--speculation off`): plain decoding through Verify, no features asked and none accepted."""
+def _load(args, opts, spec: SpecConfig, off: bool, stop: threading.Event):
+    """`off` (`--speculation off`): plain decoding through Verify, no features asked and none accepted. Runs on a
+    worker thread; `stop` (set when the start is cancelled) ends it between its stages."""
     target_cfg = ModelConfig.from_hf(args.target_model)
     client = TargetClient(args.target, TlsConfig.from_args(args, prefix="target-"), device=opts.device,
                           feature_wire=FP8_ROWS if getattr(args, "feature_wire", "native") == "fp8" else "",
                           features=not off)
     log.info("connecting to target at %s", args.target)
-    info = _connect(client, args.target_wait_seconds)
+    info = _connect(client, args.target_wait_seconds, stop)
     if info.vocab_size != target_cfg.vocab_size or info.hidden_size != target_cfg.hidden_size:
         raise ConfigError(f"target at {args.target} serves {info.model} (vocab {info.vocab_size}, hidden "
                           f"{info.hidden_size}), which does not match --target-model {args.target_model}")
     max_context = min(info.max_context_len, opts.max_context or info.max_context_len)
     log.info("target %s: context length %d", info.model, max_context)
+    if stop.is_set():
+        raise StartCancelled("shutting down before the draft model was built")
     engine = build_draft(args.model, args.target_model, spec, opts, max_context)
     client.feature_dim = info.hidden_size * max(1, len(feature_layers_for(engine)))
     sizes = [] if off else [spec.num_draft_tokens if b == FULL else b for b in budget_menu(spec.num_draft_tokens)]
@@ -83,7 +93,12 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
     state = {}
 
     async def load(metrics) -> str:
-        client, engine, max_context, info = await asyncio.to_thread(_load, args, opts, spec, off)
+        stop = threading.Event()
+        try:
+            client, engine, max_context, info = await asyncio.to_thread(_load, args, opts, spec, off, stop)
+        except asyncio.CancelledError:  # a shutdown during start-up: the worker thread must end too
+            stop.set()
+            raise
         policy = SpeculationPolicy(budget_menu(spec.num_draft_tokens)) if args.speculation == "auto" else None
         if policy is not None and os.environ.get(HISTORY_ENV):
             policy.history = []  # written out at shutdown (`close`)

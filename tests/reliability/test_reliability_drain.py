@@ -158,3 +158,24 @@ def test_reliability_drain_target(procs):
     short, _, _ = drain(target, TARGET_HEALTH, start, new_request)
     assert short.tokens == 40
     channel.close()
+
+
+def test_a_draft_waiting_for_its_target_stops_at_sigterm(tmp_path):
+    """SIGTERM while the draft still waits for a target that is not up ends the process within seconds, not when
+    --target-wait-seconds (600 by default) runs out: a pod's grace period (50 s in the chart) is shorter, and the
+    kubelet would kill it."""
+    from reliability_support import free_port
+
+    draft = draft_process(f"127.0.0.1:{free_port()}", log_dir=tmp_path).start()  # nothing listens there
+    deadline = time.monotonic() + 120
+    while "connecting to target" not in draft.log():
+        assert draft.proc.poll() is None and time.monotonic() < deadline, draft.log()[-2000:]
+        time.sleep(0.2)
+    time.sleep(1.0)  # in the wait loop
+    t0 = time.monotonic()
+    draft.terminate()
+    try:
+        code = draft.proc.wait(15)
+    finally:
+        draft.kill()
+    assert time.monotonic() - t0 < 15 and code == 0, draft.log()[-2000:]
