@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from gateway.config import DEFAULT_MAX_NEW_TOKENS_LIMIT
+from gateway.config import DEFAULT_MAX_INPUT_CHARS, DEFAULT_MAX_NEW_TOKENS_LIMIT
 from gateway.local_stack import DEFAULT_DRAFT_DIR, DEFAULT_PORTS, DEFAULT_TARGET_DIR
 
 DEFAULT_ADDR = f"localhost:{DEFAULT_PORTS['gateway']}"
@@ -54,6 +54,9 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-streams-per-client", type=int, metavar="N",
                    help="Generate streams at once per client: per API key with --api-key-file, else per peer host "
                         "(default: any)")
+    p.add_argument("--max-input-chars", type=int, default=DEFAULT_MAX_INPUT_CHARS, metavar="N",
+                   help="longest prompt, chat (its contents) or Tokenize text in characters, refused before "
+                        f"tokenizing (default {DEFAULT_MAX_INPUT_CHARS})")
     p.add_argument("--drain-seconds", type=float, default=30.0, help="on SIGTERM, let streams finish this long")
     add_tls_args(p, who="the gateway, also used towards its pairs")
     add_telemetry_args(p)

@@ -8,6 +8,10 @@ from specdec.errors import ConfigError
 
 DEFAULT_MAX_NEW_TOKENS_LIMIT = 4096
 DEFAULT_MAX_NEW_TOKENS = 128  # when a request does not say (capped by the limit)
+# characters of one input (a prompt, a chat's contents, a Tokenize text), checked before tokenizing: a 50 MB
+# Tokenize held the event loop ~3 s building and sending its 21M ids, and a 50 MB chat took 5-6 s of CPU to be
+# refused. 4 Mi characters is ~1M tokens of code, beyond any context served today.
+DEFAULT_MAX_INPUT_CHARS = 4 << 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_MODEL_NAME_CHARS = 256
@@ -49,9 +53,11 @@ class GatewayLimits:
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS_LIMIT
     max_concurrent_streams: int | None = None
     max_streams_per_client: int | None = None  # per API key when keys are on, else per peer host
+    max_input_chars: int = DEFAULT_MAX_INPUT_CHARS
 
     def __post_init__(self) -> None:
-        for name in ("max_prompt_tokens", "max_new_tokens", "max_concurrent_streams", "max_streams_per_client"):
+        for name in ("max_prompt_tokens", "max_new_tokens", "max_concurrent_streams", "max_streams_per_client",
+                     "max_input_chars"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")

@@ -28,6 +28,13 @@ def check_prompt_length(num_tokens: int, limits: GatewayLimits, max_context_len:
     _check_fits(num_tokens, f"{num_tokens} tokens", limits, max_context_len)
 
 
+def check_input_chars(num_chars: int, limits: GatewayLimits) -> None:
+    """Any input (a prompt, a chat's contents, a Tokenize text) within --max-input-chars, before tokenizing."""
+    if num_chars > limits.max_input_chars:
+        raise InvalidInput(f"the input has {num_chars} characters; the limit is {limits.max_input_chars} "
+                           "(--max-input-chars)")
+
+
 def check_prompt_chars(num_chars: int, min_tokens: int, limits: GatewayLimits, max_context_len: int = 0) -> None:
     """Before tokenizing: a text of `num_chars` characters has at least `min_tokens` tokens
     (`Tokenizer.min_num_tokens`); if even that many do not fit, refuse it untokenized (a 100 MB prompt took

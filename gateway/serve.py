@@ -12,7 +12,6 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from gateway.auth import ApiKeyInterceptor, load_api_keys
 from gateway.config import GatewayConfig, GatewayLimits, PairAddress
@@ -22,7 +21,7 @@ from gateway.servicer import GATEWAY_SERVICE, GatewayServicer
 from specdec.rpc.cli_support import run_cli_service
 from specdec.rpc.server import ServerHandle, start_server
 from specdec.rpc.tls import TlsConfig
-from specdec.telemetry import ServiceMetrics, setup_tracing, shutdown_tracing, start_metrics_server
+from specdec.telemetry import ServiceMetrics, model_label, setup_tracing, shutdown_tracing, start_metrics_server
 from specdec.telemetry.grpc_tracing import server_interceptors
 from specdec.tokenizer import load_tokenizer
 from specdec.v1 import gateway_pb2_grpc
@@ -95,13 +94,13 @@ async def serve(args: argparse.Namespace, shutdown: asyncio.Event, ready: Callab
         model_dir=args.model,
         pairs=tuple(PairAddress.parse(spec) for spec in args.pair),
         limits=GatewayLimits(args.max_prompt_tokens, args.max_new_tokens, args.max_concurrent_streams,
-                             args.max_streams_per_client),
+                             args.max_streams_per_client, args.max_input_chars),
         served_model_name=args.served_model_name,
     )
     tls = TlsConfig.from_args(args)
     api_keys = load_api_keys(args.api_key_file) if args.api_key_file else ()
     setup_tracing("gateway")
-    metrics = ServiceMetrics("gateway", model_name=Path(config.model_dir).name)
+    metrics = ServiceMetrics("gateway", model_name=model_label(config.model_dir), families=MetricsInterceptor.FAMILIES)
     metrics_server = start_metrics_server(args.metrics_port, metrics.registry)
     gateway = await start_gateway(config, args.host, args.port, tls, api_keys, metrics)
     try:

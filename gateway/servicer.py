@@ -18,6 +18,7 @@ from gateway.downstream import Finish
 from gateway.fallback import FINISH_STOP, FallbackGeneration, GenerationPlan
 from gateway.limits import (
     StreamSlots,
+    check_input_chars,
     check_prompt_chars,
     check_prompt_length,
     check_request_id,
@@ -93,6 +94,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         if prompt.text is not None:  # a text too long to fit is refused before tokenizing it
             min_tokens = self._tokenizer.min_num_tokens(prompt.text)
             check_prompt_chars(len(prompt.text), min_tokens, self._limits, max_context_len)
+        check_input_chars(prompt.num_chars, self._limits)
         encoded = await encode_input(self._tokenizer, prompt)
         check_prompt_length(len(encoded.token_ids), self._limits, max_context_len)
         return encoded
@@ -152,7 +154,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     # -- the rest -------------------------------------------------------------------------------------------
     async def Tokenize(self, request, context):
-        encoded = await encode_input(self._tokenizer, read_input(request))
+        text = read_input(request)
+        check_input_chars(text.num_chars, self._limits)
+        encoded = await encode_input(self._tokenizer, text)
         return gateway_pb2.TokenizeResponse(token_ids=encoded.token_ids)
 
     async def Detokenize(self, request, context):
