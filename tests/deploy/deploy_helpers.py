@@ -24,6 +24,8 @@ NAMESPACE = "llm"
 KUBE_VERSIONS = ("1.35.0", "1.30.0")
 # Values files rendered in CI: "default" is the chart with no values file.
 VALUES_CASES = ("default", "cpu", "gpu-pair", "split", "tls", "tracing")
+# The containers that run a specdec service (the helm test Pod's is "generate").
+SPECDEC_CONTAINERS = frozenset({"gateway", "draft", "target"})
 
 
 def helm_path() -> Path:
@@ -100,6 +102,14 @@ def flag(c: dict, name: str) -> str | None:
 
 def flags(c: dict, name: str) -> list[str]:
     return [a.split("=", 1)[1] for a in c.get("args", []) if a.startswith(f"--{name}=")]
+
+
+def specdec_containers(docs: list[dict]):
+    """(workload, container) for every gateway/draft/target container."""
+    for doc in workloads(docs):
+        for c in pod_spec(doc)["containers"]:
+            if c["name"] in SPECDEC_CONTAINERS:
+                yield doc, c
 
 
 def env(c: dict) -> dict[str, dict]:

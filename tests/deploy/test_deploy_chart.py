@@ -15,6 +15,7 @@ from deploy_helpers import (
     KUBE_VERSIONS,
     NAMESPACE,
     RELEASE,
+    SPECDEC_CONTAINERS,
     VALUES_CASES,
     ci_values,
     container,
@@ -27,6 +28,7 @@ from deploy_helpers import (
     render,
     render_text,
     run_helm,
+    specdec_containers,
     template_args,
     values_args,
     workloads,
@@ -42,15 +44,6 @@ HEALTH_NAMES = {
     "target": "specdec.v1.TargetService",
 }
 GRPC_PORT_NAMES = {"gateway": "grpc", "draft": "grpc-draft", "target": "grpc-target"}
-SPECDEC_CONTAINERS = set(HEALTH_NAMES)
-
-
-def specdec_containers(docs):
-    """(workload, container) for every gateway/draft/target container."""
-    for doc in workloads(docs):
-        for c in pod_spec(doc)["containers"]:
-            if c["name"] in SPECDEC_CONTAINERS:
-                yield doc, c
 
 
 # ---------- helm lint and schema validation ----------
@@ -311,7 +304,9 @@ def test_termination_grace_exceeds_the_drain(case):
     docs = render(case)
     for doc, c in specdec_containers(docs):
         grace = pod_spec(doc)["terminationGracePeriodSeconds"]
-        drain = int(flag(c, "drain-seconds") or values["drainSeconds"])
+        # every service is told the drain the grace period is sized for (no service default)
+        assert flag(c, "drain-seconds") == str(values["drainSeconds"]), (doc["metadata"]["name"], c["name"])
+        drain = values["drainSeconds"]
         pre_stop = c.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
         assert grace > drain + pre_stop, (doc["metadata"]["name"], c["name"])
 

@@ -180,14 +180,23 @@ initContainers:
 {{- end -}}
 {{- end -}}
 
+{{/* `--<prefix>tls-cert/-key[/-ca]` from the mounted Secret when TLS is on; call with (dict "root" $ "prefix" "")
+     for a server's own flags, "target-" for the draft's flags towards its target. A client presents the same
+     certificate (needed when tls.ca makes the servers require one) and verifies with ca.crt. */}}
 {{- define "specdec.tlsArgs" -}}
-{{- if .Values.tls.enabled }}
-- --tls-cert=/etc/specdec/tls/tls.crt
-- --tls-key=/etc/specdec/tls/tls.key
-{{- if .Values.tls.ca }}
-- --tls-ca=/etc/specdec/tls/ca.crt
+{{- $tls := .root.Values.tls -}}
+{{- if $tls.enabled }}
+- --{{ .prefix }}tls-cert=/etc/specdec/tls/tls.crt
+- --{{ .prefix }}tls-key=/etc/specdec/tls/tls.key
+{{- if $tls.ca }}
+- --{{ .prefix }}tls-ca=/etc/specdec/tls/ca.crt
 {{- end }}
 {{- end }}
+{{- end -}}
+
+{{/* The API-key file as the gateway and the helm-test client see it (the Secret mounted at /etc/specdec/api-key). */}}
+{{- define "specdec.apiKeyFile" -}}
+/etc/specdec/api-key/{{ .Values.gateway.apiKey.secretKey }}
 {{- end -}}
 
 {{- define "specdec.tlsMount" -}}
@@ -226,11 +235,7 @@ exec:
     - /opt/specdec/healthcheck.py
     - --addr=localhost:{{ .port }}
     - --service={{ .service }}
-    - --tls-cert=/etc/specdec/tls/tls.crt
-    - --tls-key=/etc/specdec/tls/tls.key
-    {{- if $tls.ca }}
-    - --tls-ca=/etc/specdec/tls/ca.crt
-    {{- end }}
+    {{- include "specdec.tlsArgs" (dict "root" .root "prefix" "") | trim | nindent 4 }}
     - --server-name={{ $tls.healthServerName }}
 {{- else -}}
 grpc:
@@ -318,7 +323,8 @@ lifecycle:
     {{- with include "specdec.optionalFlag" (dict "flag" "plain-steps" "value" $v.draft.plainSteps) | trim }}{{ . | nindent 4 }}{{- end }}
     - --log-format={{ $v.logFormat }}
     - --drain-seconds={{ $v.drainSeconds }}
-    {{- with include "specdec.tlsArgs" .root | trim }}{{ . | nindent 4 }}{{- end }}
+    {{- with include "specdec.tlsArgs" (dict "root" .root "prefix" "") | trim }}{{ . | nindent 4 }}{{- end }}
+    {{- with include "specdec.tlsArgs" (dict "root" .root "prefix" "target-") | trim }}{{ . | nindent 4 }}{{- end }}
     {{- with $v.draft.extraArgs }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
@@ -371,7 +377,7 @@ lifecycle:
     {{- end }}
     - --log-format={{ $v.logFormat }}
     - --drain-seconds={{ $v.drainSeconds }}
-    {{- with include "specdec.tlsArgs" .root | trim }}{{ . | nindent 4 }}{{- end }}
+    {{- with include "specdec.tlsArgs" (dict "root" .root "prefix" "") | trim }}{{ . | nindent 4 }}{{- end }}
     {{- with $v.target.extraArgs }}
     {{- toYaml . | nindent 4 }}
     {{- end }}

@@ -1,0 +1,155 @@
+"""Offline checks of the command lines the Helm chart renders: every flag is one the `specdec` CLI has, the
+draft's client TLS towards its target, the `helm test` client's TLS and API key, and the drain every service
+is given."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from deploy_helpers import (
+    RELEASE,
+    SPECDEC_CONTAINERS,
+    VALUES_CASES,
+    container,
+    flag,
+    one,
+    pod_spec,
+    render,
+    specdec_containers,
+    workloads,
+)
+
+from specdec.cli import build_parser
+
+FULL = f"{RELEASE}-specdec"
+TLS_SECRET = "specdec-tls"  # tls.secretName in ci/tls-values.yaml
+TLS_ON = ("--set", "tls.enabled=true", "--set", f"tls.secretName={TLS_SECRET}")
+# flag suffix -> the file of a kubernetes.io/tls Secret it names
+TLS_FILES = {"cert": "tls.crt", "key": "tls.key", "ca": "ca.crt"}
+# Both deployment modes with TLS on: pair Pods (ci/tls-values.yaml) and split StatefulSets.
+TLS_MODES = [("tls", ()), ("split", TLS_ON)]
+TEST_POD = f"{FULL}-test-generate"
+
+
+def mounted_secret_file(doc: dict, c: dict, path: str) -> tuple[str, str]:
+    """(Secret name, key) of the file at `path` in container `c`: it must lie in a Secret volume `c` mounts."""
+    volumes = {v["name"]: v for v in pod_spec(doc)["volumes"]}
+    for mount in c["volumeMounts"]:
+        prefix = mount["mountPath"].rstrip("/") + "/"
+        if path.startswith(prefix):
+            secret = volumes[mount["name"]].get("secret")
+            assert secret, f"{c['name']}: {path} is on volume {mount['name']!r}, not a Secret"
+            key = path.removeprefix(prefix)
+            if "items" in secret:  # only the listed keys become files
+                assert key in [item["path"] for item in secret["items"]], (c["name"], path)
+            return secret["secretName"], key
+    raise AssertionError(f"{c['name']}: {path} is under none of its volumeMounts")
+
+
+def cli_options(command: str) -> set[str]:
+    """Every option string of `specdec COMMAND` (exact names: argparse would also accept abbreviations)."""
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return set(subparsers.choices[command]._option_string_actions)
+
+
+# ---------- every flag exists ----------
+
+
+@pytest.mark.parametrize(("case", "extra"), [(case, ()) for case in VALUES_CASES] + [("split", TLS_ON)])
+def test_every_rendered_command_line_parses_with_the_specdec_cli(case, extra):
+    checked = set()
+    for doc in workloads(render(case, *extra)):
+        for c in pod_spec(doc)["containers"]:
+            if c["name"] not in SPECDEC_CONTAINERS | {"generate"}:
+                continue
+            args = c["args"]
+            options = cli_options(args[0])
+            names = [a.split("=", 1)[0] for a in args[1:] if a.startswith("--")]
+            assert not [n for n in names if n not in options], (c["name"], sorted(options))
+            try:
+                build_parser().parse_args(args)
+            except SystemExit:
+                pytest.fail(f"specdec {args[0]} refuses the rendered args of {c['name']}: {args}")
+            checked.add(c["name"])
+    assert checked == SPECDEC_CONTAINERS | {"generate"}
+
+
+# ---------- TLS: the draft is a client of its target ----------
+
+
+@pytest.mark.parametrize(("case", "extra"), TLS_MODES)
+def test_every_draft_speaks_tls_to_its_target_with_the_mounted_secret(case, extra):
+    drafts = [(doc, c) for doc, c in specdec_containers(render(case, *extra)) if c["name"] == "draft"]
+    assert drafts
+    for doc, c in drafts:
+        for suffix, key in TLS_FILES.items():
+            server_path, client_path = flag(c, f"tls-{suffix}"), flag(c, f"target-tls-{suffix}")
+            assert client_path, f"{doc['metadata']['name']}: no --target-tls-{suffix}"
+            assert mounted_secret_file(doc, c, client_path) == (TLS_SECRET, key)
+            assert client_path == server_path, "one certificate for both sides"
+
+
+def test_without_a_ca_clients_still_present_the_certificate():
+    """tls.ca=false: no --*tls-ca (no client-certificate requirement), but the clients still switch TLS on."""
+    docs = render("tls", "--set", "tls.ca=false")
+    draft = container(one(docs, "StatefulSet", f"{FULL}-pair"), "draft")
+    test_client = container(one(docs, "Pod", TEST_POD), "generate")
+    for c, prefix in ((draft, "target-"), (draft, ""), (test_client, "")):
+        assert flag(c, f"{prefix}tls-cert") == "/etc/specdec/tls/tls.crt", (c["name"], prefix)
+        assert flag(c, f"{prefix}tls-key") == "/etc/specdec/tls/tls.key", (c["name"], prefix)
+        assert flag(c, f"{prefix}tls-ca") is None, (c["name"], prefix)
+
+
+def test_no_client_tls_flags_when_tls_is_off():
+    for case in ("default", "split"):
+        for _, c in specdec_containers(render(case)):
+            assert not [a for a in c["args"] if "tls-" in a], (case, c["name"])
+
+
+# ---------- the helm test client ----------
+
+
+def test_helm_test_client_sends_its_certificate_and_the_api_key():
+    docs = render("tls")
+    pod = one(docs, "Pod", TEST_POD)
+    c = container(pod, "generate")
+    for suffix, key in TLS_FILES.items():
+        path = flag(c, f"tls-{suffix}")
+        assert path, f"no --tls-{suffix}: mutual TLS would refuse the test client"
+        assert mounted_secret_file(pod, c, path) == (TLS_SECRET, key)
+    secret = one(docs, "Secret", f"{FULL}-api-key")
+    key_file = flag(c, "api-key-file")
+    assert key_file, "no --api-key-file: the gateway would answer UNAUTHENTICATED"
+    name, key = mounted_secret_file(pod, c, key_file)
+    assert name == secret["metadata"]["name"] and key in secret["data"]
+    assert key_file == flag(container(one(docs, "Deployment", f"{FULL}-gateway"), "gateway"), "api-key-file")
+    assert c["args"][-1] == "def fib(n):", "the prompt stays the positional argument"
+
+
+def test_helm_test_client_reads_the_key_from_an_existing_secret():
+    docs = render("tls", "--set", "gateway.apiKey.existingSecret=my-keys", "--set", "gateway.apiKey.secretKey=token")
+    pod = one(docs, "Pod", TEST_POD)
+    c = container(pod, "generate")
+    assert mounted_secret_file(pod, c, flag(c, "api-key-file")) == ("my-keys", "token")
+
+
+def test_helm_test_client_is_plaintext_without_tls_or_keys():
+    c = container(one(render("default"), "Pod", TEST_POD), "generate")
+    assert not [a for a in c["args"] if a.startswith(("--tls-", "--api-key-file"))]
+    assert [m["name"] for m in c["volumeMounts"]] == ["tmp"]
+
+
+# ---------- drain ----------
+
+
+@pytest.mark.parametrize("case", ["default", "split"])
+def test_drain_seconds_reach_every_service_within_its_grace_period(case):
+    docs = render(case, "--set", "drainSeconds=120")
+    seen = set()
+    for doc, c in specdec_containers(docs):
+        seen.add(c["name"])
+        assert flag(c, "drain-seconds") == "120", (doc["metadata"]["name"], c["name"])
+        pre_stop = c.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
+        assert pod_spec(doc)["terminationGracePeriodSeconds"] > 120 + pre_stop, (doc["metadata"]["name"], c["name"])
+    assert seen == SPECDEC_CONTAINERS
