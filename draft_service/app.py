@@ -26,7 +26,7 @@ from specdec.rpc.tensor_codec import FP8_ROWS
 from specdec.rpc.tls import TlsConfig
 from specdec.serving.engine_args import engine_options, plain_steps
 from specdec.serving.engine_loop import EngineLoop
-from specdec.telemetry import StepSpanSampler, TelemetryConfig
+from specdec.telemetry import StepSpanSampler, TelemetryConfig, model_label
 from specdec.v1 import draft_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -137,7 +137,7 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
         name="draft", health_name=HEALTH_NAME,
         servicers=[lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, s)],
         load=load, close=close, host=args.host, port=args.port, tls=TlsConfig.from_args(args),
-        metrics_port=args.metrics_port, drain_s=args.drain_seconds,
+        metrics_port=args.metrics_port, drain_s=args.drain_seconds, model_name=model_label(args.model),
         trace_parent_required=(f"/{HEALTH_NAME}/GetModelInfo",),
     ), shutdown, ready)
 

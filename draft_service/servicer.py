@@ -10,6 +10,7 @@ from specdec.engine.draft_engine import DraftEngine
 from specdec.engine.requests import RUNNING
 from specdec.errors import InvalidInput, SpecdecError
 from specdec.rpc.errors import map_servicer_errors
+from specdec.rpc.metadata import left_status
 from specdec.rpc.sampling_codec import sampling_from_proto
 from specdec.rpc.target_codec import check_request_id, finish_to_proto
 from specdec.serving.engine_loop import EngineLoop
@@ -75,6 +76,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             outcome = "INTERNAL"
             raise
         finally:
+            if outcome == "CANCELLED":  # or its deadline passed: grpc cancels the handler either way
+                outcome = left_status(context).name
             if outcome != "OK" and self.metrics is not None:
                 self.metrics.observe_request(outcome)
 

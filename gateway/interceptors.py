@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from specdec.rpc.metadata import REQUEST_ID_KEY
+from specdec.rpc.metadata import REQUEST_ID_KEY, left_status
 from specdec.telemetry import ServiceMetrics, bind_request_id
 
 log = logging.getLogger("gateway.access")
@@ -51,7 +51,7 @@ class BehaviorInterceptor(grpc.aio.ServerInterceptor):
 def status_of(exc: BaseException | None, context: grpc.aio.ServicerContext) -> grpc.StatusCode:
     """The status a call ended with, seen from a wrapper around its behaviour."""
     if isinstance(exc, asyncio.CancelledError | GeneratorExit):
-        return grpc.StatusCode.CANCELLED
+        return left_status(context)
     code = context.code()
     if isinstance(code, grpc.StatusCode) and code is not grpc.StatusCode.OK:
         return code
@@ -136,6 +136,8 @@ def _log_call(
 
 class MetricsInterceptor(BehaviorInterceptor):
     """Generate streams: running gauge, request counts by status, TTFT, time per output token, latency."""
+
+    FAMILIES = frozenset({"requests", "running"})  # the metric family groups it sets: the gateway registers these
 
     def __init__(self, metrics: ServiceMetrics) -> None:
         self._metrics = metrics

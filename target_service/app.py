@@ -12,11 +12,15 @@ from specdec.rpc.tls import TlsConfig
 from specdec.rpc.wire import add_servicer
 from specdec.serving.engine_args import engine_options, plain_steps
 from specdec.serving.engine_loop import EngineLoop
+from specdec.telemetry import model_label
 from specdec.v1 import target_pb2
 from target_service.servicer import TargetServicer
 
 log = logging.getLogger(__name__)
 HEALTH_NAME = "specdec.v1.TargetService"
+# what the target sets: gauges, verify batch sizes, step phases (no request latencies: the draft has those; no
+# speculation counters: the draft counts them)
+METRIC_FAMILIES = frozenset({"running", "waiting", "kv", "batch", "phases"})
 
 
 async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
@@ -49,5 +53,6 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
         load=load, close=close, host=args.host, port=args.port, tls=TlsConfig.from_args(args),
         metrics_port=args.metrics_port, drain_s=args.drain_seconds,
         trace_parent_required=tuple(f"/{HEALTH_NAME}/{m}" for m in ("Verify", "Release", "GetModelInfo")),
+        model_name=model_label(args.model), metric_families=METRIC_FAMILIES,  # args.model: --config NAME if given
     )
     await run_service(spec, shutdown, ready)

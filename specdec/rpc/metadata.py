@@ -6,6 +6,7 @@ call should never outlive the call that caused it, so clients pass `downstream_t
 
 from __future__ import annotations
 
+import grpc
 import grpc.aio
 
 REQUEST_ID_KEY = "x-request-id"
@@ -30,3 +31,11 @@ def downstream_timeout(context: grpc.aio.ServicerContext, default_s: float | Non
     if remaining is None:
         return default_s
     return max(remaining, 0.0) if default_s is None else max(min(remaining, default_s), 0.0)
+
+
+def left_status(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+    """The status of a call whose handler was cancelled: DEADLINE_EXCEEDED when its deadline had passed (grpc
+    cancels the handler then too), else CANCELLED (the client left)."""
+    remaining = context.time_remaining()
+    return grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0 else \
+        grpc.StatusCode.CANCELLED

@@ -17,7 +17,7 @@ from specdec.rpc.readiness import ReadinessGate
 from specdec.rpc.server import AddServicer, start_server
 from specdec.rpc.tls import TlsConfig
 from specdec.serving.long_lived import freeze_start_up_objects
-from specdec.telemetry import ServiceMetrics, setup_tracing, shutdown_tracing, start_metrics_server
+from specdec.telemetry import ALL_FAMILIES, ServiceMetrics, setup_tracing, shutdown_tracing, start_metrics_server
 from specdec.telemetry.grpc_tracing import server_interceptors
 
 log = logging.getLogger(__name__)
@@ -37,13 +37,15 @@ class ServiceSpec:
     drain_s: float = 30.0
     # methods traced only under a caller's trace (per-step and polling RPCs: no root trace for each call)
     trace_parent_required: tuple[str, ...] = ()
+    model_name: str = ""  # the metrics' model_name label: `model_label(args.model)`
+    metric_families: frozenset[str] = ALL_FAMILIES  # the metric family groups the service sets (FAMILY_GROUPS)
 
 
 async def run_service(spec: ServiceSpec, shutdown: asyncio.Event, ready: Callable[[int], None] | None = None) -> None:
     t0 = time.perf_counter()
     provider = setup_tracing(f"{spec.name}_service")  # OTEL_SERVICE_NAME overrides
     gate = ReadinessGate(spec.health_name)
-    metrics = ServiceMetrics(spec.name)
+    metrics = ServiceMetrics(spec.name, model_name=spec.model_name, families=spec.metric_families)
     handle = await start_server(spec.servicers, [spec.health_name], spec.host, spec.port, spec.tls,
                                 interceptors=[gate, *server_interceptors(provider, spec.trace_parent_required)])
     if spec.metrics_port:

@@ -29,6 +29,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from specdec.rpc.metadata import left_status
 from specdec.telemetry.logs import loggable_id
 from specdec.telemetry.tracing import active_provider, get_tracer
 
@@ -229,7 +230,7 @@ def server_span(
         try:
             yield span
         except (asyncio.CancelledError, GeneratorExit):  # the client left (GeneratorExit: a closed stream)
-            _finish(span, grpc.StatusCode.CANCELLED)
+            _finish(span, left_status(context))  # or its deadline passed
             raise
         except Exception as exc:
             code = context.code()  # set by context.abort(); None for an unexpected exception

@@ -1,19 +1,22 @@
 """Prometheus metrics of one service, on its own registry, served over HTTP.
 
-    metrics = ServiceMetrics("draft_service", model_name="llama-3-8b")
+    metrics = ServiceMetrics("draft", model_name=model_label(args.model))  # all family groups
+    metrics = ServiceMetrics("gateway", model_name="target", families={"requests", "running"})
     start_metrics_server(args.metrics_port, metrics.registry)   # port 0: no server
     metrics.observe_spec_step(num_drafts=4, num_draft_tokens=32, accepted_per_pos=[4, 3, 1])
 
 Names follow vLLM's (`vllm:` -> `specdec:`). prometheus_client appends `_total` to a counter's name when it
 exposes it, exactly as it does for vLLM's counters, so the scraped names are vLLM's with the new prefix:
 `specdec:spec_decode_num_drafts_total`, `specdec:requests_total`, ... (docs/observability.md lists them all).
-Every series carries `service` and `model_name` labels.
+Every series carries `service` and `model_name` labels. A service registers only the family groups it sets
+(`FAMILY_GROUPS`), so a scrape never shows a gauge stuck at 0 that nothing updates.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -98,6 +101,26 @@ PHASE_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 
 
 PREFIX = "specdec:"
 BASE_LABELS = ("service", "model_name")
+# the families a service may register, by group: each service asks for the groups it sets (`families=`)
+FAMILY_GROUPS = {
+    "requests": ("requests", "request_errors", "time_to_first_token_seconds", "time_per_output_token_seconds",
+                 "e2e_request_latency_seconds"),  # observe_request
+    "running": ("num_requests_running",),  # set_running, track(running=)
+    "waiting": ("num_requests_waiting",),  # set_waiting, track(waiting=)
+    "kv": ("kv_pages_used", "kv_pages_free"),  # set_kv, track(kv_pages=)
+    "batch": ("batch_size",),  # observe_batch
+    "spec": ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+             "spec_decode_num_accepted_tokens_per_pos", "speculation_policy_tokens_per_second",
+             "speculation_policy_target_steps"),  # observe_spec_step, track_policy
+    "phases": ("step_phase_seconds",),  # observe_phase
+}
+ALL_FAMILIES = frozenset(FAMILY_GROUPS)
+
+
+def model_label(model: str) -> str:
+    """The `model_name` label for a checkpoint directory (its name: `models/tiny-code/target` -> `target`) or a
+    `--config` preset name (itself)."""
+    return Path(model).name
 
 
 def start_metrics_server(port: int, registry: CollectorRegistry, addr: str = "0.0.0.0") -> Any | None:
@@ -113,49 +136,50 @@ def start_metrics_server(port: int, registry: CollectorRegistry, addr: str = "0.
 
 
 class ServiceMetrics:
-    """The metrics one service records; each method is cheap enough to call once per step or request."""
+    """The metrics one service records; each method is cheap enough to call once per step or request.
 
-    def __init__(self, service: str, model_name: str = "", registry: CollectorRegistry | None = None) -> None:
+    `families`: the groups of `FAMILY_GROUPS` to register (default all); the methods of a group left out raise
+    `LookupError`, so a service that registers too little fails in its tests, not with a silent 0 in production.
+    """
+
+    def __init__(self, service: str, model_name: str = "", registry: CollectorRegistry | None = None,
+                 families: Collection[str] = ALL_FAMILIES) -> None:
+        unknown = set(families) - ALL_FAMILIES
+        if unknown:
+            raise ValueError(f"unknown metric family groups {sorted(unknown)}; known: {sorted(ALL_FAMILIES)}")
         self.registry = registry if registry is not None else CollectorRegistry()
+        self.families = frozenset(families)
         base = (service, model_name)
 
-        def make(kind: type, name: str, doc: str, extra: Sequence[str] = (), **kwargs: Any) -> Any:
+        def make(group: str, kind: type, name: str, doc: str, extra: Sequence[str] = (), **kwargs: Any) -> Any:
+            if group not in self.families:
+                return _Unregistered(service, group)
             metric = kind(PREFIX + name, doc, (*BASE_LABELS, *extra), registry=self.registry, **kwargs)
             return metric if extra else metric.labels(*base)
 
         self._base = base
-        self._requests = make(Counter, "requests", "Finished requests by gRPC status name.", ("status",))
-        self._errors = make(Counter, "request_errors", "Failed requests by gRPC status name.", ("code",))
-        self._ttft = make(
-            Histogram, "time_to_first_token_seconds", "Time to first token.", buckets=TTFT_BUCKETS_S
-        )
-        self._tpot = make(
-            Histogram,
-            "time_per_output_token_seconds",
-            "Mean time per output token after the first, per request.",
-            buckets=TPOT_BUCKETS_S,
-        )
-        self._e2e = make(
-            Histogram, "e2e_request_latency_seconds", "End-to-end request latency.", buckets=E2E_BUCKETS_S
-        )
-        self._running = make(Gauge, "num_requests_running", "Requests in the running batch.")
-        self._waiting = make(Gauge, "num_requests_waiting", "Requests queued, not yet running.")
-        self._kv_used = make(Gauge, "kv_pages_used", "KV cache pages in use.")
-        self._kv_free = make(Gauge, "kv_pages_free", "KV cache pages free.")
-        self._batch = make(Histogram, "batch_size", "Requests per step.", buckets=BATCH_SIZE_BUCKETS)
-        self._drafts = make(Counter, "spec_decode_num_drafts", "Drafts proposed (one per request per step).")
-        self._draft_tokens = make(Counter, "spec_decode_num_draft_tokens", "Draft tokens proposed.")
-        self._accepted = make(Counter, "spec_decode_num_accepted_tokens", "Draft tokens accepted.")
-        self._accepted_per_pos = make(
-            Counter,
-            "spec_decode_num_accepted_tokens_per_pos",
-            "Accepted draft tokens by position (depth) in the draft.",
-            ("position",),
-        )
+        self._requests = make("requests", Counter, "requests", "Finished requests by gRPC status name.", ("status",))
+        self._errors = make("requests", Counter, "request_errors", "Failed requests by gRPC status name.", ("code",))
+        self._ttft = make("requests", Histogram, "time_to_first_token_seconds", "Time to first token.",
+                          buckets=TTFT_BUCKETS_S)
+        self._tpot = make("requests", Histogram, "time_per_output_token_seconds",
+                          "Mean time per output token after the first, per request.", buckets=TPOT_BUCKETS_S)
+        self._e2e = make("requests", Histogram, "e2e_request_latency_seconds", "End-to-end request latency.",
+                         buckets=E2E_BUCKETS_S)
+        self._running = make("running", Gauge, "num_requests_running", "Requests in the running batch.")
+        self._waiting = make("waiting", Gauge, "num_requests_waiting", "Requests queued, not yet running.")
+        self._kv_used = make("kv", Gauge, "kv_pages_used", "KV cache pages in use.")
+        self._kv_free = make("kv", Gauge, "kv_pages_free", "KV cache pages free.")
+        self._batch = make("batch", Histogram, "batch_size", "Requests per step.", buckets=BATCH_SIZE_BUCKETS)
+        self._drafts = make("spec", Counter, "spec_decode_num_drafts", "Drafts proposed (one per request per step).")
+        self._draft_tokens = make("spec", Counter, "spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        self._accepted = make("spec", Counter, "spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self._accepted_per_pos = make("spec", Counter, "spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted draft tokens by position (depth) in the draft.", ("position",))
         self._per_pos_children: list[Any] = []
-        self._phase = make(Histogram, "step_phase_seconds", "Seconds of one phase of a decode step (draft: "
-                           "propose, verify round trip, extend, the whole step; target: a Verify's queue wait, "
-                           "forward, reply packing).", ("phase",), buckets=PHASE_BUCKETS_S)
+        self._phase = make("phases", Histogram, "step_phase_seconds", "Seconds of one phase of a decode step "
+                           "(draft: propose, verify round trip, extend, the whole step; target: a Verify's queue "
+                           "wait, forward, reply packing).", ("phase",), buckets=PHASE_BUCKETS_S)
         self._phase_children: dict[str, Any] = {}
 
     def observe_request(
@@ -208,6 +232,8 @@ class ServiceMetrics:
         """Expose `--speculation auto`'s measured rates when scraped: `speculation_policy_tokens_per_second
         {batch_bucket, budget}` (what each budget delivered lately at that batch size, the numbers it chooses
         by)."""
+        if "spec" not in self.families:
+            raise _unregistered(self._base[0], "spec")
         self.registry.register(_PolicyCollector(policy, self._base))
 
     def observe_batch(self, n: int) -> None:
@@ -235,6 +261,21 @@ class ServiceMetrics:
         for child, count in zip(children, accepted_per_pos, strict=False):
             if count:
                 child.inc(count)
+
+
+def _unregistered(service: str, group: str) -> LookupError:
+    return LookupError(f"{service!r} metrics were built without the {group!r} family group (ServiceMetrics("
+                       "families=...))")
+
+
+class _Unregistered:
+    """Stands in for the metrics of a family group the service did not register: any use raises."""
+
+    def __init__(self, service: str, group: str) -> None:
+        self.service, self.group = service, group
+
+    def __getattr__(self, attr: str) -> Any:
+        raise _unregistered(self.service, self.group)
 
 
 class _PolicyCollector:

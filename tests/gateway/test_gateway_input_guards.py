@@ -189,3 +189,26 @@ def test_an_input_over_max_input_chars_is_refused_before_tokenizing(fake_model, 
     assert code == "INVALID_ARGUMENT" and details == "the input has 1001 characters; the limit is 1000 " \
         "(--max-input-chars)"
     assert ok == "OK" and 1001 not in encoded
+
+
+def test_a_deadline_that_passes_is_logged_as_deadline_exceeded_not_as_a_cancel(fake_model, model_dir, caplog):
+    """grpc cancels a handler whose deadline passed just as it does one whose client left; the access log (and
+    the metrics and span status, which read the same) tell them apart. Before, both read CANCELLED."""
+    caplog.set_level(logging.INFO, logger="gateway.access")
+
+    async def body():
+        async with fake_stack(fake_model, model_dir) as (pairs, _, stub):
+            pairs[0].draft.hang_after_chunks = 1
+            request = gateway_pb2.GatewayServiceGenerateRequest(
+                prompt="def fib(n):", sampling=common_pb2.SamplingParams(max_new_tokens=100))
+            late = await status_of(stub.Generate(request, timeout=0.5))
+            call = stub.Generate(request)
+            await call.read()
+            call.cancel()
+            await asyncio.sleep(0.3)
+            return late
+
+    late = run(body())
+    assert late[0] == "DEADLINE_EXCEEDED"
+    codes = [r.getMessage().split()[1] for r in caplog.records if r.name == "gateway.access"]
+    assert codes == ["DEADLINE_EXCEEDED", "CANCELLED"], codes

@@ -6,9 +6,11 @@ import socket
 import urllib.request
 
 import pytest
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from specdec.telemetry import ServiceMetrics, start_metrics_server
+from specdec.telemetry import ServiceMetrics, model_label, start_metrics_server
+from specdec.telemetry.metrics import FAMILY_GROUPS, PREFIX
 
 
 def free_port() -> int:
@@ -19,7 +21,7 @@ def free_port() -> int:
 
 @pytest.fixture
 def scrape():
-    metrics = ServiceMetrics("draft_service", model_name="tiny")
+    metrics = ServiceMetrics("draft", model_name="tiny")
     server = start_metrics_server(free_port(), metrics.registry, addr="127.0.0.1")
 
     def samples() -> dict[tuple, float]:
@@ -37,7 +39,7 @@ def scrape():
 
 
 def labels(**extra: str) -> tuple:
-    return tuple(sorted({"service": "draft_service", "model_name": "tiny", **extra}.items()))
+    return tuple(sorted({"service": "draft", "model_name": "tiny", **extra}.items()))
 
 
 def test_port_zero_starts_nothing():
@@ -140,3 +142,70 @@ def test_auto_policy_rates_are_read_when_scraped(scrape):
     steps = "specdec:speculation_policy_target_steps_total"
     got = samples()
     assert got[(steps, labels(budget="plain"))] == 18.0 and got[(steps, labels(budget="full"))] == 2.0
+
+
+def exported(metrics: ServiceMetrics) -> dict[str, set[tuple[str, str]]]:
+    """{family name: the (service, model_name) labels of its samples} of one exposition of the registry
+    (counters by their name without `_total`, as the parser names them; `*_created` timestamps left out)."""
+    text = generate_latest(metrics.registry).decode()
+    return {family.name: {(sample.labels["service"], sample.labels["model_name"]) for sample in family.samples}
+            for family in text_string_to_metric_families(text) if not family.name.endswith("_created")}
+
+
+def names_of(*groups: str) -> set[str]:
+    return {PREFIX + name for group in groups for name in FAMILY_GROUPS[group]}
+
+
+def test_gateway_exports_only_what_it_sets():
+    """No KV, batch-size, speculation, phase or waiting families: a `kv_pages_free == 0` alert would fire on it."""
+    from gateway.interceptors import MetricsInterceptor
+
+    metrics = ServiceMetrics("gateway", model_name="target", families=MetricsInterceptor.FAMILIES)
+    metrics.set_running(2)
+    metrics.observe_request("OK", ttft_s=0.1, tpot_s=0.01, e2e_s=0.5)
+    families = exported(metrics)
+    assert set(families) == names_of("requests", "running")
+    unset = ("kv_pages", "batch_size", "spec_decode", "speculation", "step_phase", "num_requests_waiting")
+    assert not [name for name in families if name.removeprefix(PREFIX).startswith(unset)]
+    assert set().union(*families.values()) == {("gateway", "target")}
+    for use in (lambda: metrics.set_kv(used=0, free=0), lambda: metrics.observe_batch(1),
+                lambda: metrics.observe_spec_step(1, 4, [1]), lambda: metrics.track(kv_pages=lambda: (0, 1)),
+                lambda: metrics.track_policy(None), lambda: metrics.observe_phase("step", 0.1),
+                lambda: metrics.set_waiting(1)):
+        with pytest.raises(LookupError, match="family group"):  # a family it did not register: a bug, said so
+            use()
+
+
+def test_target_exports_what_it_sets():
+    """Gauges, verify batch sizes and step phases; no request latencies or speculation counters (the draft's)."""
+    from target_service.app import METRIC_FAMILIES
+
+    metrics = ServiceMetrics("target", model_name="llama3-8b", families=METRIC_FAMILIES)
+    metrics.track(kv_pages=lambda: (3, 61), running=lambda: 1, waiting=lambda: 0)
+    metrics.observe_batch(2)
+    metrics.observe_phase("forward", 0.01)
+    families = exported(metrics)
+    assert set(families) == names_of("running", "waiting", "kv", "batch", "phases")
+    assert all(labels == {("target", "llama3-8b")} for labels in families.values())
+    with pytest.raises(LookupError):
+        metrics.observe_request("OK")
+
+
+def test_draft_exports_every_family():
+    metrics = ServiceMetrics("draft", model_name="draft")  # default: all groups
+    metrics.observe_request("OK")
+    metrics.observe_spec_step(num_drafts=1, num_draft_tokens=4, accepted_per_pos=[1])
+    metrics.observe_phase("step", 0.01)
+    policy = {PREFIX + "speculation_policy_tokens_per_second", PREFIX + "speculation_policy_target_steps"}
+    assert set(exported(metrics)) == names_of(*FAMILY_GROUPS) - policy  # policy: a collector, --speculation auto
+
+
+def test_unknown_family_group_is_refused():
+    with pytest.raises(ValueError, match="kvcache"):
+        ServiceMetrics("x", families={"kvcache"})
+
+
+def test_model_label_is_the_checkpoint_directory_or_the_preset_name():
+    assert model_label("models/tiny-code/target") == "target"
+    assert model_label("/ckpt/Meta-Llama-3-8B-Instruct/") == "Meta-Llama-3-8B-Instruct"
+    assert model_label("llama3-8b-eagle3") == "llama3-8b-eagle3"  # --load-format dummy --config NAME

@@ -16,9 +16,13 @@ from pathlib import Path
 
 import pytest
 from otlp_receiver import TraceReceiver
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.client import GatewayClient
+from gateway.interceptors import MetricsInterceptor
 from gateway.local_stack import HEALTH_NAMES, REPO_ROOT, StackConfig, _free_ports, _is_serving
+from specdec.telemetry.metrics import ALL_FAMILIES, FAMILY_GROUPS, PREFIX
+from target_service.app import METRIC_FAMILIES as TARGET_FAMILIES
 
 REQUEST_ID = "req-telemetry-e2e"
 NEW_TOKENS = 12
@@ -179,6 +183,33 @@ def test_telemetry_e2e_metrics(run):
     assert _value(gateway, "specdec:time_to_first_token_seconds_count") == 1
     assert _value(gateway, "specdec:e2e_request_latency_seconds_count") == 1
     assert _value(target, "specdec:batch_size_count") == drafts  # one verify batch per step
+
+
+def _families(text: str) -> dict[str, set[tuple[str, str]]]:
+    """{family name: its samples' (service, model_name) labels} of a scrape, `*_created` timestamps left out."""
+    return {family.name: {(sample.labels["service"], sample.labels["model_name"]) for sample in family.samples}
+            for family in text_string_to_metric_families(text) if not family.name.endswith("_created")}
+
+
+def _names(groups) -> set[str]:
+    return {PREFIX + name for group in groups for name in FAMILY_GROUPS[group]}
+
+
+def test_telemetry_e2e_each_service_exports_what_it_sets(run):
+    """The gateway has no KV, batch-size, speculation or phase families (a `kv_pages_free == 0` alert would fire on
+    it), the target no request or speculation ones; `service` is the short name, `model_name` the model's."""
+    families = {name: _families(text) for name, text in run["metrics"].items()}
+    policy = {PREFIX + "speculation_policy_tokens_per_second", PREFIX + "speculation_policy_target_steps"}
+    assert set(families["gateway"]) == _names(MetricsInterceptor.FAMILIES)
+    assert set(families["target"]) == _names(TARGET_FAMILIES)
+    assert set(families["draft"]) == _names(ALL_FAMILIES) - policy  # --speculation always: no policy collector
+    for name, model in (("gateway", "target"), ("target", "target")):  # models/tiny-code/target
+        assert set().union(*families[name].values()) == {(name, model)}, name
+    assert {service for labels in families["draft"].values() for service, _ in labels} == {"draft"}
+
+
+def test_telemetry_e2e_draft_model_name(run):
+    assert set().union(*_families(run["metrics"]["draft"]).values()) == {("draft", "draft")}  # models/tiny-code/draft
 
 
 def _phase(text: str, phase: str, part: str) -> float:
