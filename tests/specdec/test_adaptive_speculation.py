@@ -422,16 +422,25 @@ def test_a_request_its_length_limit_could_end_in_the_call_is_left_out_of_the_yie
     speculative step: counted, they read the budget's acceptance low (the last steps of a run at 64 requests, tau 3,
     read 1.4-2.6 tokens a step). A request whose room is at most what the call could commit is not counted."""
     target, draft = tiny_target(), tiny_draft()  # chains of 5: a step commits at most 6 tokens
-    policy = SpeculationPolicy(budgets=(FULL,))
-    policy.history = []
-    sched = Scheduler(target, draft, target.max_context, 4, feature_layers_for(draft), policy=policy)
-    prompts = [tiny_tokenizer.encode(p)[-60:] for p in dev_prompts[44:46]]
-    out = drive(sched, prompts, [SamplingParams(max_new_tokens=40, ignore_eos=True),
-                                 SamplingParams(max_new_tokens=7, ignore_eos=True)])
-    assert [len(t) for t in out.values()] == [40, 7]
-    both = [h for h in policy.history if h[0] != "admission" and h[1] == 2]
-    assert both and all(h[6] <= 1 for h in both)  # the short request (room 6 after the prefill) never counted
-    assert sum(h[6] for h in policy.history if h[0] != "admission") >= 5
+    # Prompt pairs in turn until the short request lives through a recorded step beside the long one (with some
+    # prompts it accepts its whole room at once; the tests' prompts change with the project's code when
+    # ../shared is absent). Every pair must keep the rule.
+    both_seen = 0
+    for first in range(44, 60, 2):
+        policy = SpeculationPolicy(budgets=(FULL,))
+        policy.history = []
+        sched = Scheduler(target, draft, target.max_context, 4, feature_layers_for(draft), policy=policy)
+        prompts = [tiny_tokenizer.encode(p)[-60:] for p in dev_prompts[first:first + 2]]
+        out = drive(sched, prompts, [SamplingParams(max_new_tokens=40, ignore_eos=True),
+                                     SamplingParams(max_new_tokens=7, ignore_eos=True)])
+        assert [len(t) for t in out.values()] == [40, 7]
+        both = [h for h in policy.history if h[0] != "admission" and h[1] == 2]
+        assert all(h[6] <= 1 for h in both)  # the short request (room 6 after the prefill) never counted
+        assert sum(h[6] for h in policy.history if h[0] != "admission") >= 5
+        both_seen += bool(both)
+        if both_seen:
+            break
+    assert both_seen, "no prompt pair kept the short request through a recorded step"
 
 
 class _Recorder(SpeculationPolicy):
