@@ -29,7 +29,7 @@ from gateway.prompts import EncodedInput, encode_input, read_input
 from gateway.router import Router
 from gateway.stream import TextStream
 from specdec.rpc.errors import map_servicer_errors
-from specdec.rpc.metadata import downstream_timeout
+from specdec.rpc.metadata import downstream_timeout, request_id_from
 from specdec.spec_params import asked_tree_shape
 from specdec.telemetry import bind_request_id, get_tracer
 from specdec.tokenizer import Tokenizer
@@ -53,7 +53,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     # -- Generate -------------------------------------------------------------------------------------------
     async def Generate(self, request, context):
         started = time.monotonic()
-        request_id = check_request_id(request.request_id) or uuid.uuid4().hex
+        # the body's id, else the caller's `x-request-id` metadata (checked alike: it reaches the same logs and
+        # downstream calls), else a generated one
+        request_id = check_request_id(request.request_id or request_id_from(context) or "") or uuid.uuid4().hex
         with bind_request_id(request_id):
             with get_tracer().start_as_current_span("gateway.tokenize") as span:
                 plan, stop = await self._plan(request, request_id)

@@ -212,3 +212,18 @@ def test_a_deadline_that_passes_is_logged_as_deadline_exceeded_not_as_a_cancel(f
     assert late[0] == "DEADLINE_EXCEEDED"
     codes = [r.getMessage().split()[1] for r in caplog.records if r.name == "gateway.access"]
     assert codes == ["DEADLINE_EXCEEDED", "CANCELLED"], codes
+
+
+def test_an_x_request_id_in_metadata_is_the_requests_id_and_is_checked(fake_model, model_dir):
+    """A client that tags its call with `x-request-id` metadata (and no request_id in the body) gets that id on
+    its stats and downstream, so its logs and ours line up; the id is checked like a body's."""
+    async def body():
+        async with fake_stack(fake_model, model_dir) as (pairs, _, stub):
+            request = gateway_pb2.GatewayServiceGenerateRequest(prompt="def fib(n):")
+            _, _, final, _ = await collect(stub.Generate(request, metadata=(("x-request-id", "trace-me-7"),)))
+            refused = await status_of(stub.Generate(request, metadata=(("x-request-id", "__warmup-x"),)))
+            return final.request_id, pairs[0].draft.seen.requests, refused
+
+    rid, downstream, (code, details) = run(body())
+    assert rid == "trace-me-7" and downstream[0][0] == "trace-me-7"
+    assert code == "INVALID_ARGUMENT" and "__warmup-" in details
