@@ -42,6 +42,11 @@ class Part(enum.Enum):
     TARGET = "target"
 
 
+def _up_attr(part: Part) -> str:
+    """The `Pair` field that says whether `part` is up."""
+    return "draft_up" if part is Part.DRAFT else "target_up"
+
+
 @dataclass
 class Pair:
     index: int
@@ -121,7 +126,7 @@ class Router:
 
     def report_failure(self, pair: Pair, part: Part, reason: str) -> None:
         """Take `part` of `pair` out of rotation until a health check finds it SERVING again."""
-        attr = "draft_up" if part is Part.DRAFT else "target_up"
+        attr = _up_attr(part)
         if getattr(pair, attr):
             log.warning("%s: %s marked down (%s)", pair, part.value, reason)
         setattr(pair, attr, False)
@@ -155,14 +160,14 @@ class Router:
             self._missed.pop(key, None)
             return health is Health.SERVING
         self._missed[key] = missed = self._missed.get(key, 0) + 1
-        up = getattr(pair, "draft_up" if part is Part.DRAFT else "target_up")
+        up = getattr(pair, _up_attr(part))
         if up and missed < MISSED_CHECKS_DOWN:
             log.info("%s: %s did not answer a health check (%d in a row)", pair, part.value, missed)
             return True
         return False
 
     def _set(self, pair: Pair, part: Part, up: bool) -> None:
-        attr = "draft_up" if part is Part.DRAFT else "target_up"
+        attr = _up_attr(part)
         if getattr(pair, attr) != up:
             log.info("%s: %s is %s", pair, part.value, "up" if up else "down")
         setattr(pair, attr, up)

@@ -18,7 +18,6 @@ pre-encoded bytes through) is kept, and only the request side is wrapped.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import time
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from dataclasses import dataclass
 import grpc
 import grpc.aio
 
-from specdec.rpc.handlers import behaviour_of, rebuilt
+from specdec.rpc.handlers import around, behaviour_of, rebuilt
 
 log = logging.getLogger(__name__)
 
@@ -56,21 +55,12 @@ class DecodeGuard(grpc.aio.ServerInterceptor):
 
     def _checked(self, behaviour, method: str):
         """`behaviour`, run only for a request that parsed; same kind (async generator or coroutine)."""
-        if inspect.isasyncgenfunction(behaviour):
-            async def stream(request, context):
-                if isinstance(request, MalformedRequest):
-                    await self._refuse(request, context, method)
-                async with contextlib.aclosing(behaviour(request, context)) as responses:
-                    async for response in responses:
-                        yield response
-            return stream
-
-        async def call(request, context):
+        @contextlib.asynccontextmanager
+        async def parsed(request, context):
             if isinstance(request, MalformedRequest):
                 await self._refuse(request, context, method)
-            result = behaviour(request, context)
-            return await result if inspect.isawaitable(result) else result
-        return call
+            yield
+        return around(behaviour, parsed)
 
     async def _refuse(self, request: MalformedRequest, context, method: str) -> None:
         self._note(method, request.reason)

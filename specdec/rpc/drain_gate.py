@@ -11,12 +11,12 @@ to run out) before it stops the server.
 from __future__ import annotations
 
 import asyncio
-import inspect
+import contextlib
 
 import grpc
 import grpc.aio
 
-from specdec.rpc.handlers import behaviour_of, rebuilt
+from specdec.rpc.handlers import around, behaviour_of, rebuilt
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
@@ -34,7 +34,7 @@ class DrainGate(grpc.aio.ServerInterceptor):
             return handler
         if self.draining:
             return rebuilt(handler, _refuse_stream if handler.response_streaming else _refuse)
-        return rebuilt(handler, self._counted(behaviour_of(handler)))
+        return rebuilt(handler, around(behaviour_of(handler), self._counting))
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """True once no counted call is running; False if `timeout_s` ran out first."""
@@ -44,34 +44,16 @@ class DrainGate(grpc.aio.ServerInterceptor):
             return False
         return True
 
-    def _counted(self, behaviour):
-        if inspect.isasyncgenfunction(behaviour):
-            async def stream(request, context):
-                self._enter()
-                try:
-                    async for message in behaviour(request, context):
-                        yield message
-                finally:
-                    self._exit()
-            return stream
-
-        async def call(request, context):
-            self._enter()
-            try:
-                result = behaviour(request, context)
-                return await result if inspect.isawaitable(result) else result
-            finally:
-                self._exit()
-        return call
-
-    def _enter(self) -> None:
+    @contextlib.asynccontextmanager
+    async def _counting(self, request, context):
         self.in_flight += 1
         self._idle.clear()
-
-    def _exit(self) -> None:
-        self.in_flight -= 1
-        if self.in_flight == 0:
-            self._idle.set()
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self._idle.set()
 
 
 async def _refuse(request, context) -> None:

@@ -4,10 +4,13 @@ Server interceptors that change what a call does (`drain_gate.py`, `decode_guard
 grpc's handler is a named tuple with one behaviour slot per kind (unary / streaming request x response), and
 the matching `grpc.*_rpc_method_handler` must build it so grpc runs it the way the original was run.
 
-    handler = rebuilt(handler, wrap(behaviour_of(handler)))
+    handler = rebuilt(handler, around(behaviour_of(handler), scope))
 """
 
 from __future__ import annotations
+
+import contextlib
+import inspect
 
 import grpc
 
@@ -28,3 +31,21 @@ def rebuilt(handler: grpc.RpcMethodHandler, behaviour, request_deserializer=None
     make = _MAKERS[(handler.request_streaming, handler.response_streaming)]
     return make(behaviour, request_deserializer=request_deserializer or handler.request_deserializer,
                 response_serializer=handler.response_serializer)
+
+
+def around(behaviour, scope):
+    """`behaviour` run inside `scope(request, context)` (an async context manager: a check that may abort before,
+    a count kept during), of the same kind: an async generator stays one (its stream closed when the call ends),
+    a coroutine function stays one."""
+    if inspect.isasyncgenfunction(behaviour):
+        async def stream(request, context):
+            async with scope(request, context), contextlib.aclosing(behaviour(request, context)) as responses:
+                async for response in responses:
+                    yield response
+        return stream
+
+    async def call(request, context):
+        async with scope(request, context):
+            result = behaviour(request, context)
+            return await result if inspect.isawaitable(result) else result
+    return call
