@@ -20,8 +20,9 @@ from gateway.router import Router
 from gateway.servicer import GATEWAY_SERVICE, GatewayServicer
 from specdec.rpc.cli_support import run_cli_service
 from specdec.rpc.server import ServerHandle, start_server
+from specdec.rpc.service_runner import finish_service
 from specdec.rpc.tls import TlsConfig
-from specdec.telemetry import ServiceMetrics, model_label, setup_tracing, shutdown_tracing, start_metrics_server
+from specdec.telemetry import ServiceMetrics, model_label, setup_tracing, start_metrics_server
 from specdec.telemetry.grpc_tracing import server_interceptors
 from specdec.tokenizer import load_tokenizer
 from specdec.v1 import gateway_pb2_grpc
@@ -114,7 +115,7 @@ async def serve(args: argparse.Namespace, shutdown: asyncio.Event, ready: Callab
         await gateway.stop(grace_s=args.drain_seconds)
         if metrics_server is not None:
             metrics_server.shutdown()
-        shutdown_tracing()
+        finish_service("gateway")
 
 
 def main(args: argparse.Namespace) -> int:

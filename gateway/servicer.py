@@ -57,9 +57,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         # downstream calls), else a generated one
         request_id = check_request_id(request.request_id or request_id_from(context) or "") or uuid.uuid4().hex
         with bind_request_id(request_id):
-            with get_tracer().start_as_current_span("gateway.tokenize") as span:
-                plan, stop = await self._plan(request, request_id)
-                span.set_attribute("num_prompt_tokens", len(plan.prompt_ids))
+            plan, stop = await self._plan(request, request_id)
             with self._slots.hold(client_identity(context, self._clients_by_key)):
                 generation = FallbackGeneration(self._router, plan, lambda: downstream_timeout(context))
                 try:
@@ -97,7 +95,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             min_tokens = self._tokenizer.min_num_tokens(prompt.text)
             check_prompt_chars(len(prompt.text), min_tokens, self._limits, max_context_len)
         check_input_chars(prompt.num_chars, self._limits)
-        encoded = await encode_input(self._tokenizer, prompt)
+        # the span covers the tokenizing alone: a refused request's error belongs to its server span, not here
+        with get_tracer().start_as_current_span("gateway.tokenize") as span:
+            encoded = await encode_input(self._tokenizer, prompt)
+            span.set_attribute("num_prompt_tokens", len(encoded.token_ids))
         check_prompt_length(len(encoded.token_ids), self._limits, max_context_len)
         return encoded
 

@@ -3,6 +3,7 @@
 Start listening at once (health NOT_SERVING, other RPCs UNAVAILABLE "loading"), load the engine on a worker
 thread while start-up progress is logged, open the gate and report SERVING with one "ready" line, then on
 SIGTERM/SIGINT report NOT_SERVING, stop accepting, give running streams `drain_s` to finish and stop the engine.
+`finish_service` (the spans flushed, one "stopped" line) ends the gateway's life too.
 """
 
 from __future__ import annotations
@@ -72,5 +73,11 @@ async def run_service(spec: ServiceSpec, shutdown: asyncio.Event, ready: Callabl
     finally:
         await spec.close()
         await handle.stop(0)
-        shutdown_tracing()
-        log.info("%s stopped", spec.name)
+        finish_service(spec.name)
+
+
+def finish_service(name: str) -> None:
+    """A service process's last step, once its server has stopped: export the spans still queued, then say so in
+    one line (a log that ends at "draining" may be a process that hung)."""
+    shutdown_tracing()
+    log.info("%s stopped", name)

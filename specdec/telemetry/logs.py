@@ -9,7 +9,7 @@ json: `{"ts": "...", "level": "INFO", "logger": "specdec.x", "msg": "admitted", 
         "trace_id": "4bf9...", "span_id": "00f0...", "num_prompt_tokens": 12}`
 
 The request id lives in a contextvar: it follows `await`s and is copied into tasks created inside the block.
-trace_id/span_id appear while a recording span is current (tracing on).
+trace_id/span_id appear while a sampled span is current (tracing on, the trace recorded).
 """
 
 from __future__ import annotations
@@ -75,7 +75,9 @@ class ContextFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         record.request_id = request_id_var.get()
         span_context = trace.get_current_span().get_span_context()
-        if span_context.is_valid:
+        # sampled, not just valid: the warm-up's context (`untraced_context`) is valid so that its "not sampled"
+        # flag travels, with tracing off too, and a sampled-out trace reaches no collector: no id worth showing
+        if span_context.is_valid and span_context.trace_flags.sampled:
             record.trace_id = format(span_context.trace_id, "032x")
             record.span_id = format(span_context.span_id, "016x")
         else:

@@ -10,8 +10,10 @@ import logging
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 
+from specdec.engine.warmup import warm_verify_shapes
 from specdec.telemetry import bind_request_id, setup_logging
 from specdec.telemetry.logs import loggable_id
+from specdec.telemetry.tracing import active_provider
 
 logger = logging.getLogger("specdec.test")
 
@@ -108,3 +110,32 @@ def test_a_request_id_is_logged_escaped_and_cut_but_a_valid_one_as_it_is(capture
     with bind_request_id("evil\n2025-01-01 00:00:00,000 INFO forged"):
         logger.info("one line")
     assert len(buffer.getvalue().splitlines()) == 1 and "[req='evil\\n2025" in buffer.getvalue()
+
+
+class WarmUpTarget:
+    """Answers the warm-up's Prefill / Verify / Release with nothing: only its log lines matter here."""
+
+    def prefill(self, inputs):
+        return []
+
+    def verify(self, inputs):
+        return []
+
+    def release(self, request_id):
+        pass
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_warm_up_lines_carry_no_trace_id_with_tracing_off(capture, fmt):
+    """The warm-up runs under a sampled-out span (its calls pass "not sampled" on, so a traced target records
+    nothing): its context is valid, but there is no trace to point at, so its lines show no trace id. A sampled
+    span's lines still do."""
+    assert active_provider() is None  # tracing off, as without an OTLP endpoint
+    buffer = capture(fmt)
+    warm_verify_shapes(WarmUpTarget(), [2], topk=1, feature_layers=(), vocab_size=16)
+    with TracerProvider().get_tracer("t").start_as_current_span("work") as span:
+        logger.info("traced")
+    warm_up, traced = buffer.getvalue().splitlines()
+    trace_id = format(span.get_span_context().trace_id, "032x")
+    assert "verify warm-up: 2 shapes" in warm_up and "trace" not in warm_up
+    assert (f"trace={trace_id}]" in traced) if fmt == "text" else (json.loads(traced)["trace_id"] == trace_id)

@@ -1,0 +1,71 @@
+"""The gateway's own spans over fake pairs, recorded in memory: a failure marks only the span it happened in."""
+
+from __future__ import annotations
+
+import grpc
+import grpc.aio
+import pytest
+from gateway_fakes import collect, fake_stack, run
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
+
+from gateway.config import GatewayLimits
+from specdec.telemetry import tracing
+from specdec.v1 import common_pb2, gateway_pb2
+
+GENERATE_SPAN = "specdec.v1.GatewayService/Generate"
+
+
+@pytest.fixture
+def spans(monkeypatch) -> InMemorySpanExporter:
+    """Tracing on in this process, as `setup_tracing` leaves it (the server interceptors read `_provider`, the
+    gateway's own spans the global provider), into memory; both restored after (the API sets its global once)."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(tracing, "_provider", provider)
+    monkeypatch.setattr(trace, "_TRACER_PROVIDER", provider)
+    return exporter
+
+
+async def status_of(call) -> tuple[str, str]:
+    try:
+        await collect(call)
+    except grpc.aio.AioRpcError as exc:
+        return exc.code().name, exc.details()
+    return "OK", ""
+
+
+def traces(finished) -> list[list]:
+    """The spans of each Generate's trace, in the order the requests finished."""
+    roots = [s for s in finished if s.name == GENERATE_SPAN]
+    return [[s for s in finished if s.context.trace_id == root.context.trace_id] for root in roots]
+
+
+@pytest.mark.parametrize("prompt, sampling, message", [
+    ("def fib(n):", dict(temperature=-1.0), "temperature must be in [0, 100]"),
+    ("def fib(n):", dict(top_p=1.5), "top_p must be in (0, 1]"),
+    ("word " * 40, {}, "tokens; the limit is 32"),  # tokenized, then refused
+])  # fmt: skip
+def test_a_refused_request_marks_its_server_span_not_the_tokenize_span(fake_model, model_dir, spans, prompt,
+                                                                        sampling, message):
+    async def body():
+        async with fake_stack(fake_model, model_dir, limits=GatewayLimits(max_prompt_tokens=32)) as (_, _, stub):
+            refused = await status_of(stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(
+                prompt=prompt, sampling=common_pb2.SamplingParams(**sampling))))
+            served = await status_of(stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(prompt="def fib(n):")))
+            return refused, served
+
+    (code, details), served = run(body())
+    assert code == "INVALID_ARGUMENT" and message in details and served == ("OK", "")
+    refused_trace, served_trace = traces(spans.get_finished_spans())
+    errors = [(s.name, s.status.description) for s in refused_trace if s.status.status_code is StatusCode.ERROR]
+    assert errors == [(GENERATE_SPAN, f"INVALID_ARGUMENT: {details}")]
+    # the tokenize span still covers a served request's tokenizing, under its server span
+    (tokenize,) = [s for s in served_trace if s.name == "gateway.tokenize"]
+    (server,) = [s for s in served_trace if s.name == GENERATE_SPAN]
+    assert tokenize.parent.span_id == server.context.span_id and tokenize.attributes["num_prompt_tokens"] > 0
+    assert all(s.status.status_code is not StatusCode.ERROR for s in served_trace)
