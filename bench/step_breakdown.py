@@ -157,8 +157,8 @@ def target_rows(args, out_dir: Path) -> dict:
             graphs = target.graphs
             bucket = next((x for x in graphs.ladder if x >= b), None) if graphs else None
             g = graphs.graphs.get((bucket, n_draft + 1, (), topk == 1)) if graphs else None
-            if graphs and topk == 1:  # what a causal forward of these contexts replays (the Triton kernel's graph)
-                g = graphs.triton_graph(bucket, n_draft + 1, (), args.context + n_draft + 1) or g
+            if graphs:  # what a forward of these contexts replays (the Triton kernel's graph, where it serves it)
+                g = graphs.triton_graph(bucket, n_draft + 1, (), args.context + n_draft + 1, topk == 1) or g
             row = {"batch": b, "tokens_per_request": n_draft + 1, "context": args.context}
             if g is not None:
                 row["replay_ms"] = round(timed(g.graph.replay, args.repeats) * 1e3, 3)

@@ -1,8 +1,8 @@
 """flashinfer attention over the paged cache (GPU): one BatchPrefillWithPagedKVCacheWrapper plan per forward,
 shared by all layers. Tree verify, draft extend and draft tree steps pass the tail mask as flashinfer's custom
 mask; batches with only causal sequences (prefill, plain decode) use its causal mode. Plain decode of a few
-requests (and, for the target, chain verifies: `triton_queries`) goes to the Triton decode kernel instead, as in
-the captured graphs (`triton_decode.py`).
+requests (and, for the target, chain verifies: `triton_queries`, and tree verifies: `triton_trees`) goes to the
+Triton decode kernel instead, as in the captured graphs (`triton_decode.py`).
 
 Each sequence's visible context is positions 0..L-1 of one request, so its pages are read straight off the
 slot ids: page = slot // page_size at every page_size-th position.
@@ -47,7 +47,7 @@ def import_flashinfer():
 class FlashInferAttention:
     name = "flashinfer"
 
-    def __init__(self, kv_cache, num_qo_heads: int, triton_queries: int = 1):
+    def __init__(self, kv_cache, num_qo_heads: int, triton_queries: int = 1, triton_trees: bool = False):
         flashinfer = import_flashinfer()
 
         self.kv, self.num_qo_heads = kv_cache, num_qo_heads
@@ -59,15 +59,16 @@ class FlashInferAttention:
         self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, kv_layout="NHD", backend="fa2")
         self._write_slots: torch.Tensor | None = None
         self._decode: triton_decode.TritonDecodeAttention | None = None  # this forward's, when it serves it
-        # by (batch size, tokens per sequence), kept across forwards
-        self._decoders: dict[tuple[int, int], triton_decode.TritonDecodeAttention] = {}
+        # by (batch size, tokens per sequence, tree), kept across forwards
+        self._decoders: dict[tuple[int, int, bool], triton_decode.TritonDecodeAttention] = {}
         # eager causal forwards of up to this many tokens per sequence may attend through the Triton kernel (the
-        # target: chain verifies too, as its captured ones do; the draft: plain-decode shapes only, as before)
-        self.triton_queries = triton_queries
+        # target: chain verifies too, as its captured ones do; the draft: plain-decode shapes only, as before),
+        # and with `triton_trees` small tree verifies (the target's)
+        self.triton_queries, self.triton_trees = triton_queries, triton_trees
 
     def plan(self, batch: AttentionBatch) -> AttentionBatch:
         self._decode = None
-        if triton_decode.takes(self.kv, batch.seqs, self.triton_queries):
+        if triton_decode.takes(self.kv, batch.seqs, self.triton_queries, self.triton_trees):
             self._decode = self._decoder(batch.seqs)
             self._decode.plan(batch.seqs, batch.write_slots)
             return batch
@@ -80,10 +81,11 @@ class FlashInferAttention:
         """The Triton decode attention for this many sequences, its page table wide enough for them (its results
         do not depend on the width: a wider one is made only when a context outgrows the table)."""
         width = max(-(-s.ctx_slots.shape[0] // self.kv.page_size) for s in seqs)
-        key = (len(seqs), seqs[0].num_q)
+        key = (len(seqs), seqs[0].num_q, any(s.tail_mask is not None for s in seqs))
         dec = self._decoders.get(key)
         if dec is None or dec.table.shape[1] < width:
-            dec = self._decoders[key] = triton_decode.TritonDecodeAttention(self.kv, key[0], 2 * width, key[1])
+            dec = self._decoders[key] = triton_decode.TritonDecodeAttention(
+                self.kv, key[0], 2 * width, key[1], self.num_qo_heads, tree=key[2])
         return dec
 
     fuses_rope = True

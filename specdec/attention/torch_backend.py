@@ -14,7 +14,7 @@ from specdec.attention.batch import AttentionBatch, SeqAttention
 class TorchAttention:
     name = "torch"
 
-    def __init__(self, kv_cache, num_qo_heads: int = 0, triton_queries: int = 1):
+    def __init__(self, kv_cache, num_qo_heads: int = 0, triton_queries: int = 1, triton_trees: bool = False):
         self.kv = kv_cache  # (`triton_queries`: the flashinfer backend's; every forward attends in torch here)
 
     def plan(self, batch: AttentionBatch) -> AttentionBatch:

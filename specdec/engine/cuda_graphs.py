@@ -1,7 +1,7 @@
 """CUDA-graph replay of the target forward for uniform batches: B requests x n new tokens each (plain decode:
-n = 1; tree verify: n = num_draft_tokens + 1), with the flashinfer backend. Causal forwards (plain decode,
-chain verifies) at small batch attend through the one-kernel Triton decode attention instead when the contexts
-are short (`attention/triton_decode.py`: a second set of graphs, `decode_graphs`, chosen per step;
+n = 1; tree verify: n = num_draft_tokens + 1), with the flashinfer backend. Forwards at small batch (plain decode, chain
+and tree verifies) attend through the one-kernel Triton decode attention instead when the contexts are short
+(`attention/triton_decode.py`: a second set of graphs, `decode_graphs`, chosen per step;
 `SPECDEC_DECODE_KERNEL=0`: flashinfer there too).
 
 Graphs are captured for a ladder of batch sizes the first time a (n, aux layers, causal) shape is seen, largest
@@ -54,8 +54,8 @@ class TargetGraphs:
         self.max_pages_per_seq = -(-max_context // kv.page_size) + 1
         self.ladder = tuple(b for b in BATCH_LADDER if b <= max_batch_size) or (1,)
         self.graphs: dict[tuple[int, int, tuple[int, ...], bool], _Graph] = {}
-        # (bucket, n, aux) of causal shapes: the same forward attending through the Triton decode kernel
-        self.decode_graphs: dict[tuple[int, int, tuple[int, ...]], _Graph] = {}
+        # (bucket, n, aux, causal) of small shapes: the same forward attending through the Triton decode kernel
+        self.decode_graphs: dict[tuple[int, int, tuple[int, ...], bool], _Graph] = {}
         self.failed: set[tuple[int, tuple[int, ...], bool]] = set()  # (n, aux, causal) whose capture failed: eager
         self.pool = None
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=kv.k.device)
@@ -90,7 +90,7 @@ class TargetGraphs:
 
     def _run(self, ids, positions, seqs, write_slots, n, aux_layers, causal, inputs_taken):
         b = len(seqs)
-        g, pad = self._graph(b, n, aux_layers, causal, max(s.ctx_slots.shape[0] for s in seqs) if causal else 0)
+        g, pad = self._graph(b, n, aux_layers, causal, max(s.ctx_slots.shape[0] for s in seqs))
         if pad:
             seqs = seqs + [self._scratch_seq(n, causal) for _ in range(pad)]
             write_slots = torch.cat([write_slots, self._scratch_slots(n).repeat(pad)])
@@ -107,15 +107,16 @@ class TargetGraphs:
             what = f"the target's {n}-token {'causal ' if causal else ''}forwards"
             capture_or_go_eager(lambda: self._capture_ladder(n, aux_layers, causal), what,
                                 lambda: self._forget(n, aux_layers, causal))
-        small = self.triton_graph(bucket, n, aux_layers, max_len) if causal else None
+        small = self.triton_graph(bucket, n, aux_layers, max_len, causal)
         return small or self.graphs[key], bucket - b
 
-    def triton_graph(self, bucket: int, n: int, aux_layers: tuple[int, ...], max_len: int) -> _Graph | None:
-        """The Triton-decode graph a causal forward of `bucket` (padded) requests of n tokens whose longest context
-        is `max_len` positions replays, or None (flashinfer's). Captured only where `triton_decode.serves` the
-        batch size and n."""
-        if max_len <= triton_decode.longest_context(n):
-            return self.decode_graphs.get((bucket, n, aux_layers))
+    def triton_graph(self, bucket: int, n: int, aux_layers: tuple[int, ...], max_len: int,
+                     causal: bool = True) -> _Graph | None:
+        """The Triton-decode graph a forward of `bucket` (padded) requests of n tokens (causal, or trees) whose
+        longest context is `max_len` positions replays, or None (flashinfer's). Captured only where
+        `triton_decode.serves` the batch size and n."""
+        if max_len <= triton_decode.longest_context(n, tree=not causal):
+            return self.decode_graphs.get((bucket, n, aux_layers, causal))
         return None
 
     @staticmethod
@@ -136,9 +137,8 @@ class TargetGraphs:
         self.failed.add((n, aux_layers, causal))
         for k in [k for k in self.graphs if k[1:] == (n, aux_layers, causal)]:
             del self.graphs[k]
-        if causal:
-            for k in [k for k in self.decode_graphs if k[1:] == (n, aux_layers)]:
-                del self.decode_graphs[k]
+        for k in [k for k in self.decode_graphs if k[1:] == (n, aux_layers, causal)]:
+            del self.decode_graphs[k]
 
     def _scratch_slots(self, n: int) -> torch.Tensor:
         return scratch_slots(self.scratch_pages, self.kv.page_size, n)
@@ -153,9 +153,9 @@ class TargetGraphs:
         ladder = ladder_for(self.ladder, n)
         for bucket in sorted(ladder, reverse=True):
             self.graphs[(bucket, n, aux_layers, causal)] = self._capture(bucket, n, aux_layers, causal)
-        if causal:  # short contexts of a few requests: the Triton decode attention, one more graph each
-            for bucket in sorted((b for b in ladder if triton_decode.serves(self.kv, b, n, n)), reverse=True):
-                self.decode_graphs[(bucket, n, aux_layers)] = self._capture(bucket, n, aux_layers, True, True)
+        # short contexts of a few requests: the Triton decode attention, one more graph each
+        for bucket in sorted((b for b in ladder if triton_decode.serves(self.kv, b, n, n, not causal)), reverse=True):
+            self.decode_graphs[(bucket, n, aux_layers, causal)] = self._capture(bucket, n, aux_layers, causal, True)
         log.info("captured target CUDA graphs for n=%d tokens/request%s, batch sizes %s, aux %s in %.1f s "
                  "(+%.0f MiB)", n, " (causal)" if causal and n > 1 else "", list(ladder), list(aux_layers),
                  time.perf_counter() - t0, (torch.cuda.memory_allocated() - mem0) / 2**20)
@@ -165,7 +165,8 @@ class TargetGraphs:
                  triton: bool = False) -> _Graph:
         dev = self.kv.k.device
         if triton:
-            attn = triton_decode.TritonDecodeAttention(self.kv, bucket, self.max_pages_per_seq, n)
+            attn = triton_decode.TritonDecodeAttention(self.kv, bucket, self.max_pages_per_seq, n,
+                                                       self.model.cfg.num_heads, tree=not causal)
         else:
             attn = GraphAttention(self.kv, self.model.cfg.num_heads, bucket, n, self.max_pages_per_seq,
                                   self.workspace, causal)

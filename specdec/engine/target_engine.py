@@ -81,7 +81,8 @@ class TargetEngine:
         self.model, self.cfg, self.device = model, cfg, resolve_device(device)
         dtype = next(model.parameters()).dtype
         self.kv = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages, page_size, dtype, device)
-        self.backend = make_backend(attention_backend, self.kv, cfg.num_heads, triton_decode.MAX_QUERIES)
+        self.backend = make_backend(attention_backend, self.kv, cfg.num_heads, triton_decode.MAX_QUERIES,
+                                    triton_trees=True)
         self.max_context = min(max_context or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.max_draft_tokens = max_draft_tokens
         self.requests: dict[str, TargetRequest] = {}

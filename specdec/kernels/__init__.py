@@ -7,7 +7,8 @@ sends one-row projections (batch-1 decode, a draft's chain steps) to `gemv.py` a
 verify at batch 1, a few requests' decode) to `skinny.py`. Used on CUDA tensors when Triton is importable;
 `SPECDEC_FUSED_KERNELS=0` turns them all off (the torch code paths are the reference and what CPUs run),
 `SPECDEC_GEMV=0` only the projection kernels, `SPECDEC_SKINNY=0` only the few-rows one, `SPECDEC_DECODE_KERNEL=0`
-the Triton decode attention of plain decode and chain verifies at small batch (flashinfer's then), `SPECDEC_PDL=0`
+the Triton decode attention of plain decode, chain and tree verifies at small batch (flashinfer's then),
+`SPECDEC_TREE_KERNEL=0` only its tree verifies, `SPECDEC_PDL=0`
 their programmatic dependent launch (`kernels/pdl.py`). `tests/specdec/test_kernels.py` checks them against the
 torch code on CPU through Triton's interpreter, `tests/gpu` on the GPU.
 """
@@ -45,6 +46,11 @@ def _skinny_on() -> bool:
 @functools.cache
 def decode_kernel_on() -> bool:
     return os.environ.get("SPECDEC_DECODE_KERNEL", "1") != "0"
+
+
+@functools.cache
+def tree_kernel_on() -> bool:
+    return os.environ.get("SPECDEC_TREE_KERNEL", "1") != "0"
 
 
 def on_device(t: torch.Tensor):

@@ -17,9 +17,16 @@ def _engine(backend: str, dtype: str = "bfloat16"):
                                                             num_pages=512, max_batch_size=8))
 
 
-def test_flashinfer_matches_torch_backend_prefill_and_tree():
+@pytest.mark.parametrize("triton_trees", [True, False])
+def test_flashinfer_matches_torch_backend_prefill_and_tree(triton_trees, monkeypatch):
+    """Trees of a few requests attend through the Triton kernel with a packed mask; without it
+    (`MAX_TREE_BATCH` 0), through flashinfer's custom mask."""
+    from specdec.attention import triton_decode
     from specdec.engine.requests import PrefillInput, VerifyInput
     from specdec.sampling_params import SamplingParams
+
+    if not triton_trees:
+        monkeypatch.setattr(triton_decode, "MAX_TREE_BATCH", 0)
 
     torch_eng, fi_eng = _engine("torch"), _engine("flashinfer")
     prompt = list(range(300, 337))
@@ -132,16 +139,18 @@ def test_cuda_graph_replay_equals_eager(num_requests):
     assert {k[1:] for k in graphed.graphs.graphs} >= {(1, (), True), (7, (), False), (5, (), True)}
 
 
-def test_small_causal_forwards_attend_through_the_triton_kernel():
-    """Captured plain decode and chain verifies up to MAX_BATCH requests have a second graph that attends through
-    the Triton decode kernel, replayed while the contexts are at most MAX_CONTEXT; the flashinfer graphs cover every
-    size, and trees stay with them."""
+def test_small_forwards_attend_through_the_triton_kernel():
+    """Captured plain decode, chain verifies up to MAX_BATCH requests and tree verifies up to MAX_TREE_BATCH have a
+    second graph that attends through the Triton decode kernel, replayed while the contexts are short enough; the
+    flashinfer graphs cover every size."""
     from specdec.attention.graph_backend import GraphAttention
     from specdec.attention.triton_decode import (
         MAX_BATCH,
         MAX_CHAIN_CONTEXT,
         MAX_CONTEXT,
         MAX_QUERIES,
+        MAX_TREE_BATCH,
+        MAX_TREE_CONTEXT,
         TritonDecodeAttention,
     )
     from specdec.engine.requests import PrefillInput, VerifyInput
@@ -150,18 +159,23 @@ def test_small_causal_forwards_attend_through_the_triton_kernel():
     eng = _engine("flashinfer")
     graphs = eng.graphs
     assert all(type(g.attn) is GraphAttention for g in graphs.graphs.values())
-    assert set(graphs.decode_graphs) == {(b, 1, ()) for b in graphs.ladder if b <= MAX_BATCH}
+    assert set(graphs.decode_graphs) == {(b, 1, (), True) for b in graphs.ladder if b <= MAX_BATCH}
     assert all(type(g.attn) is TritonDecodeAttention for g in graphs.decode_graphs.values())
-    assert graphs._graph(3, 1, (), True, MAX_CONTEXT)[0] is graphs.decode_graphs[(4, 1, ())]
+    assert graphs._graph(3, 1, (), True, MAX_CONTEXT)[0] is graphs.decode_graphs[(4, 1, (), True)]
     assert graphs._graph(3, 1, (), True, MAX_CONTEXT + 1)[0] is graphs.graphs[(4, 1, (), True)]
     assert graphs._graph(MAX_BATCH + 1, 1, (), True, 10)[0] is graphs.graphs[(8, 1, (), True)]
     eng.prefill([PrefillInput("r0", list(range(300, 340)), SamplingParams(max_new_tokens=50, ignore_eos=True))])
     for parents in ([-1, 0, 1, 2, 3], [-1, -1, 0, 1, 2], list(range(-1, MAX_QUERIES - 1))):  # chain, tree, too long
         eng.verify([VerifyInput("r0", [7] * len(parents), parents)])
-    assert (1, 6, ()) in graphs.decode_graphs and (1, 6, (), True) in graphs.graphs
-    assert graphs._graph(1, 6, (), True, 60)[0] is graphs.decode_graphs[(1, 6, ())]
+    assert (1, 6, (), True) in graphs.decode_graphs and (1, 6, (), True) in graphs.graphs
+    assert graphs._graph(1, 6, (), True, 60)[0] is graphs.decode_graphs[(1, 6, (), True)]
     assert graphs._graph(1, 6, (), True, MAX_CHAIN_CONTEXT + 1)[0] is graphs.graphs[(1, 6, (), True)]
-    assert (1, 6, (), False) in graphs.graphs and not any(k[1] > MAX_QUERIES for k in graphs.decode_graphs)
+    assert not any(k[1] > MAX_QUERIES for k in graphs.decode_graphs if k[3])  # the long chain: flashinfer's
+    trees = {k for k in graphs.decode_graphs if not k[3]}
+    assert trees == {(b, 6, (), False) for b in graphs.ladder if b <= MAX_TREE_BATCH}
+    assert type(graphs.decode_graphs[(1, 6, (), False)].attn) is TritonDecodeAttention
+    assert graphs._graph(1, 6, (), False, 60)[0] is graphs.decode_graphs[(1, 6, (), False)]
+    assert graphs._graph(1, 6, (), False, MAX_TREE_CONTEXT + 1)[0] is graphs.graphs[(1, 6, (), False)]
 
 
 @pytest.mark.parametrize("graphs", [True, False])
@@ -408,7 +422,7 @@ def test_engine_steps_make_one_host_sync_each():
     draft.add("r", 600)
     draft.extend([("r", prompt[1:] + [first.first_token], first.features)])
     chain = VerifyInput("r", [5, 6, 7, 8, 9], [-1, 0, 1, 2, 3])
-    tree = VerifyInput("r", [5, 6, 7, 8, 9, 10], [-1, -1, 0, 0, 2, 1])  # a custom mask: flashinfer's plan
+    tree = VerifyInput("r", [5, 6, 7, 8, 9, 10], [-1, -1, 0, 0, 2, 1])  # a mask: the Triton kernel's packed one
     for _ in range(3):  # graphs captured on first use
         target.verify([VerifyInput("r", [], [])], plain_steps=16)
         target.verify([chain])

@@ -76,6 +76,7 @@ def main(device: str, dtype: torch.dtype) -> None:
     check_paged_decode(device, dtype, g)
     check_chain_step(device, dtype, g)
     check_decode_graph(device, dtype, g)
+    check_tree_decode(device, dtype, g)
     check_gemv(device, dtype, g)
     check_skinny(device, dtype, g)
     print("all kernel checks passed")
@@ -116,15 +117,82 @@ def check_skinny(device, dtype, g):
           dtype == torch.float32 else 1e-2 * want.abs().max().item(), 1e-5 if dtype == torch.float32 else 2**-7)
 
 
-def torch_decode(q, k_cache, v_cache, pages, n, page_size, scale):
-    """One sequence: q [H, D] over positions 0..n-1 of `pages`. # [H, D] float32"""
-    pos = torch.arange(n)
+def torch_decode(q, k_cache, v_cache, pages, n, page_size, scale, visible=None):
+    """One sequence: q [H, D] over positions 0..n-1 of `pages` (those `visible` [n] bool marks). # [H, D] float32"""
+    pos = torch.arange(n) if visible is None else torch.arange(n)[visible]
     slots = torch.tensor(pages)[pos // page_size] * page_size + pos % page_size
     k, v = k_cache[slots.to(q.device)].float(), v_cache[slots.to(q.device)].float()  # [n, KV, D]
     group = q.shape[0] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [n, H, D]
     att = torch.softmax(torch.einsum("hd,nhd->hn", q.float(), k) * scale, dim=-1)
     return torch.einsum("hn,nhd->hd", att, v)
+
+
+def random_tree_mask(nq: int, g) -> torch.Tensor:
+    """The ancestor-or-self mask of a random tree of nq nodes (node 0 the root). # [nq, nq] bool"""
+    from specdec.tree import ancestor_mask
+
+    return ancestor_mask([int(torch.randint(-1, i, (1,), generator=g)) for i in range(nq - 1)])
+
+
+def check_tree_decode(device, dtype, g):
+    """Tree verifies: each sequence's nq queries are its last nq positions and see the prefix and their tree
+    ancestors (and themselves) as the packed mask says; masks of more than 32 queries (two words a row), row
+    blocks (a GQA group's rows cut into programs of 16 or 64), contexts that are the tree alone; then through
+    `TritonDecodeAttention(tree=True)`'s plan (K/V written at the tree's positions, padding with a causal
+    mask)."""
+    from specdec.attention.batch import SeqAttention
+    from specdec.attention.triton_decode import TritonDecodeAttention
+    from specdec.kernels.paged_decode import pack_tree_masks
+    from specdec.kv_cache import PagedKVCache
+
+    tol = {"cpu": (1e-5, 1e-5), "cuda": (1e-4, 1e-4)}[device] if dtype == torch.float32 else (2e-2, 2e-2)
+    for heads, kv_heads, d, page_size, width, nq, rows in ((4, 1, 16, 4, 12, 13, None), (8, 2, 16, 16, 4, 6, 16),
+                                                           (2, 1, 16, 8, 8, 40, None)):
+        num_pages = 3 * width + 3
+        k_cache = torch.randn(num_pages * page_size, kv_heads, d, generator=g).to(device, dtype)
+        v_cache = torch.randn(num_pages * page_size, kv_heads, d, generator=g).to(device, dtype)
+        lens = [nq, nq + 5, width * page_size]
+        perm = torch.randperm(num_pages, generator=g).tolist()
+        page_lists = [perm[width * i:][: -(-n // page_size)] for i, n in enumerate(lens)]
+        table = torch.zeros(len(lens), width, dtype=torch.int32)
+        for i, pages in enumerate(page_lists):
+            table[i, : len(pages)] = torch.tensor(pages)
+        masks = [random_tree_mask(nq, g) for _ in lens]
+        q = torch.randn(len(lens) * nq, heads, d, generator=g).to(device, dtype)
+        scale = d ** -0.5
+        want = torch.stack([torch_decode(q[i * nq + j], k_cache, v_cache, p, n, page_size, scale,
+                                         torch.cat([torch.ones(n - nq, dtype=torch.bool), m[j]]))
+                            for i, (p, n, m) in enumerate(zip(page_lists, lens, masks, strict=True))
+                            for j in range(nq)])
+        packed = pack_tree_masks(masks).to(device)
+        got = paged_decode(q, k_cache, v_cache, table.to(device), torch.tensor(lens, dtype=torch.int32).to(device),
+                           page_size, scale, queries=nq, mask=packed, rows=rows)
+        check(f"paged_decode trees of {nq}, {heads}/{kv_heads} heads, rows {rows}, lens {lens}", got, want, *tol)
+
+    heads, kv_heads, d, page_size, nq = 8, 2, 16, 4, 9
+    kv = PagedKVCache(1, kv_heads, d, 48, page_size, dtype, device)
+    kv.k.copy_(torch.randn(kv.k.shape, generator=g).to(dtype))
+    kv.v.copy_(torch.randn(kv.v.shape, generator=g).to(dtype))
+    pages, lens = [[7, 2, 40, 21], [30, 11, 4, 25, 19, 3]], [12, 23]
+    seqs = [SeqAttention(torch.tensor([p[i // page_size] * page_size + i % page_size for i in range(m)]), nq,
+                         mask) for p, m, mask in zip(pages, lens, (random_tree_mask(nq, g), None), strict=True)]
+    attn = TritonDecodeAttention(kv, 2, 8, nq, heads, tree=True)
+    attn.plan(seqs, torch.cat([s.ctx_slots[-nq:] for s in seqs]))
+    q = torch.randn(2 * nq, heads, d, generator=g).to(device, dtype)
+    k = torch.randn(2 * nq, kv_heads, d, generator=g).to(device, dtype)
+    v = torch.randn(2 * nq, kv_heads, d, generator=g).to(device, dtype)
+    got = attn.forward(0, q, k, v, None, d ** -0.5)
+    causal = torch.ones(nq, nq, dtype=torch.bool).tril()
+    for i, (p, m, s) in enumerate(zip(pages, lens, seqs, strict=True)):
+        mask = causal if s.tail_mask is None else s.tail_mask
+        for j in range(nq):
+            row, slot = nq * i + j, s.ctx_slots[m - nq + j]
+            check(f"tree attention request {i} token {j} K/V", torch.cat([kv.k[0, slot], kv.v[0, slot]]),
+                  torch.cat([k[row], v[row]]), 0.0)
+            want = torch_decode(q[row], kv.k[0], kv.v[0], p, m, page_size, d ** -0.5,
+                                torch.cat([torch.ones(m - nq, dtype=torch.bool), mask[j]]))
+            check(f"tree attention request {i} token {j}", got[row], want, *tol)
 
 
 def check_paged_decode(device, dtype, g):
@@ -220,7 +288,7 @@ def check_decode_graph(device, dtype, g):
     # plain decode (one token a request), then a chain verify of 4 (root + 3 drafts: K/V at the last 4 positions)
     for n, cases in ((1, (([9, 37], False), ([12, 44], True), ([13, 41], False))),
                      (4, (([9, 37], False), ([14, 44], True)))):
-        attn = TritonDecodeAttention(kv, 2, 12, n)
+        attn = TritonDecodeAttention(kv, 2, 12, n, heads)
         for lens, from_slots in cases:
             if from_slots:
                 seqs = [SeqAttention(torch.tensor([p[i // page_size] * page_size + i % page_size for i in range(m)]),

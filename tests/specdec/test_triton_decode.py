@@ -69,3 +69,32 @@ def test_a_chain_plan_writes_each_tokens_slot(kv):
     attn.plan_causal([[5, 6], [9, 2, 7]], [6, 9])  # positions 3-5 and 6-8
     assert attn.write_slots.tolist() == [23, 24, 25, 10, 11, 28]
     assert attn.lens.tolist() == [6, 9] and attn.table.tolist() == [[5, 6, 0, 0], [9, 2, 7, 0]]
+
+
+def test_takes_small_tree_verifies_where_its_caller_asks(kv):
+    """The target's backend (`triton_trees`) sends tree verifies of a few requests here: the same number of tokens
+    each, every mask over just those tokens; more requests, longer contexts or a mask reaching past the request's
+    own tokens (a draft's tree step) go to flashinfer."""
+    tree = torch.ones(5, 5, dtype=torch.bool).tril()
+    most = triton_decode.MAX_TREE_BATCH
+    assert triton_decode.takes(kv, [_seq(20, 5, tree)] * most, trees=True)
+    assert triton_decode.takes(kv, [_seq(20, 5, tree), _seq(30, 5)], trees=True)  # a chain among trees
+    assert not triton_decode.takes(kv, [_seq(20, 5, tree)] * most)  # the draft's backend
+    assert not triton_decode.takes(kv, [_seq(20, 5, tree)] * (most + 1), trees=True)
+    assert not triton_decode.takes(kv, [_seq(20, 5, tree), _seq(20, 4, tree[:4, :4])], trees=True)
+    assert not triton_decode.takes(kv, [_seq(20, 2, torch.ones(2, 5, dtype=torch.bool))], trees=True)
+    assert triton_decode.serves(kv, 1, triton_decode.MAX_TREE_CONTEXT, 65, tree=True)
+    assert not triton_decode.serves(kv, 1, triton_decode.MAX_TREE_CONTEXT + 1, 65, tree=True)
+    assert not triton_decode.serves(kv, 1, 200, triton_decode.MAX_TREE_QUERIES + 1, tree=True)
+
+
+def test_a_tree_plan_packs_each_requests_mask(kv):
+    """Row j of a request's mask as 32-bit words, bit i for query i; a causal request among trees gets the causal
+    mask."""
+    mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    attn = triton_decode.TritonDecodeAttention(kv, 2, 4, 3, tree=True)
+    seqs = [SeqAttention(torch.arange(5), 3, mask), SeqAttention(torch.arange(16, 22), 3)]
+    attn.plan(seqs, torch.cat([s.ctx_slots[-3:] for s in seqs]))
+    assert attn.mask.tolist() == [[[1], [3], [5]], [[1], [3], [7]]]
+    assert attn.lens.tolist() == [5, 6] and attn.table.tolist() == [[0, 1, 0, 0], [4, 5, 0, 0]]
+    assert attn.write_slots.tolist() == [2, 3, 4, 19, 20, 21]
