@@ -39,12 +39,13 @@ BLOCK = 128  # context positions per inner step (one unit: measured faster than 
 # cut into blocks of this many (each with its own splits and merge)
 ROWS = 64
 # trees (`mask`): rows a program, most splits of the prefix (the tree's own positions take one program more) and
-# fewest units a split; a tree's many rows already fill the GPU, and fewer splits cost fewer programs and a shorter
-# merge. From bench/decode_attn_micro.py --tree on the H200 (65 and 17 queries, batch 1-8, 384 and 2048 positions,
-# twenty-first pass): 2 splits against 4 or 8 won at 384 positions (by 17-29% at 65 queries) and were even at 2048
-# (-4% .. +11%); rows of 32 against 16 or 64
+# fewest units a split. Many rows fill the GPU already, and fewer splits cost fewer programs and a shorter merge:
+# from bench/decode_attn_micro.py --tree on the H200 (batch 1-8, 384 and 2048 positions, twenty-first pass), a
+# 65-token tree (9 row blocks a KV head) ran fastest with 2 splits (by 17-29% at 384 positions against 4, even at
+# 2048), a 17-token one (3 blocks) with 4 at batch 1-2 (by 17-35% at 2048); rows of 32 against 16 or 64
 TREE_ROWS = 32
-TREE_SPLITS = 2
+TREE_SPLITS = 2  # where a KV head's rows take at least TREE_FEW_BLOCKS programs; 4 below
+TREE_FEW_BLOCKS = 4
 TREE_MIN_UNITS = 2
 
 
@@ -207,17 +208,20 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     and the queries its mask row names). `counters`: from `decode_counters` for at least B sequences of these
     rows, used by one stream at a time (None: fresh ones, a memset more). `splits`: the most splits of a context
     (default SPLITS, CHAIN_SPLITS for several queries; `block`, `num_warps`, `splits`, `rows` (a program's most
-    rows, default ROWS; TREE_SPLITS and TREE_ROWS for trees) are there for benchmarks). Returns [B * queries, H, D]
+    rows, default ROWS; for trees TREE_ROWS, and TREE_SPLITS or twice that for few row blocks) are there for
+    benchmarks). Returns [B * queries, H, D]
     in q's dtype."""
     t, h, d = q.shape
     b = t // queries
-    if mask is not None:
-        splits, rows = splits or TREE_SPLITS, rows or TREE_ROWS
-    splits = splits or (SPLITS if queries == 1 else CHAIN_SPLITS)
     assert b * queries == t, f"{t} query rows are not {queries} per sequence"
     kv = k_cache.shape[1]
     group = h // kv
+    if mask is not None:
+        rows = rows or TREE_ROWS
     held, blocks = tiling(queries * group, rows)
+    if mask is not None:
+        splits = splits or (TREE_SPLITS if blocks >= TREE_FEW_BLOCKS else 2 * TREE_SPLITS)
+    splits = splits or (SPLITS if queries == 1 else CHAIN_SPLITS)
     max_ctx = page_table.shape[1] * page_size
     units = -(-max_ctx // UNIT)
     num_splits = min(splits, units) + (mask is not None)  # enough for the longest context the table holds (a tree:

@@ -138,7 +138,8 @@ def random_tree_mask(nq: int, g) -> torch.Tensor:
 def check_tree_decode(device, dtype, g):
     """Tree verifies: each sequence's nq queries are its last nq positions and see the prefix and their tree
     ancestors (and themselves) as the packed mask says; masks of more than 32 queries (two words a row), row
-    blocks (a GQA group's rows cut into programs of 16 or 64), contexts that are the tree alone; then through
+    blocks (a GQA group's rows cut into programs of 16 or 32), contexts that are the tree alone, prefixes of
+    several splits (4 for few row blocks, 2 for many); then through
     `TritonDecodeAttention(tree=True)`'s plan (K/V written at the tree's positions, padding with a causal
     mask)."""
     from specdec.attention.batch import SeqAttention
@@ -148,7 +149,8 @@ def check_tree_decode(device, dtype, g):
 
     tol = {"cpu": (1e-5, 1e-5), "cuda": (1e-4, 1e-4)}[device] if dtype == torch.float32 else (2e-2, 2e-2)
     for heads, kv_heads, d, page_size, width, nq, rows in ((4, 1, 16, 4, 12, 13, None), (8, 2, 16, 16, 4, 6, 16),
-                                                           (2, 1, 16, 8, 8, 40, None)):
+                                                           (4, 1, 16, 8, 8, 40, None), (2, 1, 16, 16, 70, 9, None),
+                                                           (4, 1, 16, 16, 40, 40, None)):
         num_pages = 3 * width + 3
         k_cache = torch.randn(num_pages * page_size, kv_heads, d, generator=g).to(device, dtype)
         v_cache = torch.randn(num_pages * page_size, kv_heads, d, generator=g).to(device, dtype)
