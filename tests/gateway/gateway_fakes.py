@@ -184,3 +184,12 @@ async def collect(call):
         if msg.HasField("final"):
             final = msg.final
     return text, ids, final, count
+
+
+async def status_of(call) -> tuple[str, str]:
+    """(status code name, details) a Generate stream or a unary call ends with; ("OK", "") when it succeeds."""
+    try:
+        await collect(call) if isinstance(call, grpc.aio.UnaryStreamCall) else await call
+    except grpc.aio.AioRpcError as exc:
+        return exc.code().name, exc.details()
+    return "OK", ""

@@ -10,7 +10,7 @@ import time
 import grpc
 import grpc.aio
 import pytest
-from gateway_fakes import collect, fake_stack, run
+from gateway_fakes import collect, fake_stack, run, status_of
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.prompts import OFF_LOOP_MIN_CHARS
@@ -21,13 +21,6 @@ from specdec.v1 import common_pb2, gateway_pb2
 # Python source, as a prompt: ~4.4 characters a token with the tiny vocabulary
 SOURCE_LINE = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
 
-
-async def status_of(call) -> tuple[str, str]:
-    try:
-        await collect(call) if isinstance(call, grpc.aio.UnaryStreamCall) else await call
-    except grpc.aio.AioRpcError as exc:
-        return exc.code().name, exc.details()
-    return "OK", ""
 
 
 async def health_check_s(port: int) -> float:

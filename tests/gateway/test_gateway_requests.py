@@ -7,7 +7,7 @@ import asyncio
 import grpc
 import grpc.aio
 import pytest
-from gateway_fakes import FakeTarget, collect, fake_stack, run
+from gateway_fakes import FakeTarget, collect, fake_stack, run, status_of
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.config import GatewayLimits
@@ -17,13 +17,6 @@ from specdec.v1 import common_pb2, gateway_pb2
 def request(prompt="def fib(n):", **sampling) -> gateway_pb2.GatewayServiceGenerateRequest:
     return gateway_pb2.GatewayServiceGenerateRequest(prompt=prompt, sampling=common_pb2.SamplingParams(**sampling))
 
-
-async def status_of(call) -> tuple[str, str]:
-    try:
-        await collect(call)
-    except grpc.aio.AioRpcError as exc:
-        return exc.code().name, exc.details()
-    return "OK", ""
 
 
 def chat(*turns: tuple[str, str]) -> gateway_pb2.ChatMessages:

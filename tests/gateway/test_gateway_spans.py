@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import grpc
-import grpc.aio
 import pytest
-from gateway_fakes import collect, fake_stack, run
+from gateway_fakes import fake_stack, run, status_of
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -30,13 +28,6 @@ def spans(monkeypatch) -> InMemorySpanExporter:
     monkeypatch.setattr(trace, "_TRACER_PROVIDER", provider)
     return exporter
 
-
-async def status_of(call) -> tuple[str, str]:
-    try:
-        await collect(call)
-    except grpc.aio.AioRpcError as exc:
-        return exc.code().name, exc.details()
-    return "OK", ""
 
 
 def traces(finished) -> list[list]:
