@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-from collections.abc import Collection, Iterator
+from collections.abc import Awaitable, Collection, Iterator
 from typing import Any
 
 import grpc
@@ -202,10 +202,12 @@ def server_span(
     *,
     tracer: trace.Tracer | None = None,
     parent_required: bool = False,
+    current: bool = True,
 ) -> Iterator[trace.Span | None]:
     """Run the body inside a SERVER span for RPC `method`, child of the caller's context (see module doc).
 
-    Yields the span, or None when `parent_required` and the caller sent no trace context.
+    Yields the span, or None when `parent_required` and the caller sent no trace context. `current=False` leaves
+    the span out of the context (a stream makes it current around each step itself: `_in_span`).
     """
     metadata = dict(context.invocation_metadata() or ())
     parent = PROPAGATOR.extract(metadata)
@@ -218,15 +220,10 @@ def server_span(
     if isinstance(request_id, str) and request_id:
         attributes["specdec.request_id"] = loggable_id(request_id)  # a client's, not yet checked
     tracer = tracer or get_tracer()
-    with tracer.start_as_current_span(
-        name,
-        context=parent,
-        kind=SpanKind.SERVER,
-        attributes=attributes,
-        record_exception=False,
-        set_status_on_exception=False,
-        end_on_exit=False,
-    ) as span:
+    span = tracer.start_span(name, context=parent, kind=SpanKind.SERVER, attributes=attributes)
+    made_current = trace.use_span(span, record_exception=False, set_status_on_exception=False) if current else \
+        contextlib.nullcontext()
+    with made_current:
         try:
             yield span
         except (asyncio.CancelledError, GeneratorExit):  # the client left (GeneratorExit: a closed stream)
@@ -240,6 +237,20 @@ def server_span(
             _finish(span, code, context.details() or str(exc))
             raise
         _finish(span, context.code() or grpc.StatusCode.OK, context.details())
+
+
+async def _in_span(span: trace.Span | None, step: Awaitable[Any]) -> Any:
+    """`step` (one response of a stream) awaited with `span` current. The span is made current per step, never
+    across a stream's `yield`: grpc may close a cancelled stream's generator from another task (asyncio's
+    async-generator finalizer), where detaching a context attached in the first one fails (OpenTelemetry logs an
+    ERROR with a traceback for what is a normal cancel)."""
+    if span is None:
+        return await step
+    token = otel_context.attach(trace.set_span_in_context(span))
+    try:
+        return await step
+    finally:
+        otel_context.detach(token)  # the same task as the attach: an await resumes in its own task
 
 
 def _request_id(request: Any) -> str | None:
@@ -289,9 +300,17 @@ def _wrap(behavior, method: str, span_args: dict[str, Any], unary_request: bool)
 
         async def stream_behavior(request_or_iterator, context):
             request = request_or_iterator if unary_request else None
-            with server_span(context, method, request, **span_args):
-                async for response in behavior(request_or_iterator, context):
-                    yield response
+            with server_span(context, method, request, current=False, **span_args) as span:
+                responses = behavior(request_or_iterator, context)
+                try:
+                    while True:
+                        try:
+                            response = await _in_span(span, anext(responses))
+                        except StopAsyncIteration:
+                            return
+                        yield response
+                finally:
+                    await responses.aclose()  # a closed stream closes the service's generator now
 
         return stream_behavior
 

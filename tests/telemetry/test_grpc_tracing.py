@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
+import logging
 import time
 
 import grpc
@@ -181,3 +183,57 @@ def test_sampled_out_caller_propagates_the_decision():
     assert int(seen["traceparent"].rsplit("-", 1)[1], 16) & 1 == 0  # a valid context, sampled flag off
     time.sleep(0.1)
     assert client_spans.get_finished_spans() == () and server_spans.get_finished_spans() == ()
+
+
+class _StreamContext:
+    """The parts of a grpc.aio.ServicerContext that `server_span` reads, for driving a wrapped behavior directly."""
+
+    def invocation_metadata(self):
+        return ()
+
+    def code(self):
+        return None
+
+    def details(self):
+        return None
+
+    def time_remaining(self):
+        return None
+
+
+def test_a_stream_closed_from_another_context_ends_its_span_without_a_detach_error(caplog):
+    """grpc may close a cancelled stream's generator from another task (asyncio's async-generator finalizer runs
+    `aclose` in a new one): nothing of the server span may be attached to the context across a `yield`, or
+    OpenTelemetry logs 'Failed to detach context' as an ERROR with a traceback for a normal cancel."""
+    from opentelemetry import trace
+
+    from specdec.telemetry.grpc_tracing import _wrap
+
+    provider, exporter = make_provider()
+    tracer = provider.get_tracer("t")
+    seen: dict[str, object] = {}
+
+    async def behavior(request, context):
+        try:
+            for i in range(100):
+                seen.setdefault("current", trace.get_current_span())
+                with tracer.start_as_current_span("child"):
+                    await asyncio.sleep(0)
+                yield bytes([i])
+        finally:
+            seen["closed"] = True
+
+    async def run():
+        stream = _wrap(behavior, f"/{SERVICE}/Forever", {"tracer": tracer}, unary_request=True)(b"", _StreamContext())
+        assert await asyncio.create_task(anext(stream)) == b"\x00"  # iterated in one task's context ...
+        await asyncio.create_task(stream.aclose(), context=contextvars.Context())  # ... closed in another's
+
+    with caplog.at_level(logging.ERROR):
+        asyncio.run(run())
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert seen["closed"] is True  # the service's generator is closed with the stream, not left to the collector
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    server, child = spans[f"{SERVICE}/Forever"], spans["child"]
+    assert seen["current"] is not None and seen["current"].get_span_context() == server.get_span_context()
+    assert child.parent.span_id == server.context.span_id  # the service's spans are the server span's children
+    assert server.attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
