@@ -45,6 +45,14 @@ class NotReady(SpecdecError):
     status = "UNAVAILABLE"
 
 
+class OutOfOrder(SpecdecError):
+    """A verify that names a request at another point than where the target holds it: the call continues from
+    tokens the target has not committed yet (it overtook the call sent before it) or has moved past. Nothing was
+    committed; the caller may send it again once the calls before it have landed."""
+
+    status = "ABORTED"
+
+
 class ConfigError(SpecdecError):
     """A model directory, checkpoint or flag that cannot be used; raised at start-up."""
 

@@ -138,10 +138,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             self._phase("forward", time.perf_counter() - started)
         return result
 
-    def _verify_by_steps(self, groups: list[tuple[list, object, float, tuple[int, int]]]) -> list[list]:
-        """Each group's outputs: the groups asking for the same plain-step and feature-row counts share one
-        engine call. A group naming a request that an earlier group of the batch names (a draft's next plain call,
-        sent before the previous one's reply) runs after it (`_in_order`)."""
+    def _verify_by_steps(self, groups: list[tuple[list, object, float, tuple[int, int]]]) -> list:
+        """Each group's outputs, or the SpecdecError that refused it: the groups asking for the same plain-step and
+        feature-row counts share one engine call. A group naming a request that an earlier group of the batch names
+        (a draft's next plain call, sent before the previous one's reply) runs after it (`_in_order`). A refused
+        group fails alone and never makes another group run twice: a shared engine call that is refused (it
+        commits nothing) runs again one group at a time, and groups that already ran keep their outputs (the
+        engine loop's own retry of a failed batch would run them again on the tokens they committed)."""
         result: list = [None] * len(groups)
         for segment in _in_order(groups):
             self._verify_segment(groups, segment, result)
@@ -151,14 +154,29 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         for kind in dict.fromkeys(groups[i][3] for i in segment):
             members = [i for i in segment if groups[i][3] == kind]
             inputs = [inp for i in members for inp in groups[i][0]]
-            packed = self._packed(inputs)
-            steps, rows = kind
-            outs = self.engine.verify(inputs, plain_steps=steps, feature_rows=rows)
-            features_to_host(outs, packed)  # here, not in the handler: the copy waits for the GPU
+            try:
+                outs = self._verify_kind(inputs, kind)
+            except SpecdecError as exc:
+                if len(members) == 1:
+                    result[members[0]] = exc
+                    continue
+                for i in members:
+                    try:
+                        result[i] = self._verify_kind(groups[i][0], kind)
+                    except SpecdecError as alone:
+                        result[i] = alone
+                continue
             start = 0
             for i in members:
                 result[i] = outs[start : start + len(groups[i][0])]
                 start += len(groups[i][0])
+
+    def _verify_kind(self, inputs: list, kind: tuple[int, int]) -> list:
+        steps, rows = kind
+        packed = self._packed(inputs)  # before the call: a request it finishes leaves the engine
+        outs = self.engine.verify(inputs, plain_steps=steps, feature_rows=rows)
+        features_to_host(outs, packed)  # here, not in the handler: the copy waits for the GPU
+        return outs
 
     def _packed(self, inputs: list) -> frozenset:
         """The ids whose features travel as 8-bit floats: all of a Verify batch's when they all asked for it

@@ -47,12 +47,13 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from specdec.engine.device import resolve_device
-from specdec.errors import SpecdecError
+from specdec.errors import OutOfOrder, SpecdecError
 
 if TYPE_CHECKING:
     from specdec.engine.scheduler import Event, Launch, Scheduler
@@ -193,7 +194,7 @@ class TwoBatchOverlap:
             # at a run's end the last requests ran alone (9 of 128, 0.7 ms a request-step against 0.06) and,
             # recorded at 128, pulled plain's rate there from ~15.5k to 9.1k tok/s (one H200, tau 5), so `auto`
             # followed the whole chain at 11.5k
-            self._submit(sched, sched.launch(rids, budget=0, chosen_at=min(chosen_at, len(rids))))
+            self._submit(sched, sched.launch(rids, budget=0, chosen_at=min(chosen_at, len(rids)), ahead=pending))
 
     @staticmethod
     def _weights(sched: Scheduler, rids: list[str]) -> list[int]:
@@ -227,6 +228,10 @@ class TwoBatchOverlap:
         launch, future = self.inflight.popleft()
         try:
             outputs, error = future.result(), None
+        except OutOfOrder:
+            launch, outputs, error = self._again(sched, launch)
+            if launch is None:  # its requests ended meanwhile
+                return []
         except SpecdecError as exc:
             outputs, error = None, exc
         since = max(self._last_land, launch.started)
@@ -234,6 +239,24 @@ class TwoBatchOverlap:
         self._last_land = time.perf_counter()
         self.micro_steps += 1
         return events
+
+    @staticmethod
+    def _again(sched: Scheduler, launch: Launch) -> tuple[Launch | None, list | None, SpecdecError | None]:
+        """A pipelined call that reached the target before the call sent ahead of it was refused there, having
+        committed nothing (two unary calls in flight reach a gRPC server's handlers in no guaranteed order; once
+        seen as a text whose 4-token chunks came back swapped). Every call before it has landed now: send it again,
+        for the requests still running (None: none is). -> (the launch sent, its outputs or its error)"""
+        running = [i for i, rid in enumerate(launch.rids) if rid in sched.running]
+        if not running:
+            return None, None, None
+        if len(running) < len(launch.rids):
+            launch = replace(launch, rids=[launch.rids[i] for i in running],
+                             trees=[launch.trees[i] for i in running],
+                             num_generated=[launch.num_generated[i] for i in running])
+        try:
+            return launch, sched.verify(launch), None
+        except SpecdecError as exc:
+            return launch, None, exc
 
     def abandon(self) -> None:
         """Wait for every verify in flight and drop its result (after a broken step)."""

@@ -48,6 +48,9 @@ class VerifyInput:
     request_id: str
     draft_tokens: list[int]  # [num_draft_tokens]; empty = a plain decode step
     parents: list[int]  # [num_draft_tokens], -1 = root
+    # tokens the request has generated (the prefill's first included) when this call runs, as the caller counts
+    # them: the target refuses a call that disagrees (`OutOfOrder`); 0: not checked
+    num_generated: int = 0
 
 
 @dataclass

@@ -64,6 +64,10 @@ class Launch:
     chosen_at: int | None = None  # the batch size the budget was chosen for, when not len(rids) (see overlap)
     feature_rows: int = 0  # > 0: the verify returns the features of each request's last that many tokens only
     ramp: bool = False  # a whole-batch plain call shortened after an admission (`Scheduler._plain_steps_per_call`)
+    # [len(rids)] tokens each request will have generated when the target runs this call (its count at the launch,
+    # plus what the calls in flight ahead of it commit): sent with the call, which the target refuses if it runs
+    # out of order (`VerifyInput.num_generated`)
+    num_generated: list[int] = field(default_factory=list)
 
     @property
     def num_draft_tokens(self) -> int:

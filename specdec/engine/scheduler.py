@@ -191,10 +191,11 @@ class Scheduler(Admission):
         return self.land(launch, outputs, error, launch.started)
 
     def launch(self, rids: list[str], budget: int | None = None, chosen_at: int | None = None,
-               micro: bool = False) -> Launch:
+               micro: bool = False, ahead: dict[str, int] | None = None) -> Launch:
         """Everything of a step before its verify: the budget, the draft's catch-up and trees. `budget`: already
         chosen (`choose_budget`), for a batch of `chosen_at` requests (default: these); `micro`: one of two
-        micro-batches taking turns (`TwoBatchOverlap`)."""
+        micro-batches taking turns (`TwoBatchOverlap`); `ahead`: tokens the calls in flight before this one commit
+        per request (pipelined plain calls)."""
         started = time.perf_counter()
         budget = self.choose_budget(rids) if budget is None else budget
         if self.policy is not None and self.draft is not None and budget != self._last_budget:
@@ -213,7 +214,9 @@ class Scheduler(Admission):
             # a plain call brings back the features of each request's last token only (see `_hold`)
             rows = 0 if speculate or self.draft is None else PLAIN_FEATURE_ROWS
             ramp = not speculate and not micro and plain < self.plain_steps
-            launch = Launch(rids, trees, budget, speculate, trace, started, plain, chosen_at, rows, ramp)
+            ahead = ahead or {}
+            generated = [self.running[rid].num_generated + ahead.get(rid, 0) for rid in rids]
+            launch = Launch(rids, trees, budget, speculate, trace, started, plain, chosen_at, rows, ramp, generated)
             if span is not None:
                 span.set_attribute("num_draft_tokens", launch.num_draft_tokens)
         return launch
@@ -423,8 +426,8 @@ class Scheduler(Admission):
 
 def _verify_args(launch: Launch) -> tuple[list[VerifyInput], dict]:
     """The target call of a launch: its inputs, and the counts it sets (`plain_steps`, `feature_rows`)."""
-    inputs = [VerifyInput(rid, list(t.tokens), list(t.parents)) for rid, t in zip(launch.rids, launch.trees,
-                                                                                  strict=True)]
+    inputs = [VerifyInput(rid, list(t.tokens), list(t.parents), n)
+              for rid, t, n in zip(launch.rids, launch.trees, launch.num_generated, strict=True)]
     more = {"plain_steps": launch.plain_steps} if launch.plain_steps > 1 else {}
     if launch.feature_rows:
         more["feature_rows"] = launch.feature_rows

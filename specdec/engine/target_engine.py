@@ -31,7 +31,7 @@ from specdec.engine.requests import (
     VerifyOutput,
     kept_feature_rows,
 )
-from specdec.errors import DuplicateRequest, InvalidInput, UnknownRequest
+from specdec.errors import DuplicateRequest, InvalidInput, OutOfOrder, UnknownRequest
 from specdec.host_copy import host_tensor, to_device
 from specdec.kv_cache import PagedKVCache
 from specdec.models.llama import LlamaForCausalLM
@@ -193,6 +193,7 @@ class TargetEngine:
                 inp.request_id in self.finished}
         if gone:
             return self._verify_past_finish(inputs, gone, plain_steps, feature_rows)
+        self._check_order(inputs)
         if plain_steps == 1:
             return last_feature_rows(self._verify_once(inputs), feature_rows)
         self._check_batch(inputs)
@@ -202,6 +203,16 @@ class TargetEngine:
         else:
             outputs = run_plain_steps(lambda live, _k: self._verify_checked(live), inputs, plain_steps)  # host draws
         return last_feature_rows(outputs, feature_rows)
+
+    def _check_order(self, inputs: list[VerifyInput]) -> None:
+        """Refuse (before anything runs) a call that continues a request from another point than the target's:
+        e.g. the second of two pipelined plain calls reaching the engine before the first. Inputs with
+        `num_generated` 0 are not checked; unknown ids are left to `_check_batch`."""
+        for inp in inputs:
+            req = self.requests.get(inp.request_id)
+            if inp.num_generated and req is not None and inp.num_generated != req.num_generated:
+                raise OutOfOrder(f"request {inp.request_id!r} has generated {req.num_generated} tokens; the call "
+                                 f"continues from {inp.num_generated} (sent ahead of the call before it?)")
 
     def _verify_past_finish(self, inputs: list[VerifyInput], gone: set[str], plain_steps: int,
                             feature_rows: int) -> list[VerifyOutput]:

@@ -88,7 +88,8 @@ def prefill_output_from_proto(msg: target_pb2.PrefillResponse, device=None, feat
 # ---- Verify ----------------------------------------------------------------------------------------------
 def verify_to_proto(inputs: list[VerifyInput], plain_steps: int = 1, feature_rows: int = 0) -> target_pb2.VerifyRequest:
     return target_pb2.VerifyRequest(trees=[
-        target_pb2.TreeProposal(request_id=i.request_id, draft_tokens=i.draft_tokens, parents=i.parents)
+        target_pb2.TreeProposal(request_id=i.request_id, draft_tokens=i.draft_tokens, parents=i.parents,
+                                num_generated=i.num_generated)
         for i in inputs
     ], plain_steps=plain_steps if plain_steps != 1 else 0, feature_rows=feature_rows)
 
@@ -96,7 +97,8 @@ def verify_to_proto(inputs: list[VerifyInput], plain_steps: int = 1, feature_row
 def verify_from_proto(msg: target_pb2.VerifyRequest) -> tuple[list[VerifyInput], int, int]:
     """(the trees, the plain steps asked for: 0 means 1, the feature rows asked for: 0 means all); both counts are
     checked by the engine."""
-    inputs = [VerifyInput(check_request_id(t.request_id), list(t.draft_tokens), list(t.parents)) for t in msg.trees]
+    inputs = [VerifyInput(check_request_id(t.request_id), list(t.draft_tokens), list(t.parents), t.num_generated)
+              for t in msg.trees]
     return inputs, msg.plain_steps or 1, msg.feature_rows
 
 

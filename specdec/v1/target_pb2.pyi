@@ -38,14 +38,16 @@ class PrefillResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ...) -> None: ...
 
 class TreeProposal(_message.Message):
-    __slots__ = ("request_id", "draft_tokens", "parents")
+    __slots__ = ("request_id", "draft_tokens", "parents", "num_generated")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_GENERATED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     parents: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_generated: int
+    def __init__(self, request_id: _Optional[str] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., num_generated: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("trees", "plain_steps", "feature_rows")

@@ -161,3 +161,45 @@ def test_verify_calls_of_the_same_requests_arriving_together_run_in_order(target
     assert [r.results[1].finish_reason for r in replies] == [replies[0].results[1].finish_reason] * 3
     engine.release("a")
     assert engine.kv.num_free_pages == engine.kv.num_total_pages
+
+
+def test_a_refused_verify_beside_others_fails_alone_and_runs_nothing_twice(target):
+    """Verify RPCs meeting in one batch, in arrival order: plain calls of a and b (they run and commit), then a call
+    of a continuing from a count the target has not reached (a pipelined call that overtook the one before it:
+    ABORTED, nothing committed) and one naming an unknown id (NOT_FOUND). The refused ones fail alone; the calls
+    that ran keep their tokens. Before, the refusal made the engine loop run the whole batch again one call at a
+    time: a's call ran a second time on the tokens it had committed (now refused as out of order: its tokens lost)."""
+    engine, _ = target
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    prompt = list(range(40, 70))
+    engine.prefill([PrefillInput(rid, prompt, params, return_features=False) for rid in ("a", "b", "ref")])
+    ref = engine.verify([VerifyInput("ref", [], [], num_generated=1)], plain_steps=8)[0].tokens
+    engine.release("ref")
+
+    def plain_call(rid, num_generated):
+        return target_pb2.VerifyRequest(trees=[target_pb2.TreeProposal(request_id=rid, num_generated=num_generated)],
+                                        plain_steps=4)
+
+    calls = [plain_call("a", 1), plain_call("b", 1), plain_call("a", 9), plain_call("nope", 1)]
+
+    async def together():
+        tasks = [asyncio.ensure_future(servicer.Verify(c, FakeContext())) for c in calls]
+        await asyncio.sleep(0.05)
+        loop.start()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    loop = EngineLoop(None, "target-engine")
+    servicer = TargetServicer(engine, loop, "tiny")
+    try:
+        a, b, overtaking, unknown = asyncio.run(together())
+    finally:
+        loop.stop()
+    assert list(target_pb2.VerifyResponse.FromString(a).results[0].tokens) == ref[:4]
+    assert list(target_pb2.VerifyResponse.FromString(b).results[0].tokens) == ref[:4]
+    assert isinstance(overtaking, Aborted) and overtaking.code == grpc.StatusCode.ABORTED
+    assert "has generated 5 tokens; the call continues from 9" in str(overtaking)
+    assert isinstance(unknown, Aborted) and unknown.code == grpc.StatusCode.NOT_FOUND
+    assert engine.requests["a"].num_generated == engine.requests["b"].num_generated == 5  # each ran once
+    for rid in ("a", "b"):
+        engine.release(rid)
+    assert engine.kv.num_free_pages == engine.kv.num_total_pages

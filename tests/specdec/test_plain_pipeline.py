@@ -9,13 +9,15 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 from core_engines import tiny_draft, tiny_target
 
 from specdec.engine.adaptive import FULL, SpeculationPolicy
 from specdec.engine.generate import feature_layers_for
 from specdec.engine.overlap import TwoBatchOverlap
-from specdec.engine.requests import ABORT
+from specdec.engine.requests import ABORT, PrefillInput, VerifyInput
 from specdec.engine.scheduler import Scheduler
+from specdec.errors import OutOfOrder
 from specdec.sampling_params import SamplingParams
 
 
@@ -38,11 +40,14 @@ class OrderedTarget:
         return getattr(self.engine, name)
 
     def verify_start(self, inputs, plain_steps=1, feature_rows=0):
+        self._record(inputs, plain_steps)
+        return self._pool.submit(self._run, inputs, plain_steps, feature_rows)
+
+    def _record(self, inputs, plain_steps) -> None:
         with self._lock:
             self.pending += 1
             self.most_pending = max(self.most_pending, self.pending)
             self.calls.append(([i.request_id for i in inputs], plain_steps))
-        return self._pool.submit(self._run, inputs, plain_steps, feature_rows)
 
     def _run(self, inputs, plain_steps, feature_rows):
         time.sleep(self.delay_s)
@@ -67,6 +72,34 @@ class OrderedTarget:
     def release(self, request_id):
         with self._lock:
             return self.engine.release(request_id)
+
+
+class OvertakingTarget(OrderedTarget):
+    """Like `OrderedTarget`, but of two calls sent back to back the second runs first, as two unary calls in flight
+    may reach a gRPC server's handlers: a plain call waits (up to `hold_s`) for the next call to run before it."""
+
+    def __init__(self, engine, hold_s: float = 0.2):
+        super().__init__(engine, delay_s=0.0)
+        self._pool = ThreadPoolExecutor(2)
+        self.hold_s = hold_s
+        self._held: threading.Event | None = None
+        self.overtaken = 0  # calls that ran after the call sent behind them
+
+    def verify_start(self, inputs, plain_steps=1, feature_rows=0):
+        with self._lock:
+            held, self._held = self._held, None
+            wait = self._held = threading.Event() if held is None and plain_steps > 1 else None
+        self._record(inputs, plain_steps)
+        return self._pool.submit(self._run_after, wait, held, inputs, plain_steps, feature_rows)
+
+    def _run_after(self, wait, release, inputs, plain_steps, feature_rows):
+        if wait is not None and wait.wait(self.hold_s):
+            self.overtaken += 1
+        try:
+            return self._run(inputs, plain_steps, feature_rows)
+        finally:
+            if release is not None:
+                release.set()
 
 
 class Plain(SpeculationPolicy):
@@ -127,6 +160,36 @@ def test_pipelined_plain_calls_give_plain_decodings_tokens_and_finish_reasons(de
         assert all(k > 1 for _, k in target.calls)
         assert target.empty  # a call named a request that the call before it finished at a stop token
         assert _free(engine) and (draft is None or _free(draft))
+
+
+def test_a_call_that_overtakes_the_one_sent_before_it_is_refused_and_sent_again(dev_prompts, tiny_tokenizer):
+    """The target refuses (ABORTED, nothing committed) a call that continues its requests from tokens not yet
+    committed; the draft sends it again once the call ahead of it has landed. Without the check the second call's
+    tokens came back first (a text with 4-token chunks swapped, seen once through the services)."""
+    engine = tiny_target()
+    prompts = _prompts(dev_prompts, tiny_tokenizer, 5)
+    params, ref = _with_stops(engine, prompts, [40, 37, 9, 30, 25])
+    for draft in (None, tiny_draft()):
+        target = OvertakingTarget(engine)
+        sched = Scheduler(target, draft, engine.max_context, 8, feature_layers_for(draft) if draft else (),
+                          policy=Plain(budgets=(0, FULL)) if draft else None, plain_steps=8,
+                          overlap=TwoBatchOverlap(0))
+        assert _run(sched, prompts, params) == ref
+        assert target.overtaken >= 2  # calls did run out of order, and each time the output stayed right
+        assert _free(engine) and (draft is None or _free(draft))
+
+
+def test_the_target_refuses_a_call_that_continues_from_another_point(dev_prompts, tiny_tokenizer):
+    engine = tiny_target()
+    prompt = _prompts(dev_prompts, tiny_tokenizer, 1)[0]
+    engine.prefill([PrefillInput("r", prompt, SamplingParams(max_new_tokens=30), return_features=False)])
+    ahead = [VerifyInput("r", [], [], num_generated=5)]  # the call after a 4-step call that has not run yet
+    with pytest.raises(OutOfOrder, match="has generated 1 tokens; the call continues from 5"):
+        engine.verify(ahead, plain_steps=4)
+    assert engine.requests["r"].num_generated == 1  # nothing committed
+    assert len(engine.verify([VerifyInput("r", [], [], num_generated=1)], plain_steps=4)[0].tokens) == 4
+    assert len(engine.verify(ahead, plain_steps=4)[0].tokens) == 4  # its turn now
+    engine.release("r")
 
 
 def test_one_call_in_flight_when_asked(dev_prompts, tiny_tokenizer):
