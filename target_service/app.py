@@ -38,9 +38,12 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
         kv = engine.kv  # gauges read at scrape time: Verify and Prefill run between steps, not in them
         metrics.track(kv_pages=lambda: (kv.num_total_pages - kv.num_free_pages, kv.num_free_pages),
                       running=lambda: len(engine.requests), waiting=lambda: len(loop.scheduler.waiting))
+        if args.request_idle_seconds > 0:
+            loop.chore = lambda: _release_idle(engine, args.request_idle_seconds)
+            loop.chore_every_s = min(5.0, args.request_idle_seconds / 4)
         loop.start()
         servicer.engine, servicer.loop, servicer.metrics = engine, loop, metrics
-        state["loop"] = loop
+        state["loop"], state["engine"] = loop, engine
         return f"model {args.model} ({engine.cfg.architecture}, {engine.device}, max context {engine.max_context})"
 
     async def close() -> None:
@@ -54,5 +57,18 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
         metrics_port=args.metrics_port, drain_s=args.drain_seconds,
         trace_parent_required=tuple(f"/{HEALTH_NAME}/{m}" for m in ("Verify", "Release", "GetModelInfo")),
         model_name=model_label(args.model), metric_families=METRIC_FAMILIES,  # args.model: --config NAME if given
+        # a drain lets the drafts finish the requests they hold here (one short Verify a step: no call stays open
+        # for the drain to wait on); new Prefills and Generates are refused
+        still_served=frozenset(f"/{HEALTH_NAME}/{m}" for m in ("Verify", "Release", "GetModelInfo")),
+        busy=lambda: "engine" in state and bool(state["engine"].requests),
     )
     await run_service(spec, shutdown, ready)
+
+
+def _release_idle(engine, idle_s: float) -> None:
+    """The engine's requests no call has named for `idle_s` (`--request-idle-seconds`) are released (engine thread)."""
+    released = engine.release_idle(idle_s)
+    if released:
+        shown = ", ".join(repr(r) for r in released[:8]) + (" ..." if len(released) > 8 else "")
+        log.warning("released %d requests no call named for %.0f s (their draft is gone?): %s", len(released), idle_s,
+                    shown)

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -58,6 +59,7 @@ class TargetRequest:
     feature_wire: str = ""  # kept for the service: how its features travel (PrefillInput.feature_wire)
     features: bool = True  # its verify outputs carry features (False: plain Generate, no draft reads them)
     simulation: random.Random | None = None  # draws of `--simulate-accept-len` (seeded from `generator`)
+    named_at: float = field(default_factory=time.monotonic)  # the last prefill or verify naming it (`release_idle`)
 
 
 class TargetEngine:
@@ -142,6 +144,16 @@ class TargetEngine:
             raise UnknownRequest(f"unknown request id {request_id!r}")
         self.kv.release(request_id)
 
+    def release_idle(self, idle_s: float) -> list[str]:
+        """Release the requests that no prefill or verify has named for `idle_s` seconds: their draft is gone
+        (killed with its gateway, or it gave up on a call that timed out and could not release them), and they
+        would hold their pages and their ids for good. -> their ids (a later call naming one gets NOT_FOUND)."""
+        now = time.monotonic()
+        idle = [rid for rid, req in self.requests.items() if now - req.named_at > idle_s]
+        for rid in idle:
+            self.release(rid)
+        return idle
+
     # ---- steps --------------------------------------------------------------------------------------------
     @engine_call
     def prefill(self, inputs: list[PrefillInput]) -> list[PrefillOutput]:
@@ -193,7 +205,7 @@ class TargetEngine:
                 inp.request_id in self.finished}
         if gone:
             return self._verify_past_finish(inputs, gone, plain_steps, feature_rows)
-        self._check_order(inputs)
+        self._named(inputs)
         if plain_steps == 1:
             return last_feature_rows(self._verify_once(inputs), feature_rows)
         self._check_batch(inputs)
@@ -204,12 +216,16 @@ class TargetEngine:
             outputs = run_plain_steps(lambda live, _k: self._verify_checked(live), inputs, plain_steps)  # host draws
         return last_feature_rows(outputs, feature_rows)
 
-    def _check_order(self, inputs: list[VerifyInput]) -> None:
-        """Refuse (before anything runs) a call that continues a request from another point than the target's:
-        e.g. the second of two pipelined plain calls reaching the engine before the first. Inputs with
-        `num_generated` 0 are not checked; unknown ids are left to `_check_batch`."""
+    def _named(self, inputs: list[VerifyInput]) -> None:
+        """The requests a call names are alive (`release_idle`). Refuse (before anything runs) a call that
+        continues a request from another point than the target's: e.g. the second of two pipelined plain calls
+        reaching the engine before the first. Inputs with `num_generated` 0 are not checked; unknown ids are left
+        to `_check_batch`."""
+        now = time.monotonic()
         for inp in inputs:
             req = self.requests.get(inp.request_id)
+            if req is not None:
+                req.named_at = now
             if inp.num_generated and req is not None and inp.num_generated != req.num_generated:
                 raise OutOfOrder(f"request {inp.request_id!r} has generated {req.num_generated} tokens; the call "
                                  f"continues from {inp.num_generated} (sent ahead of the call before it?)")

@@ -22,7 +22,11 @@ HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
 
 class DrainGate(grpc.aio.ServerInterceptor):
-    def __init__(self) -> None:
+    """`still_served`: full method names (`/pkg.Service/Method`) that keep being served while draining: the calls
+    that let work already begun finish (the target's Verify and Release for the requests its drafts hold)."""
+
+    def __init__(self, still_served: frozenset[str] = frozenset()) -> None:
+        self.still_served = still_served
         self.draining = False
         self.in_flight = 0  # calls accepted and not yet ended (health checks not counted)
         self._idle = asyncio.Event()
@@ -32,7 +36,7 @@ class DrainGate(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith(HEALTH_PREFIX):
             return handler
-        if self.draining:
+        if self.draining and handler_call_details.method not in self.still_served:
             return rebuilt(handler, _refuse_stream if handler.response_streaming else _refuse)
         return rebuilt(handler, around(behaviour_of(handler), self._counting))
 

@@ -42,6 +42,7 @@ __all__ = ["ServerHandle", "TlsConfig", "add_tls_args", "run_server_forever", "s
 log = logging.getLogger(__name__)
 
 AddServicer = Callable[[grpc.aio.Server], None]
+BUSY_POLL_S = 0.05  # how often a drain asks whether the service still holds work (`ServerHandle.stop`)
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name  # grpc.health.v1.Health
 
 
@@ -62,9 +63,12 @@ class ServerHandle:
         for name in ("", *self.health_names):
             await self.health.set(name, status)
 
-    async def stop(self, grace_s: float | None = 10.0) -> None:
-        """New calls refused (UNAVAILABLE; health checks still answer), NOT_SERVING for good (load balancers stop
-        routing), then let in-flight calls finish for grace_s (None: cancel them at once), then stop the server.
+    async def stop(self, grace_s: float | None = 10.0, busy: Callable[[], bool] | None = None) -> None:
+        """New calls refused (UNAVAILABLE; health checks and the gate's `still_served` methods still answer),
+        NOT_SERVING for good (load balancers stop routing), then let in-flight calls finish for grace_s (None:
+        cancel them at once), then stop the server. `busy`: the service still holds work its clients will come
+        back for in calls the gate still serves (the target's requests, verified one short call a step): the drain
+        also waits, up to the same grace, until it says False.
 
         The server keeps running while calls finish, so a call arriving then gets the gate's UNAVAILABLE, not the
         CANCELLED a stopping grpc server gives calls it no longer matches to a handler."""
@@ -74,8 +78,11 @@ class ServerHandle:
         if grace_s is None:
             await self.server.stop(None)
             return
-        await self.gate.wait_idle(grace_s - (time.monotonic() - t0))
-        await self.server.stop(max(grace_s - (time.monotonic() - t0), 0.0))
+        left = lambda: grace_s - (time.monotonic() - t0)  # noqa: E731
+        while busy is not None and busy() and left() > 0:
+            await asyncio.sleep(min(BUSY_POLL_S, max(left(), 0.0)))
+        await self.gate.wait_idle(left())
+        await self.server.stop(max(left(), 0.0))
 
     async def wait_for_termination(self) -> None:
         await self.server.wait_for_termination()
@@ -89,6 +96,7 @@ async def start_server(
     tls: TlsConfig | None = None,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    still_served: frozenset[str] = frozenset(),
 ) -> ServerHandle:
     """Build, bind and start a server; port 0 picks a free port (see `bound_port`).
 
@@ -96,7 +104,7 @@ async def start_server(
     health_names: the full names of the services added (e.g. "specdec.v1.TargetService"); they are reported
     by health (NOT_SERVING until `set_serving(True)`) and listed by reflection.
     """
-    gate = DrainGate()  # first: a call refused while draining reaches no other interceptor
+    gate = DrainGate(still_served)  # first: a call refused while draining reaches no other interceptor
     # The decode guard last, nearest the servicer: a request that does not parse then passes every other
     # interceptor like any refused call (counted by the gate, refused while loading, seen by the gateway's API-key
     # check and access log as INVALID_ARGUMENT). They all keep the handler's request_deserializer, so the tolerant

@@ -40,6 +40,9 @@ class ServiceSpec:
     trace_parent_required: tuple[str, ...] = ()
     model_name: str = ""  # the metrics' model_name label: `model_label(args.model)`
     metric_families: frozenset[str] = ALL_FAMILIES  # the metric family groups the service sets (FAMILY_GROUPS)
+    # while draining: methods still served and whether work its clients come back for is left (`ServerHandle.stop`)
+    still_served: frozenset[str] = frozenset()
+    busy: Callable[[], bool] | None = None
 
 
 async def run_service(spec: ServiceSpec, shutdown: asyncio.Event, ready: Callable[[int], None] | None = None) -> None:
@@ -48,7 +51,8 @@ async def run_service(spec: ServiceSpec, shutdown: asyncio.Event, ready: Callabl
     gate = ReadinessGate(spec.health_name)
     metrics = ServiceMetrics(spec.name, model_name=spec.model_name, families=spec.metric_families)
     handle = await start_server(spec.servicers, [spec.health_name], spec.host, spec.port, spec.tls,
-                                interceptors=[gate, *server_interceptors(provider, spec.trace_parent_required)])
+                                interceptors=[gate, *server_interceptors(provider, spec.trace_parent_required)],
+                                still_served=spec.still_served)
     if spec.metrics_port:
         start_metrics_server(spec.metrics_port, metrics.registry)  # logs its address
     try:
@@ -69,7 +73,7 @@ async def run_service(spec: ServiceSpec, shutdown: asyncio.Event, ready: Callabl
             ready(handle.bound_port)
         await shutdown.wait()
         log.info("%s draining (up to %.0f s)", spec.name, spec.drain_s)
-        await handle.stop(spec.drain_s)
+        await handle.stop(spec.drain_s, spec.busy)
     finally:
         await spec.close()
         await handle.stop(0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +55,9 @@ class EngineLoop:
         self._stopping = False
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self.on_step: Callable[[list[Event]], None] | None = None  # metrics hook, runs on the engine thread
+        # a chore run on the engine thread between calls every `chore_every_s`, idle or not (None: none)
+        self.chore: Callable[[], None] | None = None
+        self.chore_every_s = 5.0
 
     def start(self) -> None:
         self._thread.start()
@@ -140,10 +144,14 @@ class EngineLoop:
         if self.device is not None and self.device.type == "cuda":
             # CUDA's current device is per thread: graph capture, Triton and flashinfer launch on it
             torch.cuda.set_device(self.device)
+        chore_at = time.monotonic() + self.chore_every_s
         while True:
             with self._cond:
                 while not self._calls and not self._stopping and not (self.scheduler and self.scheduler.has_work):
-                    self._cond.wait()
+                    if self.chore is None:
+                        self._cond.wait()
+                    elif not self._cond.wait(max(chore_at - time.monotonic(), 0.0)):
+                        break  # the chore's time came
                 stopping = self._stopping
                 if stopping:
                     self._fail_all()
@@ -153,8 +161,17 @@ class EngineLoop:
                     self.scheduler.close()
                 return
             self._run_calls(calls)
+            if self.chore is not None and time.monotonic() >= chore_at:
+                self._resolve_chore()
+                chore_at = time.monotonic() + self.chore_every_s
             if self.scheduler is not None and self.scheduler.has_work:
                 self._step()
+
+    def _resolve_chore(self) -> None:
+        try:
+            self.chore()
+        except Exception:  # noqa: BLE001 - a chore's failure is logged; the engine goes on
+            log.exception("%s chore failed", self.name)
 
     def _run_calls(self, calls: list[_Call]) -> None:
         batches: dict[Callable, list[_Call]] = {}
