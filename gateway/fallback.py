@@ -88,12 +88,15 @@ class FallbackGeneration:
         sampling = dataclasses.replace(
             self._plan.sampling, max_new_tokens=self._plan.sampling.max_new_tokens - len(self.generated)
         )
+        # the parts this stream waits on: a frozen one (health checks unanswered) is left, not waited out
+        parts = (Part.DRAFT, Part.TARGET) if use_draft else (Part.TARGET,)
+        hung = {part: pair.unresponsive[part] for part in parts}
         if use_draft:
             stream = pair.draft.generate(rid, prompt, sampling, self._timeout_s(), self._plan.spec)
         else:
             stream = pair.target.generate(rid, prompt, sampling, self._timeout_s())
         async with contextlib.aclosing(stream):
-            async for chunk in stream:
+            async for chunk in _unless_hung(stream, hung):
                 if chunk.finish is not None and chunk.finish.reason == FINISH_ABORT:
                     raise StreamBroken(f"{pair}: the service aborted the request")
                 self.generated.extend(chunk.token_ids)
@@ -107,6 +110,8 @@ class FallbackGeneration:
         self.num_fallbacks += 1
         self.speculative = False
         reason = _describe(exc)
+        if isinstance(exc, PartHung) and exc.part is Part.TARGET:
+            used_draft = False  # the pair's target froze under its draft: the request moves to another pair
         if used_draft:
             self._router.report_failure(lease.pair, Part.DRAFT, reason)
             self._release_later(lease, rid)  # the target may still hold the draft's request
@@ -129,6 +134,41 @@ class FallbackGeneration:
         task = asyncio.create_task(lease.pair.target.release([rid]))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+class PartHung(StreamBroken):
+    """A part a stream runs on stopped answering health checks (frozen, or cut off): the stream left it."""
+
+    def __init__(self, part: Part) -> None:
+        super().__init__(f"the {part.value} stopped answering health checks")
+        self.part = part
+
+
+async def _unless_hung(stream: AsyncIterator[Chunk], hung: dict[Part, asyncio.Event]) -> AsyncIterator[Chunk]:
+    """`stream`'s chunks until one of the `hung` events is set (the part's health checks went unanswered): then
+    the read in progress is cancelled (the downstream call with it) and PartHung raised. Without it a stream on a
+    frozen draft waited for as long as the freeze (45 s+ in a QA run, with no client deadline) although the
+    gateway had marked the draft down 3.5 s in, and one on a frozen target for the draft's 60 s call timeout."""
+    waits = {asyncio.ensure_future(event.wait()): part for part, event in hung.items()}
+    read: asyncio.Future | None = None
+    try:
+        while True:
+            read = asyncio.ensure_future(anext(stream))
+            done, _ = await asyncio.wait({read, *waits}, return_when=asyncio.FIRST_COMPLETED)
+            if read not in done:
+                raise PartHung(next(waits[w] for w in done if w in waits))
+            try:
+                chunk = read.result()
+            except StopAsyncIteration:
+                return
+            yield chunk
+    finally:
+        for wait in waits:
+            wait.cancel()
+        if read is not None and not read.done():  # left mid-read (a hung part, or the caller went away)
+            read.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await read
 
 
 def _describe(exc: Exception) -> str:

@@ -59,6 +59,10 @@ class Pair:
     target_model: str = ""  # from GetModelInfo once the target was seen up
     draft_model: str = ""
     max_context_len: int = 0  # 0: not known yet
+    # per part: set when health checks mark it down for not answering (a frozen or unreachable service), so the
+    # streams running on it stop waiting for it (`FallbackGeneration`); a fresh one once it is up again
+    unresponsive: dict[Part, asyncio.Event] = field(
+        default_factory=lambda: {Part.DRAFT: asyncio.Event(), Part.TARGET: asyncio.Event()})
 
     @property
     def usable(self) -> bool:
@@ -164,6 +168,10 @@ class Router:
         if up and missed < MISSED_CHECKS_DOWN:
             log.info("%s: %s did not answer a health check (%d in a row)", pair, part.value, missed)
             return True
+        if not pair.unresponsive[part].is_set():
+            log.warning("%s: %s did not answer %d health checks in a row; its streams move on", pair, part.value,
+                        missed)
+            pair.unresponsive[part].set()
         return False
 
     def _set(self, pair: Pair, part: Part, up: bool) -> None:
@@ -171,6 +179,8 @@ class Router:
         if getattr(pair, attr) != up:
             log.info("%s: %s is %s", pair, part.value, "up" if up else "down")
         setattr(pair, attr, up)
+        if up and pair.unresponsive[part].is_set():
+            pair.unresponsive[part] = asyncio.Event()
 
     async def _learn_target(self, pair: Pair) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError):

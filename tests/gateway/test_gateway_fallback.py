@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from conftest import SCRIPT_TEXT
 from gateway_fakes import FakeModel, PairAddress, collect, fake_stack, gateway_over, run, start_fake_pair
@@ -190,3 +191,49 @@ def test_an_unanswered_health_check_keeps_a_pair_up_until_several_in_a_row(fake_
     seen, final, down_after_misses, back, up_after_refusal = run(body())
     assert all(seen) and final.finish_reason == common_pb2.FINISH_REASON_STOP
     assert down_after_misses and back and not up_after_refusal
+
+
+def _frozen(monkeypatch, client) -> None:
+    """`client`'s service stops answering health checks (a frozen process: SIGSTOP, a stuck host)."""
+    from gateway.downstream import Health
+
+    monkeypatch.setattr(client, "probe", lambda timeout_s=1.0: asyncio.sleep(0, Health.NO_ANSWER))
+
+
+def test_a_stream_on_a_draft_that_stops_answering_moves_to_its_target(fake_model, model_dir, monkeypatch):
+    """A frozen draft: its stream stops and so do its health checks. Once they mark it down the stream leaves it
+    and continues on the pair's target with the same text (before, it waited as long as the freeze lasted)."""
+    async def body():
+        async with fake_stack(fake_model, model_dir) as (pairs, gateway, stub):
+            pairs[0].draft.hang_after_chunks = 2
+            call = stub.Generate(request(request_id="h1"))
+            first = await call.read()
+            _frozen(monkeypatch, gateway.router.pairs[0].draft)
+            t0 = time.monotonic()
+            text, _, final, _ = await collect(call)
+            return first.text + text, final, time.monotonic() - t0, pairs
+
+    text, final, waited, pairs = run(body())
+    assert text == SCRIPT_TEXT and not final.speculative
+    assert waited < 5
+    assert [r[0] for r in pairs[0].target.seen.requests] == ["h1~1"]
+
+
+def test_a_stream_whose_target_stops_answering_moves_to_another_pair(fake_model, model_dir, monkeypatch):
+    """The pair's target freezes under its draft's stream (the draft would wait its 60 s call timeout): the
+    stream leaves the pair once the target's health checks mark it down, and continues on the other pair."""
+    async def body():
+        async with fake_stack(fake_model, model_dir, num_pairs=2) as (pairs, gateway, stub):
+            gateway.router.pairs[1].in_flight = 5  # make pair 0 the least loaded
+            pairs[0].draft.hang_after_chunks = 2
+            call = stub.Generate(request(request_id="h2"))
+            first = await call.read()
+            _frozen(monkeypatch, gateway.router.pairs[0].target)
+            t0 = time.monotonic()
+            text, _, final, _ = await collect(call)
+            return first.text + text, final, time.monotonic() - t0, pairs
+
+    text, final, waited, pairs = run(body())
+    assert text == SCRIPT_TEXT and not final.speculative
+    assert waited < 5
+    assert [r[0] for r in pairs[1].target.seen.requests] == ["h2~1"] and not pairs[0].target.seen.requests

@@ -7,6 +7,8 @@ tests/gateway/test_gateway_e2e.py::test_gateway_e2e_draft_killed_mid_stream_same
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from concurrent import futures
 
@@ -114,6 +116,36 @@ def test_reliability_target_killed_gateway_continues_on_the_other_pair(stack, re
     msgs = list(call)
     ch.close()
     assert msgs[-1].final.speculative and msgs[-1].final.completion_tokens >= 1
+
+
+def test_reliability_target_frozen_gateway_moves_on_and_the_target_frees_its_pages(stack, reference):
+    """SIGSTOP of pair A's target under a speculative gateway stream: once its health checks go unanswered the
+    stream leaves pair A and continues on pair B with the same greedy text (before: the draft's 60 s call timeout,
+    then UNAVAILABLE on one pair). After SIGCONT the target's pages come back (the draft's request is aborted;
+    what no call names again is released by the target's idle sweep)."""
+    gateway, target_a = stack["gateway"], stack["target_a"]
+    call, ch = gateway_generate(gateway.addr)  # speculative: pair A
+    it = iter(call)
+    texts = [next(it).text]
+    os.kill(target_a.proc.pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    msgs, arrived = [], [t0]
+    try:
+        for msg in it:
+            msgs.append(msg)
+            arrived.append(time.monotonic())
+    finally:
+        os.kill(target_a.proc.pid, signal.SIGCONT)
+    ch.close()
+    texts += [m.text for m in msgs]
+    assert "".join(texts) == reference and not msgs[-1].final.speculative
+    moved_in = max(b - a for a, b in zip(arrived[:-1], arrived[1:], strict=True))  # the stream's longest stall
+    assert moved_in < 15, moved_in  # a check every 2 s, then every 0.25 s + its 1 s deadline: three unanswered
+    free, total, running = wait_whole(target_kv, target_a.addr, timeout_s=30)
+    assert (free, running) == (total, 0)
+    assert wait_whole(draft_kv, stack["draft_a"].addr, timeout_s=30)[2] == 0
+    assert wait_pairs_up(gateway.addr, 2) < 20
+    print(f"frozen target: the stream moved on after {moved_in:.1f} s")
 
 
 def test_reliability_client_deadline_cancels_downstream(stack):
