@@ -61,18 +61,33 @@ def _load(args, opts, spec: SpecConfig, off: bool, stop: threading.Event):
                           features=not off)
     log.info("connecting to target at %s", args.target)
     info = _connect(client, args.target_wait_seconds, stop)
-    if info.vocab_size != target_cfg.vocab_size or info.hidden_size != target_cfg.hidden_size:
+    if (info.vocab_size, info.hidden_size, info.num_layers) != \
+            (target_cfg.vocab_size, target_cfg.hidden_size, target_cfg.num_layers):
         raise ConfigError(f"target at {args.target} serves {info.model} (vocab {info.vocab_size}, hidden "
-                          f"{info.hidden_size}), which does not match --target-model {args.target_model}")
+                          f"{info.hidden_size}, {info.num_layers} layers), which does not match --target-model "
+                          f"{args.target_model} (vocab {target_cfg.vocab_size}, hidden {target_cfg.hidden_size}, "
+                          f"{target_cfg.num_layers} layers)")
     max_context = min(info.max_context_len, opts.max_context or info.max_context_len)
     log.info("target %s: context length %d", info.model, max_context)
     if stop.is_set():
         raise StartCancelled("shutting down before the draft model was built")
     engine = build_draft(args.model, args.target_model, spec, opts, max_context)
+    _check_feature_layers(args, feature_layers_for(engine), info)
     client.feature_dim = info.hidden_size * max(1, len(feature_layers_for(engine)))
     sizes = [] if off else [spec.num_draft_tokens if b == FULL else b for b in budget_menu(spec.num_draft_tokens)]
     warm_verify_shapes(client, sizes, spec.topk, feature_layers_for(engine), info.vocab_size, features=not off)
     return client, engine, max_context, info
+
+
+def _check_feature_layers(args, layers: tuple[int, ...], info) -> None:
+    """An EAGLE-3 head reads the target's hidden states at its trained layers: one the target does not have means
+    the head was trained for another target. Before, the draft started and reported SERVING, its warm-up logged a
+    warning, and every speculative request failed INVALID_ARGUMENT (blaming the client)."""
+    bad = [i for i in layers if not 0 <= i <= info.num_layers]
+    if bad:
+        raise ConfigError(f"the draft {args.model} reads the target's hidden states at layer {bad[0]} (of "
+                          f"{list(layers)}), but the target at {args.target} ({info.model}) has {info.num_layers} "
+                          "layers: the head was trained for another target")
 
 
 async def serve(args, shutdown: asyncio.Event, ready=None) -> None:

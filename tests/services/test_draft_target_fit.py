@@ -1,0 +1,42 @@
+"""A draft head that does not fit the target it is pointed at fails at start, naming what does not fit, instead of
+starting SERVING and failing every speculative request as the client's fault (INVALID_ARGUMENT)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from repo_paths import TINY
+
+from specdec.serving.service_thread import ServiceThread
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "specdec"))
+from core_checkpoints import make_llama_target  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def shallow_target(tmp_path_factory):
+    """A 4-layer target with the tiny pair's vocabulary and width: the EAGLE-3 head reads layer 5 of 8."""
+    return make_llama_target(tmp_path_factory.mktemp("t4") / "target", vocab=8192, hidden=384, layers=4, heads=6,
+                             kv_heads=2, shard=False)
+
+
+def _draft(target_addr: str, target_model: Path, head: str) -> ServiceThread:
+    from draft_service.app import serve
+
+    return ServiceThread(serve, ["serve-draft", "--model", str(TINY / head), "--target-model", str(target_model),
+                                 "--target", target_addr, "--port", "0", "--drain-seconds", "1"])
+
+
+def test_an_eagle3_head_trained_for_a_deeper_target_fails_at_start(shallow_target):
+    from target_service.app import serve
+
+    target = ServiceThread(serve, ["serve-target", "--model", str(shallow_target), "--port", "0"]).start()
+    try:
+        with pytest.raises(RuntimeError, match=r"reads the target's hidden states at layer 5 .* has 4 layers"):
+            _draft(target.addr, shallow_target, "draft-eagle3").start()
+        with pytest.raises(RuntimeError, match=r"8 layers\)"):  # --target-model names another target
+            _draft(target.addr, TINY / "target", "draft").start()
+    finally:
+        target.stop()
