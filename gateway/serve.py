@@ -102,7 +102,7 @@ async def serve(args: argparse.Namespace, shutdown: asyncio.Event, ready: Callab
     api_keys = load_api_keys(args.api_key_file) if args.api_key_file else ()
     setup_tracing("gateway")
     metrics = ServiceMetrics("gateway", model_name=model_label(config.model_dir), families=MetricsInterceptor.FAMILIES)
-    metrics_server = start_metrics_server(args.metrics_port, metrics.registry)
+    metrics_server = start_metrics_server(args.metrics_port, metrics.registry, args.host)
     gateway = await start_gateway(config, args.host, args.port, tls, api_keys, metrics)
     try:
         pairs = ", ".join(map(str, config.pairs))

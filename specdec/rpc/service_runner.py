@@ -50,11 +50,11 @@ async def run_service(spec: ServiceSpec, shutdown: asyncio.Event, ready: Callabl
     provider = setup_tracing(f"{spec.name}_service")  # OTEL_SERVICE_NAME overrides
     gate = ReadinessGate(spec.health_name)
     metrics = ServiceMetrics(spec.name, model_name=spec.model_name, families=spec.metric_families)
+    # before the gRPC server: a port that cannot be had ends the start with nothing to stop (logs its address)
+    start_metrics_server(spec.metrics_port, metrics.registry, spec.host)
     handle = await start_server(spec.servicers, [spec.health_name], spec.host, spec.port, spec.tls,
                                 interceptors=[gate, *server_interceptors(provider, spec.trace_parent_required)],
                                 still_served=spec.still_served)
-    if spec.metrics_port:
-        start_metrics_server(spec.metrics_port, metrics.registry)  # logs its address
     try:
         loading = asyncio.ensure_future(spec.load(metrics))
         stop = asyncio.ensure_future(shutdown.wait())

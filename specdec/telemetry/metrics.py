@@ -21,6 +21,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from specdec.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 # Bucket upper bounds in seconds (vLLM's, with finer steps below 10 ms: speculation makes tokens cheap).
@@ -125,12 +127,17 @@ def model_label(model: str) -> str:
 
 def start_metrics_server(port: int, registry: CollectorRegistry, addr: str = "0.0.0.0") -> Any | None:
     """Serve `registry` at http://addr:port/metrics from a daemon thread; port 0 = no server (returns None).
+    `addr`: the service's own `--host` (a service kept on loopback keeps its metrics there too). A port that
+    cannot be had is a ConfigError (the CLI's `error: ...` and exit 2, like a busy gRPC port).
 
     Returns the HTTP server (call `.shutdown()` to stop it).
     """
     if port == 0:
         return None
-    server, _thread = start_http_server(port, addr=addr, registry=registry)
+    try:
+        server, _thread = start_http_server(port, addr=addr, registry=registry)
+    except OSError as exc:
+        raise ConfigError(f"cannot serve metrics on {addr}:{port}: {exc.strerror or exc}") from None
     logger.info("metrics on http://%s:%d/metrics", addr, port)
     return server
 

@@ -209,3 +209,21 @@ def test_model_label_is_the_checkpoint_directory_or_the_preset_name():
     assert model_label("models/tiny-code/target") == "target"
     assert model_label("/ckpt/Meta-Llama-3-8B-Instruct/") == "Meta-Llama-3-8B-Instruct"
     assert model_label("llama3-8b-eagle3") == "llama3-8b-eagle3"  # --load-format dummy --config NAME
+
+
+def test_metrics_listen_on_the_services_host_and_a_busy_port_is_a_clear_error():
+    """The endpoint binds where the service does (`--host 127.0.0.1` kept it on 0.0.0.0 before), and a port that is
+    taken is a ConfigError (the CLI's `error: ...`, exit 2) instead of an OSError traceback."""
+    from specdec.errors import ConfigError
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = start_metrics_server(port, ServiceMetrics("target").registry, "127.0.0.1")
+    try:
+        assert server.server_address[0] == "127.0.0.1"
+        with pytest.raises(ConfigError, match=f"cannot serve metrics on 127.0.0.1:{port}"):
+            start_metrics_server(port, ServiceMetrics("target").registry, "127.0.0.1")
+    finally:
+        server.shutdown()
+        server.server_close()
