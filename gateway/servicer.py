@@ -170,6 +170,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         known = up or self._router.pairs
         target = next((p.target_model for p in known if p.target_model), self._model_dir_name)
         draft = next((p.draft_model for p in known if p.draft_model), "")
-        card = gateway_pb2.ModelCard(id=self._served_model_name or target, target=target, draft=draft,
+        # the id is the model's name, not where a service loaded it from: the same before a pair answered (the
+        # gateway's own --model) and after (a target's path: it was "target", then "/work/.../target")
+        card = gateway_pb2.ModelCard(id=self._served_model_name or Path(target).name, target=target, draft=draft,
                                      max_context_len=self._max_context_len(), pairs_up=len(up))
         return gateway_pb2.ListModelsResponse(models=[card])

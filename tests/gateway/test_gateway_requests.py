@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import grpc
 import grpc.aio
@@ -267,3 +268,21 @@ def test_a_local_gpu_stack_asks_for_flashinfer_when_it_is_installed(monkeypatch)
                  for cmd in (gpu["target"], gpu["draft"])]
         assert flags == (["flashinfer"] * 2 if installed else [None, None])
         assert "--attention-backend" not in StackConfig(device="cpu").commands()["target"]
+
+
+def test_gateway_list_models_id_is_the_models_name_before_and_after_a_pair_answers(fake_model, model_dir):
+    """The default id is the checkpoint directory's name: what the gateway knows from its own --model while no pair
+    has answered, and what a target reports (the path it loaded) once one has. It was the bare name first, then
+    the target's whole path."""
+    name = Path(model_dir).name
+
+    async def body():
+        async with fake_stack(fake_model, model_dir) as (_, gateway, stub):
+            pair = gateway.router.pairs[0]
+            pair.target_model = f"/srv/models/{name}"
+            ids = [(await stub.ListModels(gateway_pb2.ListModelsRequest())).models[0].id]
+            pair.target_model = ""  # as before the target first answered
+            ids.append((await stub.ListModels(gateway_pb2.ListModelsRequest())).models[0].id)
+            return ids
+
+    assert run(body()) == [name, name]
