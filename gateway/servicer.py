@@ -91,10 +91,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     async def _encode_prompt(self, request) -> EncodedInput:
         prompt, max_context_len = read_input(request), self._max_context_len()
+        check_input_chars(prompt.num_chars, self._limits)  # first: the documented limit, and the cheapest check
         if prompt.text is not None:  # a text too long to fit is refused before tokenizing it
             min_tokens = self._tokenizer.min_num_tokens(prompt.text)
             check_prompt_chars(len(prompt.text), min_tokens, self._limits, max_context_len)
-        check_input_chars(prompt.num_chars, self._limits)
         # the span covers the tokenizing alone: a refused request's error belongs to its server span, not here
         with get_tracer().start_as_current_span("gateway.tokenize") as span:
             encoded = await encode_input(self._tokenizer, prompt)

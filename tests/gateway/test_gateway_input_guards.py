@@ -156,12 +156,14 @@ def test_spec_values_are_checked_on_every_route(fake_model, model_dir, no_specul
     assert good == ("OK", "") and len(downstream) == 1  # only the good one went downstream
 
 
+@pytest.mark.parametrize("size", [1001, 70_000])
 @pytest.mark.parametrize("kind", BIG_INPUTS)
-def test_an_input_over_max_input_chars_is_refused_before_tokenizing(fake_model, model_dir, monkeypatch, kind):
+def test_an_input_over_max_input_chars_is_refused_before_tokenizing(fake_model, model_dir, monkeypatch, kind, size):
     """--max-input-chars bounds every input, chats and Tokenize texts included (no context bound holds for
     them: a template may leave text out, and Tokenize is not tied to the context): refused from its length,
     untokenized. Before, a 50 MB chat was tokenized (5-6 s of CPU) to be refused, and a 50 MB Tokenize held the
-    event loop ~3 s building its 21M ids."""
+    event loop ~3 s building its 21M ids. A prompt past the context too (70k characters: at least 547 tokens)
+    gets this message, the documented one, not the context's."""
     from gateway.config import GatewayLimits
 
     encoded = []
@@ -169,7 +171,7 @@ def test_an_input_over_max_input_chars_is_refused_before_tokenizing(fake_model, 
     monkeypatch.setattr(Tokenizer, "encode", lambda self, text, *a: encoded.append(len(text)) or real_encode(
         self, text, *a))
     limits = GatewayLimits(max_input_chars=1000)
-    over, under = "x" * 1001, SOURCE_LINE * 3
+    over, under = "x" * size, SOURCE_LINE * 3
 
     async def body():
         async with fake_stack(fake_model, model_dir, limits=limits) as (_, gateway, stub):
@@ -179,9 +181,9 @@ def test_an_input_over_max_input_chars_is_refused_before_tokenizing(fake_model, 
             return refused, served
 
     (code, details), (ok, _) = run(body())
-    assert code == "INVALID_ARGUMENT" and details == "the input has 1001 characters; the limit is 1000 " \
+    assert code == "INVALID_ARGUMENT" and details == f"the input has {size} characters; the limit is 1000 " \
         "(--max-input-chars)"
-    assert ok == "OK" and 1001 not in encoded
+    assert ok == "OK" and size not in encoded
 
 
 def test_a_deadline_that_passes_is_logged_as_deadline_exceeded_not_as_a_cancel(fake_model, model_dir, caplog):
