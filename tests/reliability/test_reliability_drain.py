@@ -96,6 +96,7 @@ def drain(proc: ServiceProcess, service: str, start_stream, new_request) -> tupl
     short.join(30), long.join(30)
     assert proc.proc.wait(GRACE_S + 15) == 0, proc.log()[-2000:]
     exited = time.monotonic() - t0
+    assert "stopped" in proc.log() and "nanobind" not in proc.log()  # a clean end, without Triton's leak report
     assert short.done and short.code == grpc.StatusCode.OK  # fits in the grace period: finishes
     assert long.done or long.code != grpc.StatusCode.OK  # does not fit: a finish or a clear status, never silence
     assert long.ended_at - t0 < GRACE_S + 5
