@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 from conftest import SCRIPT_TEXT
 from gateway_fakes import FakeModel, PairAddress, collect, fake_stack, gateway_over, run, start_fake_pair
 
@@ -200,35 +201,19 @@ def _frozen(monkeypatch, client) -> None:
     monkeypatch.setattr(client, "probe", lambda timeout_s=1.0: asyncio.sleep(0, Health.NO_ANSWER))
 
 
-def test_a_stream_on_a_draft_that_stops_answering_moves_to_its_target(fake_model, model_dir, monkeypatch):
-    """A frozen draft: its stream stops and so do its health checks. Once they mark it down the stream leaves it
-    and continues on the pair's target with the same text (before, it waited as long as the freeze lasted)."""
-    async def body():
-        async with fake_stack(fake_model, model_dir) as (pairs, gateway, stub):
-            pairs[0].draft.hang_after_chunks = 2
-            call = stub.Generate(request(request_id="h1"))
-            first = await call.read()
-            _frozen(monkeypatch, gateway.router.pairs[0].draft)
-            t0 = time.monotonic()
-            text, _, final, _ = await collect(call)
-            return first.text + text, final, time.monotonic() - t0, pairs
-
-    text, final, waited, pairs = run(body())
-    assert text == SCRIPT_TEXT and not final.speculative
-    assert waited < 5
-    assert [r[0] for r in pairs[0].target.seen.requests] == ["h1~1"]
-
-
-def test_a_stream_whose_target_stops_answering_moves_to_another_pair(fake_model, model_dir, monkeypatch):
-    """The pair's target freezes under its draft's stream (the draft would wait its 60 s call timeout): the
-    stream leaves the pair once the target's health checks mark it down, and continues on the other pair."""
+@pytest.mark.parametrize("frozen", ["draft", "target"])
+def test_a_stream_on_a_part_that_stops_answering_moves_on(fake_model, model_dir, monkeypatch, frozen):
+    """A part freezes under a speculative stream: the stream stops and so do the part's health checks. Once they
+    mark it down the stream leaves it with the same text: off a frozen draft to the pair's target, off a pair
+    whose target froze to the other pair. Before, it waited as long as a draft's freeze lasted, and for the
+    draft's 60 s call timeout under a frozen target."""
     async def body():
         async with fake_stack(fake_model, model_dir, num_pairs=2) as (pairs, gateway, stub):
             gateway.router.pairs[1].in_flight = 5  # make pair 0 the least loaded
             pairs[0].draft.hang_after_chunks = 2
-            call = stub.Generate(request(request_id="h2"))
+            call = stub.Generate(request(request_id="h1"))
             first = await call.read()
-            _frozen(monkeypatch, gateway.router.pairs[0].target)
+            _frozen(monkeypatch, getattr(gateway.router.pairs[0], frozen))
             t0 = time.monotonic()
             text, _, final, _ = await collect(call)
             return first.text + text, final, time.monotonic() - t0, pairs
@@ -236,4 +221,7 @@ def test_a_stream_whose_target_stops_answering_moves_to_another_pair(fake_model,
     text, final, waited, pairs = run(body())
     assert text == SCRIPT_TEXT and not final.speculative
     assert waited < 5
-    assert [r[0] for r in pairs[1].target.seen.requests] == ["h2~1"] and not pairs[0].target.seen.requests
+    moved_to = pairs[0] if frozen == "draft" else pairs[1]
+    assert [r[0] for r in moved_to.target.seen.requests] == ["h1~1"]
+    if frozen == "target":
+        assert not pairs[0].target.seen.requests

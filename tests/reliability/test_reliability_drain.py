@@ -81,6 +81,18 @@ class Stream:
         return self
 
 
+def draft_streams(stub, prefix: str):
+    """A `start(sampling)` for `drain`: a draft Generate stream of PROMPT_IDS under a fresh request id."""
+    counter = iter(range(100))
+
+    def start(sampling):
+        req = draft_pb2.DraftServiceGenerateRequest(request_id=f"{prefix}{next(counter)}", prompt_ids=PROMPT_IDS,
+                                                    sampling=sampling)
+        return Stream(stub.Generate(req, timeout=120), lambda m: m.HasField("final"))
+
+    return start
+
+
 def drain(proc: ServiceProcess, service: str, start_stream, new_request) -> tuple[Stream, Stream, float]:
     short, long = start_stream(SHORT), start_stream(LONG)
     assert short.first.wait(30) and long.first.wait(30)
@@ -126,12 +138,7 @@ def test_reliability_drain_draft(procs):
     draft = procs["draft"]
     channel = grpc.insecure_channel(draft.addr)
     stub = draft_pb2_grpc.DraftServiceStub(channel)
-    counter = iter(range(100))
-
-    def start(sampling):
-        req = draft_pb2.DraftServiceGenerateRequest(request_id=f"d{next(counter)}", prompt_ids=PROMPT_IDS,
-                                                    sampling=sampling)
-        return Stream(stub.Generate(req, timeout=120), lambda m: m.HasField("final"))
+    start = draft_streams(stub, "d")
 
     def new_request():
         list(stub.Generate(draft_pb2.DraftServiceGenerateRequest(request_id="late", prompt_ids=PROMPT_IDS),
@@ -197,12 +204,7 @@ def test_reliability_drain_target_lets_its_drafts_requests_finish(tmp_path):
         channel = grpc.insecure_channel(draft.addr)
         stub = draft_pb2_grpc.DraftServiceStub(channel)
         target_stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(target.addr))
-        counter = iter(range(100))
-
-        def start(sampling):
-            req = draft_pb2.DraftServiceGenerateRequest(request_id=f"s{next(counter)}", prompt_ids=PROMPT_IDS,
-                                                        sampling=sampling)
-            return Stream(stub.Generate(req, timeout=120), lambda m: m.HasField("final"))
+        start = draft_streams(stub, "s")
 
         def new_request():
             target_stub.Prefill(target_pb2.PrefillRequest(request_id="late", prompt_ids=PROMPT_IDS), timeout=10)
