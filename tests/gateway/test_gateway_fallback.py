@@ -225,3 +225,49 @@ def test_a_stream_on_a_part_that_stops_answering_moves_on(fake_model, model_dir,
     assert [r[0] for r in moved_to.target.seen.requests] == ["h1~1"]
     if frozen == "target":
         assert not pairs[0].target.seen.requests
+
+
+def test_leaving_a_hung_part_cancels_only_the_read_and_keeps_a_real_cancel():
+    """`_unless_hung`: a part marked unresponsive during a read ends the read (the downstream generator is closed)
+    with PartHung; one marked between reads is seen at the next read; a cancel of the task from elsewhere (the
+    client left) stays a cancel, also when a part goes down at the same moment."""
+    from gateway.fallback import PartHung, _unless_hung
+    from gateway.router import Part
+
+    async def downstream(log, first_hangs: bool = False):
+        try:
+            yield 1
+            if first_hangs:
+                await asyncio.sleep(3600)
+            yield 2
+            await asyncio.sleep(3600)
+        finally:
+            log.append("closed")
+
+    async def read_all(events, log, on_first=None):
+        got = []
+        async for chunk in _unless_hung(downstream(log), events):
+            got.append(chunk)
+            if on_first is not None and len(got) == 1:
+                on_first()
+        return got
+
+    async def scenario(kind):
+        events, log = {Part.DRAFT: asyncio.Event(), Part.TARGET: asyncio.Event()}, []
+        on_first = events[Part.TARGET].set if kind == "between" else None
+        task = asyncio.ensure_future(read_all(events, log, on_first))
+        await asyncio.sleep(0.05)  # now waiting in a read
+        if kind in ("during", "both"):
+            events[Part.DRAFT].set()
+        if kind in ("cancel", "both"):
+            task.cancel()
+        try:
+            return await task, log
+        except (PartHung, asyncio.CancelledError) as exc:
+            return (type(exc).__name__, getattr(exc, "part", None)), log
+
+    for kind, want in [("during", ("PartHung", Part.DRAFT)), ("between", ("PartHung", Part.TARGET)),
+                       ("cancel", ("CancelledError", None)), ("both", ("CancelledError", None))]:
+        result, log = run(scenario(kind))
+        assert result == want, kind
+        assert kind == "between" or log == ["closed"], kind  # the downstream read was cancelled and closed

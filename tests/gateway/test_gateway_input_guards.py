@@ -34,7 +34,10 @@ async def health_check_s(port: int) -> float:
 def test_a_huge_prompt_is_refused_untokenized_while_health_checks_answer(fake_model, model_dir, monkeypatch):
     """50 MB of text cannot fit a 512-token context (a token covers at most 128 bytes here): refused from its
     length alone, fast, while the gateway keeps answering health checks. Before, the whole text was tokenized on
-    the event loop first (seconds, the health check waiting)."""
+    the event loop first (seconds, the health check waiting). (--max-input-chars raised past it: by default that
+    limit, checked first, refuses such a text.)"""
+    from gateway.config import GatewayLimits
+
     encoded = []
     real_encode = Tokenizer.encode
     monkeypatch.setattr(Tokenizer, "encode", lambda self, text, *a: encoded.append(len(text)) or real_encode(
@@ -42,7 +45,8 @@ def test_a_huge_prompt_is_refused_untokenized_while_health_checks_answer(fake_mo
     huge = SOURCE_LINE * (50_000_000 // len(SOURCE_LINE))
 
     async def body():
-        async with fake_stack(fake_model, model_dir) as (pairs, gateway, stub):
+        async with fake_stack(fake_model, model_dir, limits=GatewayLimits(max_input_chars=10**8)) as (
+                pairs, gateway, stub):
             started = time.monotonic()
             refused = asyncio.ensure_future(status_of(stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(
                 prompt=huge))))
