@@ -149,13 +149,11 @@ class Admission:
             with attached(group[0].trace_context):
                 return self.target.prefill(inputs)
         except SpecdecError:
+            # the target admitted none of the group (its prefill is all or nothing): nothing to release there. An
+            # id in the group may be held on the target by another caller (a draft, when clients reuse an id
+            # at once): releasing it would end that request (its next Verify NOT_FOUND)
             for state in group:
-                rid = state.request_id
-                if rid in self.running:  # a duplicate id: the running request keeps its state
-                    continue
-                self._drop_draft(rid)
-                with contextlib.suppress(SpecdecError):  # whatever the target admitted before failing
-                    self.target.release(rid)
+                self._drop_draft(state.request_id)
             return None
 
     def _prefill_each(self, group: list[RunState]) -> list | None:

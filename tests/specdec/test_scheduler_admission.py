@@ -80,6 +80,32 @@ def test_a_bad_request_in_a_group_fails_alone(dev_prompts, tiny_tokenizer):
     assert draft.kv.num_free_pages == draft.kv.num_total_pages and not draft.requests
 
 
+def test_a_group_refused_for_an_id_another_caller_holds_leaves_that_callers_request_alone(dev_prompts,
+                                                                                       tiny_tokenizer):
+    """The target's own plain Generate admits a group whose id a draft already holds on the same target (clients
+    reusing an id at once): the group is refused as a whole, then each runs alone (that one ALREADY_EXISTS).
+    The draft's request keeps its state. Before, undoing the group released every id in it on the target, the
+    draft's request among them, whose next Verify then failed NOT_FOUND (seen with ids reused under deadlines)."""
+    from specdec.engine.requests import PrefillInput
+
+    engine = tiny_target()
+    prompts = _prompts(dev_prompts, tiny_tokenizer, 2)
+    engine.prefill([PrefillInput("a0", prompts[0], SamplingParams(max_new_tokens=8), return_features=False)])
+    target = CountingTarget(engine)
+    sched = Scheduler(target, None, engine.max_context, 8)
+    for i, prompt in enumerate(prompts):  # "a0" is the draft's id too
+        sched.add(f"a{i}", prompt, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    out = {}
+    while sched.has_work:
+        for ev in sched.step():
+            out[ev.request_id] = ev.error if ev.error is not None else out.get(ev.request_id, []) + ev.tokens
+    assert target.prefill_sizes[0] == 2  # tried together, then one by one
+    assert "already" in str(out["a0"]) and len(out["a1"]) == 8
+    assert list(engine.requests) == ["a0"]  # the draft's request is still there
+    engine.release("a0")
+    assert engine.kv.num_free_pages == engine.kv.num_total_pages
+
+
 class EachTarget(CountingTarget):
     """A remote target's shape: `prefill_each` answers every request alone (an output or its error), as the
     draft's gRPC client does; `refuse` maps request ids to the error the target gives them."""
