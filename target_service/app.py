@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from specdec.engine.factory import build_target
 from specdec.engine.scheduler import Scheduler
@@ -17,6 +18,7 @@ from specdec.v1 import target_pb2
 from target_service.servicer import TargetServicer
 
 log = logging.getLogger(__name__)
+STALL_SLACK_S = 1.0  # a sweep this much later than twice its interval means the target stood still (`IdleRelease`)
 HEALTH_NAME = "specdec.v1.TargetService"
 # what the target sets: gauges, verify batch sizes, step phases (no request latencies: the draft has those; no
 # speculation counters: the draft counts them)
@@ -39,8 +41,8 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
         metrics.track(kv_pages=lambda: (kv.num_total_pages - kv.num_free_pages, kv.num_free_pages),
                       running=lambda: len(engine.requests), waiting=lambda: len(loop.scheduler.waiting))
         if args.request_idle_seconds > 0:
-            loop.chore = lambda: _release_idle(engine, args.request_idle_seconds)
             loop.chore_every_s = min(5.0, args.request_idle_seconds / 4)
+            loop.chore = IdleRelease(engine, args.request_idle_seconds, loop.chore_every_s)
         loop.start()
         servicer.engine, servicer.loop, servicer.metrics = engine, loop, metrics
         state["loop"], state["engine"] = loop, engine
@@ -65,10 +67,28 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
     await run_service(spec, shutdown, ready)
 
 
-def _release_idle(engine, idle_s: float) -> None:
-    """The engine's requests no call has named for `idle_s` (`--request-idle-seconds`) are released (engine thread)."""
-    released = engine.release_idle(idle_s)
-    if released:
-        shown = ", ".join(repr(r) for r in released[:8]) + (" ..." if len(released) > 8 else "")
-        log.warning("released %d requests no call named for %.0f s (their draft is gone?): %s", len(released), idle_s,
-                    shown)
+class IdleRelease:
+    """The engine loop's chore (`--request-idle-seconds`): release the requests no call has named for `idle_s`.
+
+    A sweep that comes much later than its interval (the target itself stood still: stopped, paused with its VM,
+    or its engine thread held by one long step) releases nothing and counts every request as named now: their
+    drafts may have been waiting on the target all along, their next Verify still queued behind the stall. Before,
+    a target frozen past the limit released the requests of a live draft as it woke (NOT_FOUND on its next
+    Verify, 3 of 3 in a QA run with the limit at 5 s)."""
+
+    def __init__(self, engine, idle_s: float, every_s: float) -> None:
+        self.engine, self.idle_s, self.every_s = engine, idle_s, every_s
+        self.last = time.monotonic()
+
+    def __call__(self) -> None:
+        now = time.monotonic()
+        stalled = now - self.last > 2 * self.every_s + STALL_SLACK_S
+        self.last = now
+        if stalled:
+            self.engine.mark_all_named()
+            return
+        released = self.engine.release_idle(self.idle_s)
+        if released:
+            shown = ", ".join(repr(r) for r in released[:8]) + (" ..." if len(released) > 8 else "")
+            log.warning("released %d requests no call named for %.0f s (their draft is gone?): %s", len(released),
+                        self.idle_s, shown)

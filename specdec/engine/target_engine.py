@@ -144,6 +144,12 @@ class TargetEngine:
             raise UnknownRequest(f"unknown request id {request_id!r}")
         self.kv.release(request_id)
 
+    def mark_all_named(self) -> None:
+        """Count every request as named now (`release_idle` starts their idle time over)."""
+        now = time.monotonic()
+        for req in self.requests.values():
+            req.named_at = now
+
     def release_idle(self, idle_s: float) -> list[str]:
         """Release the requests that no prefill or verify has named for `idle_s` seconds: their draft is gone
         (killed with its gateway, or it gave up on a call that timed out and could not release them), and they

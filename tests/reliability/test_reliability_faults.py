@@ -148,6 +148,35 @@ def test_reliability_target_frozen_gateway_moves_on_and_the_target_frees_its_pag
     print(f"frozen target: the stream moved on after {moved_in:.1f} s")
 
 
+def test_reliability_a_target_frozen_past_its_idle_limit_keeps_a_live_drafts_requests(tmp_path):
+    """SIGSTOP of a target with --request-idle-seconds 2 for 4 s under a draft's stream: as it wakes it must not
+    take the live draft's request for abandoned (its Verify waited through the freeze); the stream ends with the
+    greedy text. Before, the first sweep after the freeze released it: NOT_FOUND, 3 of 3 in a QA run."""
+    target = target_process("--request-idle-seconds", "2", log_dir=tmp_path).start() \
+        .wait_serving("specdec.v1.TargetService")
+    draft = start_draft(target.addr)
+    try:
+        with grpc.insecure_channel(draft.addr) as ch:
+            stub = draft_pb2_grpc.DraftServiceStub(ch)
+
+            def generate(rid):
+                return stub.Generate(draft_pb2.DraftServiceGenerateRequest(
+                    request_id=rid, prompt_ids=PROMPT_IDS, sampling=LONG), timeout=120)
+
+            reference = [t for m in generate("uninterrupted") for t in m.token_ids]
+            it = iter(generate("frozen"))
+            tokens = list(next(it).token_ids)
+            os.kill(target.proc.pid, signal.SIGSTOP)
+            time.sleep(4)
+            os.kill(target.proc.pid, signal.SIGCONT)
+            tokens += [t for m in it for t in m.token_ids]
+        assert tokens == reference
+        assert "released" not in target.log()
+    finally:
+        draft.stop()
+        target.kill()
+
+
 def test_reliability_client_deadline_cancels_downstream(stack):
     gateway = stack["gateway"]
     sampling = common_pb2.SamplingParams(max_new_tokens=2000, ignore_eos=True)

@@ -63,3 +63,25 @@ async def _abandon_then_reuse(addr: str) -> None:
         assert info.kv.pages_free == info.kv.pages_total
         await stub.Prefill(prefill)  # the id is free again (it was ALREADY_EXISTS for good)
         await stub.Release(target_pb2.ReleaseRequest(request_ids=["orphan"]))
+
+
+def test_a_target_that_stood_still_releases_nothing_as_it_wakes(monkeypatch):
+    """The sweep after a stall of the target itself (stopped, a paused VM, a long step) releases nothing and
+    starts every request's idle time over: the drafts may have been waiting on the target all along. A later
+    sweep on time releases what is really idle."""
+    from target_service import app
+
+    monkeypatch.setattr(app, "STALL_SLACK_S", 0.2)
+    engine = build_target(str(TINY / "target"), EngineOptions(num_pages=64, max_batch_size=4))
+    engine.prefill([PrefillInput("r", [5, 6, 7, 8], SamplingParams(max_new_tokens=20), return_features=False)])
+    sweep = app.IdleRelease(engine, idle_s=0.3, every_s=0.05)
+    time.sleep(0.5)  # no sweep ran: the target stood still past the limit
+    sweep()
+    assert list(engine.requests) == ["r"]
+    time.sleep(0.1)
+    sweep()  # on time, the request named 0.1 s ago (as of the stall's end)
+    assert list(engine.requests) == ["r"]
+    for _ in range(8):  # sweeps on time until the request has been idle past the limit
+        time.sleep(0.05)
+        sweep()
+    assert not engine.requests and engine.kv.num_free_pages == engine.kv.num_total_pages
