@@ -155,30 +155,31 @@ async def _unless_hung(stream: AsyncIterator[Chunk], hung: dict[Part, asyncio.Ev
     (`uncancel`) and turned into PartHung here; one that fires between reads is seen before the next read. A
     cancel from elsewhere (the client left) stays a cancel."""
     task = asyncio.current_task()
-    state: dict = {"reading": False, "hung": None}
+    reading, gone = False, None  # gone: the first part found hung
 
     def fire(part: Part) -> None:
-        if state["hung"] is None:
-            state["hung"] = part
-            if state["reading"]:  # the task waits inside `anext` below: nothing else of it runs meanwhile
+        nonlocal gone
+        if gone is None:
+            gone = part
+            if reading:  # the task waits inside `anext` below: nothing else of it runs meanwhile
                 task.cancel()
 
     watchers = [asyncio.ensure_future(_when_set(event, part, fire)) for part, event in hung.items()]
     try:
         while True:
-            if state["hung"] is not None:
-                raise PartHung(state["hung"])
-            state["reading"] = True
+            if gone is not None:
+                raise PartHung(gone)
+            reading = True
             try:
                 chunk = await anext(stream)
             except StopAsyncIteration:
                 return
             except asyncio.CancelledError:
-                if state["hung"] is not None and task.uncancel() == 0:  # our cancel, and no other pending
-                    raise PartHung(state["hung"]) from None
+                if gone is not None and task.uncancel() == 0:  # our cancel, and no other pending
+                    raise PartHung(gone) from None
                 raise
             finally:
-                state["reading"] = False
+                reading = False
             yield chunk
     finally:
         for watcher in watchers:

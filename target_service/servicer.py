@@ -59,6 +59,29 @@ def _in_order(groups: list) -> list[list[int]]:
     return segments
 
 
+def _together_or_alone(run, parts: list[list]) -> list:
+    """`run` (an engine call that commits all or nothing) over every part's items at once; if it is refused, each
+    part alone. -> per part its slice of the outputs, or the SpecdecError that refused it (a bad request fails alone,
+    and nothing runs twice: what a refused call named committed nothing)."""
+    try:
+        outs = run([item for part in parts for item in part])
+    except SpecdecError as exc:
+        if len(parts) == 1:
+            return [exc]
+        answers = []
+        for part in parts:
+            try:
+                answers.append(run(part))
+            except SpecdecError as alone:
+                answers.append(alone)
+        return answers
+    answers, start = [], 0
+    for part in parts:
+        answers.append(outs[start : start + len(part)])
+        start += len(part)
+    return answers
+
+
 def _warmup(inputs: list) -> bool:
     """A draft's start-up warm-up (`specdec.engine.warmup`): served, but not the traffic the metrics describe."""
     return all(is_warmup(inp.request_id) for inp in inputs)
@@ -104,14 +127,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         results = []
         for chunk in _chunks(inputs, MAX_PREFILL_TOKENS):
             packed = {inp.request_id for inp in chunk if inp.feature_wire == FP8_ROWS}
-            try:
-                results += features_to_host(self.engine.prefill(chunk), packed)
-            except SpecdecError:  # the engine admitted none of the chunk
-                for inp in chunk:
-                    try:
-                        results += features_to_host(self.engine.prefill([inp]), packed)
-                    except SpecdecError as exc:
-                        results.append(exc)
+            run = lambda part, packed=packed: features_to_host(self.engine.prefill(part), packed)  # noqa: E731
+            answers = _together_or_alone(run, [[inp] for inp in chunk])
+            results += [a if isinstance(a, SpecdecError) else a[0] for a in answers]
         return results
 
     def _verify_many(self, groups: list[tuple[list, object, float, tuple[int, int]]]) -> list[list]:
@@ -153,23 +171,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def _verify_segment(self, groups: list, segment: list[int], result: list) -> None:
         for kind in dict.fromkeys(groups[i][3] for i in segment):
             members = [i for i in segment if groups[i][3] == kind]
-            inputs = [inp for i in members for inp in groups[i][0]]
-            try:
-                outs = self._verify_kind(inputs, kind)
-            except SpecdecError as exc:
-                if len(members) == 1:
-                    result[members[0]] = exc
-                    continue
-                for i in members:
-                    try:
-                        result[i] = self._verify_kind(groups[i][0], kind)
-                    except SpecdecError as alone:
-                        result[i] = alone
-                continue
-            start = 0
-            for i in members:
-                result[i] = outs[start : start + len(groups[i][0])]
-                start += len(groups[i][0])
+            run = lambda inputs, kind=kind: self._verify_kind(inputs, kind)  # noqa: E731
+            for i, answer in zip(members, _together_or_alone(run, [groups[i][0] for i in members]), strict=True):
+                result[i] = answer
 
     def _verify_kind(self, inputs: list, kind: tuple[int, int]) -> list:
         steps, rows = kind

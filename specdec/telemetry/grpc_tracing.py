@@ -300,17 +300,15 @@ def _wrap(behavior, method: str, span_args: dict[str, Any], unary_request: bool)
 
         async def stream_behavior(request_or_iterator, context):
             request = request_or_iterator if unary_request else None
+            # a closed stream closes the service's generator now (aclosing), not when it is collected
             with server_span(context, method, request, current=False, **span_args) as span:
-                responses = behavior(request_or_iterator, context)
-                try:
+                async with contextlib.aclosing(behavior(request_or_iterator, context)) as responses:
                     while True:
                         try:
                             response = await _in_span(span, anext(responses))
                         except StopAsyncIteration:
                             return
                         yield response
-                finally:
-                    await responses.aclose()  # a closed stream closes the service's generator now
 
         return stream_behavior
 
