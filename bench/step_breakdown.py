@@ -12,7 +12,9 @@ For plain decode (1 token) and a chain verify (1 + 8 tokens; `--rows` adds `tree
   `features_to_host_ms`: the target service's copy of a step's features to host memory (its engine thread);
 - the GPU kernels of one replay by category (GEMM, attention, elementwise), from the profiler;
 - the top host functions of 50 steps (cProfile, cumulative), written next to `--out`.
-The same for the draft head's propose and extend. Numbers are means over `--repeats` calls after warm-up.
+The same for the draft head's propose and extend, for each of `--draft-specs` (steps,topk,draft tokens; default a
+chain of 6); a tree's propose (topk > 1) also eagerly (`propose_eager_ms`: one host sync a depth) beside its
+captured graph. Numbers are means over `--repeats` calls after warm-up.
 """
 
 from __future__ import annotations
@@ -186,34 +188,52 @@ def draft_rows(args, out_dir: Path, max_context: int) -> dict:
     opts = EngineOptions(device="cuda", dtype="bfloat16", attention_backend="flashinfer", dummy_weights=True,
                          max_batch_size=max(sizes), max_context=4096,
                          num_pages=max(2048, max(sizes) * pages_per_request + 64))
-    draft = build_draft("llama3-8b-eagle1", "llama3-8b", SpecConfig(6, 1, 6), opts, max_context)
     feats = torch.randn(max(args.context, 512), 4096, device="cuda", dtype=torch.bfloat16)
     res = {}
-    for b in sizes:
-        sfx = "" if b == 1 else f"_bs{b}"
-        rids = [f"d{b}-{i}" for i in range(b)]
-        for rid in rids:
-            draft.add(rid, 3000)
-        draft.extend([(rid, list(range(args.context)), feats[: args.context]) for rid in rids])
-        for _ in range(3):
-            draft.propose(rids)
-        res["propose_ms" + sfx] = round(timed(lambda rids=rids: draft.propose(rids), args.repeats) * 1e3, 3)
-        res["propose_kernels" + sfx] = kernel_table(lambda rids=rids: draft.propose(rids))
-        host_profile(lambda rids=rids: draft.propose(rids), 50, out_dir / f"host_propose{sfx}.txt")
-        lens = {rid: draft.requests[rid].kv_len for rid in rids}
+    for text in args.draft_specs.split(";"):
+        spec = SpecConfig(*(int(x) for x in text.split(",")))
+        draft = build_draft("llama3-8b-eagle1", "llama3-8b", spec, opts, max_context)
+        label = "" if (spec.num_steps, spec.topk, spec.num_draft_tokens) == (6, 1, 6) else (
+            f"_s{spec.num_steps}k{spec.topk}d{spec.num_draft_tokens}")
+        for b in sizes:
+            sfx = label + ("" if b == 1 else f"_bs{b}")
+            res.update(_draft_batch(draft, b, sfx, feats, args, out_dir))
+        del draft
+        torch.cuda.empty_cache()
+    return res
 
-        def extend4(rids=rids, lens=lens):
-            draft.extend([(rid, [5, 6, 7, 8], feats[:4]) for rid in rids])
-            for rid in rids:
-                draft.kv.resize(rid, lens[rid])
-                draft.requests[rid].kv_len = lens[rid]
 
-        res["extend4_ms" + sfx] = round(timed(extend4, args.repeats) * 1e3, 3)
-        res["extend4_kernels" + sfx] = kernel_table(extend4)
-        host_profile(extend4, 50, out_dir / f"host_extend{sfx}.txt")
+def _draft_batch(draft, b: int, sfx: str, feats, args, out_dir: Path) -> dict:
+    res = {}
+    rids = [f"d{b}-{i}" for i in range(b)]
+    for rid in rids:
+        draft.add(rid, 3000)
+    draft.extend([(rid, list(range(args.context)), feats[: args.context]) for rid in rids])
+    for _ in range(3):
+        draft.propose(rids)
+    res["propose_ms" + sfx] = round(timed(lambda: draft.propose(rids), args.repeats) * 1e3, 3)
+    res["propose_kernels" + sfx] = kernel_table(lambda: draft.propose(rids))
+    host_profile(lambda: draft.propose(rids), 50, out_dir / f"host_propose{sfx}.txt")
+    if draft.spec.topk > 1 and draft.graphs is not None:  # the same trees without the graph, side by side
+        graphs, draft.graphs = draft.graphs, None
+        draft.propose(rids)
+        res["propose_eager_ms" + sfx] = round(timed(lambda: draft.propose(rids), args.repeats) * 1e3, 3)
+        draft.graphs = graphs
+    lens = {rid: draft.requests[rid].kv_len for rid in rids}
+
+    def extend4():
+        draft.extend([(rid, [5, 6, 7, 8], feats[:4]) for rid in rids])
         for rid in rids:
-            draft.release(rid)
-        print("draft", b, res["propose_ms" + sfx], res["extend4_ms" + sfx], flush=True)
+            draft.kv.resize(rid, lens[rid])
+            draft.requests[rid].kv_len = lens[rid]
+
+    res["extend4_ms" + sfx] = round(timed(extend4, args.repeats) * 1e3, 3)
+    res["extend4_kernels" + sfx] = kernel_table(extend4)
+    host_profile(extend4, 50, out_dir / f"host_extend{sfx}.txt")
+    for rid in rids:
+        draft.release(rid)
+    print("draft", sfx or "s6k1d6", b, res["propose_ms" + sfx], res.get("propose_eager_ms" + sfx),
+          res["extend4_ms" + sfx], flush=True)
     return res
 
 
@@ -227,6 +247,8 @@ def main() -> int:
     ap.add_argument("--rows", default=DEFAULT_ROWS, help=f"target rows, of {','.join(ROWS)}")
     ap.add_argument("--skip-draft", action="store_true", help="target rows only")
     ap.add_argument("--skip-target", action="store_true", help="draft rows only")
+    ap.add_argument("--draft-specs", default="6,1,6",
+                    help="draft rows for each 'steps,topk,draft tokens', ';'-separated, e.g. '6,1,6;6,4,16'")
     args = ap.parse_args()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

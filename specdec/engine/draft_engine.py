@@ -25,6 +25,7 @@ from specdec.attention.graph_backend import GraphCaptureError
 from specdec.engine.device import engine_call, resolve_device
 from specdec.errors import ConfigError, DuplicateRequest, UnknownRequest
 from specdec.host_copy import to_device
+from specdec.kernels import attention_fused, fused
 from specdec.kv_cache import PagedKVCache
 from specdec.models.eagle import EagleDraft
 from specdec.tree import TokenTree
@@ -121,8 +122,12 @@ class DraftEngine:
             from specdec.engine.draft_graphs import WORKSPACE_BYTES, DraftChainGraphs
 
             workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)  # never used at once
-            if spec.topk == 1 and spec.num_steps > 1:  # proposals: chains only, for now
+            if spec.topk == 1 and spec.num_steps > 1:
                 self.graphs = DraftChainGraphs(self, max_batch_size, workspace)
+            elif spec.num_steps > 1 and fused(self.kv.k) and attention_fused(cfg.head_dim):  # trees need Triton
+                from specdec.engine.draft_tree_graphs import DraftTreeGraphs
+
+                self.graphs = DraftTreeGraphs(self, max_batch_size, workspace)
             self.extend_graphs = DraftExtendGraphs(self, max_batch_size, workspace)
 
     @property
@@ -230,26 +235,18 @@ class DraftEngine:
         ancestors = torch.arange(k).view(1, k, 1).expand(b, k, 1)  # [b, k, depth]
         for depth in range(1, steps):
             out = self._step(rids, reqs, f_tokens, f_hidden, depth, ancestors)  # [b, k, hidden]
-            p, idx = self._topk(out.reshape(b * k, -1))
-            p, idx = p.view(b, k, k).float(), idx.view(b, k, k)
-            scores = (f_scores.unsqueeze(-1) * p).reshape(b, k * k)
-            offset = sum(t.shape[1] for t in cand_tokens)
-            cand_tokens.append(idx.reshape(b, k * k))
-            cand_scores.append(scores)
-            cand_parents.append(f_cand.unsqueeze(-1).expand(b, k, k).reshape(b, k * k))
-            sel = torch.topk(scores, k, dim=-1).indices  # [b, k] the next frontier
-            parent_slot = sel // k
-            f_tokens = torch.gather(cand_tokens[-1], 1, sel)
-            f_scores = torch.gather(scores, 1, sel)
+            children, (f_tokens, f_scores, f_cand, parent_slot) = grow(
+                *self._topk(out.reshape(b * k, -1)), f_scores, f_cand, sum(t.shape[1] for t in cand_tokens))
+            for cands, new in zip((cand_tokens, cand_scores, cand_parents), children, strict=True):
+                cands.append(new)
             f_hidden = torch.gather(out, 1, parent_slot.to(out.device).unsqueeze(-1).expand(-1, -1, out.shape[-1]))
-            f_cand = offset + sel
             parent_cpu = parent_slot.cpu()  # one host sync per depth
             inherited = torch.gather(ancestors, 1, parent_cpu.unsqueeze(-1).expand(-1, -1, ancestors.shape[2]))
             own = (depth * k + torch.arange(k)).view(1, k, 1).expand(b, k, 1)
             ancestors = torch.cat([inherited, own], dim=2)
         for rid, req in zip(rids, reqs, strict=True):
             self.kv.resize(rid, req.kv_len)  # drop the temporary tree slots
-        return _select(torch.cat(cand_tokens, 1), torch.cat(cand_scores, 1), torch.cat(cand_parents, 1), size)
+        return select(torch.cat(cand_tokens, 1), torch.cat(cand_scores, 1), torch.cat(cand_parents, 1), size)
 
     def _step(self, rids, reqs, tokens, hidden, depth: int, ancestors: torch.Tensor) -> torch.Tensor:
         """Draft forward over the frontier (nodes at `depth`); `ancestors` [b, k, depth] (CPU) are the temp slots
@@ -271,15 +268,29 @@ class DraftEngine:
         return out.view(b, k, -1)
 
 
-def _select(tokens, scores, parents, num_draft_tokens: int) -> list[TokenTree]:
-    """Best `num_draft_tokens` candidates per request, in generation order, parents remapped."""
+def grow(p: torch.Tensor, idx: torch.Tensor, f_scores: torch.Tensor, f_cand: torch.Tensor, offset: int):
+    """One level of tree growth for a batch of b requests with frontiers of k nodes: p, idx [b * k, k] (each
+    frontier node's top-k draft probabilities and their target ids), f_scores [b, k] (float32) and f_cand [b, k]
+    (the nodes' candidate indices); `offset`: the candidates so far. Returns the k * k children (tokens, scores =
+    parent score x probability, parents: candidate indices), each [b, k * k], and the next frontier (tokens,
+    scores, candidate indices, and which node of this frontier each one's parent is), each [b, k]."""
+    b, k = f_scores.shape
+    tokens = idx.view(b, k * k)
+    scores = (f_scores.unsqueeze(-1) * p.view(b, k, k).float()).reshape(b, k * k)
+    parents = f_cand.unsqueeze(-1).expand(b, k, k).reshape(b, k * k)
+    sel = torch.topk(scores, k, dim=-1).indices  # [b, k] the best children
+    frontier = (torch.gather(tokens, 1, sel), torch.gather(scores, 1, sel), offset + sel, sel // k)
+    return (tokens, scores, parents), frontier
+
+
+def select(tokens, scores, parents, num_draft_tokens: int) -> list[TokenTree]:
+    """Best `num_draft_tokens` candidates per request, in generation order, parents remapped (one copy to the
+    host)."""
     order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :num_draft_tokens]
     chosen = torch.sort(order, dim=1).values
+    picked = torch.stack([chosen, tokens.gather(1, chosen), parents.gather(1, chosen)]).tolist()
     trees = []
-    for row_tokens, row_parents, row_chosen in zip(tokens.tolist(), parents.tolist(), chosen.tolist(),
-                                                    strict=True):
+    for row_chosen, row_tokens, row_parents in zip(*picked, strict=True):
         new_index = {c: i for i, c in enumerate(row_chosen)}
-        trees.append(TokenTree(tuple(row_tokens[c] for c in row_chosen),
-                               tuple(new_index[row_parents[c]] if row_parents[c] >= 0 else -1
-                                     for c in row_chosen)))
+        trees.append(TokenTree(tuple(row_tokens), tuple(new_index[p] if p >= 0 else -1 for p in row_parents)))
     return trees

@@ -11,21 +11,19 @@ Captured for the batch ladder on first use, padded with requests that live in sc
 
 from __future__ import annotations
 
-import logging
-import time
 from dataclasses import dataclass
 
 import torch
 
 from specdec.attention.batch import SeqAttention
-from specdec.attention.graph_backend import GraphAttention, capture_graph, capture_or_go_eager, scratch_slots
+from specdec.attention.graph_backend import GraphAttention, capture_graph, scratch_slots
 from specdec.engine.cuda_graphs import BATCH_LADDER
 from specdec.engine.draft_engine import batch_state
+from specdec.engine.proposal_graphs import ProposalGraphs
 from specdec.host_copy import copy_in
 from specdec.kernels import attention_fused, fused
 from specdec.tree import TokenTree
 
-log = logging.getLogger(__name__)
 WORKSPACE_BYTES = 512 << 20  # flashinfer split-KV scratch: the batch-128 extend (768 tokens, 8B head) needs 316 MB
 
 
@@ -41,39 +39,23 @@ class _ChainGraph:
     out_tokens: torch.Tensor  # [B, steps] chain tokens, level 1 first
 
 
-class DraftChainGraphs:
+class DraftChainGraphs(ProposalGraphs):
+    what = "chain-propose"
+
     def __init__(self, engine, max_batch_size: int, workspace: torch.Tensor):
-        self.engine = engine
+        super().__init__(engine, tuple(b for b in BATCH_LADDER if b <= max_batch_size), workspace)
         kv, steps = engine.kv, engine.spec.num_steps
         self.scratch_pages = kv.set_aside(-(-steps // kv.page_size))
         self.max_pages_per_seq = -(-(engine.max_context + steps) // kv.page_size) + 1
         self.device_planned = fused(kv.k) and attention_fused(kv.k.shape[-1])  # Triton: ChainStepAttention
-        self.ladder = tuple(b for b in BATCH_LADDER if b <= max_batch_size) or (1,)
-        self.graphs: dict[int, _ChainGraph] = {}
-        self.failed = False  # a capture failed: proposals run eagerly from now on
-        self.pool = None
-        self.workspace = workspace  # flashinfer's split-KV scratch, shared with the draft's other graphs
-
-    def usable(self, num_requests: int) -> bool:
-        return 0 < num_requests <= self.ladder[-1] and not self.failed
-
-    def capture_startup(self) -> None:
-        with torch.cuda.device(self.engine.kv.k.device):
-            self._capture_ladder()
-
-    def propose(self, rids: list[str], num_draft: int) -> list[TokenTree]:
-        """Chains of the first `num_draft` tokens (a chain's scores fall along it: its best nodes)."""
-        with torch.cuda.device(self.engine.kv.k.device):  # capture and replay on the engine's GPU
-            return self._propose(rids, num_draft)
 
     def _propose(self, rids: list[str], num_draft: int) -> list[TokenTree]:
+        """Chains of the first `num_draft` tokens (a chain's scores fall along it: its best nodes)."""
         eng = self.engine
         steps = eng.spec.num_steps
         reqs = [eng.requests[r] for r in rids]
         b = len(reqs)
-        bucket = next(x for x in self.ladder if x >= b)
-        if not self.graphs:
-            capture_or_go_eager(self._capture_ladder, "the draft's chain proposal", self._forget)
+        bucket = self.bucket(b)
         g = self.graphs[bucket]
         for rid, req in zip(rids, reqs, strict=True):
             eng.kv.resize(rid, req.kv_len + steps - 1)
@@ -100,21 +82,11 @@ class DraftChainGraphs:
         return [TokenTree(tuple(row), parents) for row in g.out_tokens[:b, :num_draft].tolist()]
 
     # ---- capture --------------------------------------------------------------------------------------------
-    def _forget(self) -> None:
-        self.failed, self.graphs = True, {}
-
     def _scratch_slots(self, n: int) -> torch.Tensor:
         return scratch_slots(self.scratch_pages, self.engine.kv.page_size, n)
 
     def _scratch_seq(self, n: int) -> SeqAttention:
         return SeqAttention(self._scratch_slots(n), 1, torch.ones(1, 1, dtype=torch.bool))
-
-    def _capture_ladder(self) -> None:
-        t0, mem0 = time.perf_counter(), torch.cuda.memory_allocated()
-        for bucket in sorted(self.ladder, reverse=True):
-            self.graphs[bucket] = self._capture(bucket)
-        log.info("captured draft chain-propose CUDA graphs for batch sizes %s in %.1f s (+%.0f MiB)",
-                 list(self.ladder), time.perf_counter() - t0, (torch.cuda.memory_allocated() - mem0) / 2**20)
 
     @torch.inference_mode()
     def _capture(self, bucket: int) -> _ChainGraph:
@@ -148,7 +120,5 @@ class DraftChainGraphs:
                 outs.append(tok)
             out_tokens.copy_(torch.stack(outs, dim=1))
 
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
         graph, _ = capture_graph(body, self.pool)
         return _ChainGraph(graph, attn, tokens0, hidden0, base, pos0, table, out_tokens)

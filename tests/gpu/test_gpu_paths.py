@@ -101,7 +101,7 @@ def test_greedy_speculative_equals_plain_on_gpu(kind, backend, dtype, near_tie, 
     opts = EngineOptions(device="cuda", dtype=dtype, attention_backend=backend, num_pages=512)
     spec = SpecConfig(5, 2, 8) if topk == 2 else SpecConfig(5, 1, 5)  # topk 1 + flashinfer: draft CUDA graphs
     draft = build_draft(str(TINY / kind), str(TINY / "target"), spec, opts, target.max_context)
-    assert (draft.graphs is not None) == (backend == "flashinfer" and topk == 1)
+    assert (draft.graphs is not None) == (backend == "flashinfer")  # chains and trees captured
     prompts = [tiny_tokenizer.encode(p)[-256:] for p in dev_prompts[:16]]
     out = run_accept_eval(target, draft, prompts, EvalSettings(max_new_tokens=64, batch_size=8, near_tie=near_tie))
     print(kind, backend, dtype, {k: v for k, v in out.items() if k != "settings"})
@@ -240,6 +240,57 @@ def test_draft_chain_graph_equals_eager(kind, device_planned):
     aside = len(graphed.graphs.scratch_pages) + len(graphed.extend_graphs.scratch_pages)
     assert graphed.kv.num_free_pages + aside == graphed.kv.num_total_pages - sum(
         len(graphed.kv.table(r).pages) for r in ("r0", "r1", "r2"))
+
+
+def test_tree_lanes_captured_equal_eager_proposals():
+    """`tests/specdec/tree_lane_checks.py` on the GPU: the captured tree proposals (padded batches of 8 and 4) give
+    every candidate of the eager proposal in float32, write only their own pages and leak none."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, str(root / "tests" / "specdec" / "tree_lane_checks.py"), "cuda"],
+                          env={**__import__("os").environ, "PYTHONPATH": str(root)}, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "all tree lane checks passed" in proc.stdout
+
+
+@pytest.mark.parametrize("kind", ["draft", "draft-eagle3"])
+def test_draft_tree_graph_equals_eager(kind):
+    """The tiny pair's tree proposal (topk 4) captured gives the eager proposal's trees in bf16 (batch 3, padded to
+    4, one request with skipped positions), and its lanes' pages stay out of the pool."""
+    from repo_paths import TINY
+
+    from specdec.engine.draft_engine import SpecConfig
+    from specdec.engine.draft_tree_graphs import DraftTreeGraphs
+    from specdec.engine.factory import EngineOptions, build_draft
+
+    opts = EngineOptions(device="cuda", dtype="bfloat16", attention_backend="flashinfer", num_pages=1024)
+    spec = SpecConfig(6, 4, 24)
+    graphed = build_draft(str(TINY / kind), str(TINY / "target"), spec, opts, 2048)
+    eager = build_draft(str(TINY / kind), str(TINY / "target"), spec, opts, 2048)
+    eager.graphs = eager.extend_graphs = None
+    assert isinstance(graphed.graphs, DraftTreeGraphs) and graphed.graphs.graphs  # captured at start-up
+    feat = graphed.model.feature_size
+    for eng in (graphed, eager):
+        items = []
+        for i in range(3):
+            eng.add(f"r{i}", 500)
+            n = 20 + 7 * i
+            feats = torch.randn(n, feat, generator=torch.Generator(device="cuda").manual_seed(i), device="cuda")
+            items.append((f"r{i}", list(range(100 + i, 100 + i + n)), feats.to(torch.bfloat16)))
+        eng.extend(items)
+        eng.skip("r1", 37)
+    for size in (24, 10):
+        a, b = graphed.propose(["r0", "r1", "r2"], size), eager.propose(["r0", "r1", "r2"], size)
+        assert sum(x == y for x, y in zip(a, b, strict=True)) >= 2, (a, b)  # bf16: a near-tie may flip one tree
+        assert all(len(t.tokens) == size and t.parents[0] == -1 for t in a)
+    aside = len(graphed.graphs.pages.reshape(-1)) + len(graphed.extend_graphs.scratch_pages)
+    for rid in ("r0", "r1", "r2"):
+        graphed.release(rid)
+    assert graphed.kv.num_free_pages + aside == graphed.kv.num_total_pages
 
 
 @pytest.mark.parametrize("kind", ["draft", "draft-eagle3"])
@@ -404,8 +455,8 @@ def test_features_go_to_host_in_one_batch_per_width():
 
 def test_engine_steps_make_one_host_sync_each():
     """The host never waits for the GPU inside a step (`specdec.host_copy`): a 16-step plain call synchronizes
-    once (its tokens), a chain verify and a tree verify once each (its verdict), a captured chain proposal once
-    (its tokens) and a captured extend not at all, as `bench/sync_audit.py` found on the 8B shape (ninth pass)."""
+    once (its tokens), a chain verify and a tree verify once each (its verdict), a captured chain or tree proposal
+    once (its tokens) and a captured extend not at all, as `bench/sync_audit.py` found on the 8B shape (ninth pass)."""
     from repo_paths import TINY
 
     from specdec.engine.draft_engine import SpecConfig
@@ -432,6 +483,11 @@ def test_engine_steps_make_one_host_sync_each():
     verify = synchronizing_calls(lambda: target.verify([chain]))
     tree_verify = synchronizing_calls(lambda: target.verify([tree]))
     propose = synchronizing_calls(lambda: draft.propose(["r"]))
+    trees = build_draft(str(TINY / "draft"), str(TINY / "target"), SpecConfig(5, 4, 16), opts, target.max_context)
+    trees.add("r", 600)
+    trees.extend([("r", prompt[1:] + [first.first_token], first.features)])
+    trees.propose(["r"])  # graphs captured at start-up; the first replay warms up
+    tree_propose = synchronizing_calls(lambda: trees.propose(["r"]))
     feats = torch.randn(4, draft.model.feature_size, device="cuda", dtype=torch.bfloat16)
     extend = synchronizing_calls(lambda: draft.extend([("r", [5, 6, 7, 8], feats)]))
     assert draft.extend_graphs is not None and draft.graphs is not None
@@ -439,6 +495,7 @@ def test_engine_steps_make_one_host_sync_each():
     assert sum(verify.values()) == 1, verify
     assert sum(tree_verify.values()) == 1, tree_verify
     assert sum(propose.values()) == 1, propose
+    assert trees.graphs is not None and sum(tree_propose.values()) == 1, tree_propose
     assert sum(extend.values()) == 0, extend
     target.release("r")
     draft.release("r")
