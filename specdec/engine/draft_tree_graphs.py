@@ -43,6 +43,7 @@ class _TreeBuffers:
     out_scores: torch.Tensor  # [B, candidates] float32 ... score ...
     out_parents: torch.Tensor  # [B, candidates] int64 ... and parent candidate (-1: the root)
     graph: torch.cuda.CUDAGraph | None = None
+    attn: list | None = None  # the graph's attention per depth: kept, their ticket counters are the graph's
 
 
 class DraftTreeGraphs(ProposalGraphs):
@@ -159,7 +160,7 @@ class DraftTreeGraphs(ProposalGraphs):
         from specdec.attention.graph_backend import capture_graph
 
         g = self._buffers(bucket)
-        attn = self._attention(g)
-        g.graph, _ = capture_graph(lambda: self._grow(g, attn), self.pool)
+        g.attn = self._attention(g)
+        g.graph, _ = capture_graph(lambda: self._grow(g, g.attn), self.pool)
         return g
 
