@@ -33,6 +33,7 @@ class ProposalGraphs:
         with torch.cuda.device(self.engine.kv.k.device):
             self._capture_ladder()
 
+    @torch.inference_mode()  # the buffers are made in inference mode (at capture)
     def propose(self, rids: list[str], num_draft: int) -> list[TokenTree]:
         """The best `num_draft` nodes of each request's tree (GraphCaptureError if the ladder cannot be captured)."""
         with torch.cuda.device(self.engine.kv.k.device):  # capture and replay on the engine's GPU
