@@ -45,8 +45,12 @@ def check(kind: str, device: str, spec: SpecConfig, root: Path) -> None:
     rids = [r for r, _, _ in items]
     for order, size in ((rids, spec.num_draft_tokens), (rids[::-1][:3], 7)):
         want, got = eager.propose(order, size), lanes.propose(order, size)
-        for rid, a, b in zip(order, want, got, strict=True):
-            assert a == b, (kind, device, rid, size, a, b)
+        if device == "cpu":  # the same float32 arithmetic: the same trees, node for node
+            assert want == got, (kind, order, size, want, got)
+        else:  # cuBLAS / torch attention against the Triton kernel: siblings whose probabilities tie to ~1e-7 may
+            # come in either order, and a near-tie at the cut may swap one node of one tree
+            differ = [(a, b) for a, b in zip(want, got, strict=True) if paths(a) != paths(b)]
+            assert len(differ) <= 1, (kind, order, size, differ)
     # only the lanes' own pages were written
     for before, after in zip(kv_before, (laned.kv.k, laned.kv.v), strict=True):
         pages = before.shape[1] // laned.kv.page_size
@@ -55,6 +59,18 @@ def check(kind: str, device: str, spec: SpecConfig, root: Path) -> None:
     for rid in rids:
         laned.release(rid)
     assert laned.kv.num_free_pages + len(lanes.pages.reshape(-1)) == laned.kv.num_total_pages
+
+
+def paths(tree) -> list[tuple[int, ...]]:
+    """A tree as the sorted token paths from the root to each node (the same tree in any node order)."""
+    out = []
+    for i in range(len(tree.tokens)):
+        path, j = [], i
+        while j >= 0:
+            path.append(tree.tokens[j])
+            j = tree.parents[j]
+        out.append(tuple(reversed(path)))
+    return sorted(out)
 
 
 def main(device: str) -> None:
