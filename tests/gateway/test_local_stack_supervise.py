@@ -96,3 +96,35 @@ def test_a_second_interrupt_while_stopping_kills_what_still_runs(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         stack.stop(grace_s=30)
     assert all(proc.poll() is not None for proc in procs)
+
+
+def test_sigterm_while_a_service_is_spawned_stops_it_too(monkeypatch, tmp_path):
+    """`specdec generate` turns SIGTERM into KeyboardInterrupt; one arriving inside `Popen` (the service already
+    started in a session of its own) comes after the process is recorded, so `stop` stops it: before, the
+    interrupt lost it and it outlived the stack (the process test `test_sigterm_to_generate_stops_the_stack_it_started`
+    saw that once on a loaded CPU)."""
+    import os
+    import signal
+
+    from gateway.commands import sigterm_as_interrupt
+
+    real_popen = local_stack.subprocess.Popen
+
+    def popen_then_sigterm(*args, **kwargs):
+        proc = real_popen(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)  # as if it came while Popen returned
+        time.sleep(0.05)  # the handler would run here
+        return proc
+
+    monkeypatch.setattr(local_stack.subprocess, "Popen", popen_then_sigterm)
+    stack = LocalStack(Scripted(), str(tmp_path))
+    before = signal.getsignal(signal.SIGTERM)
+    with sigterm_as_interrupt(), pytest.raises(KeyboardInterrupt):
+        try:
+            stack._spawn("draft", SLEEP)
+        except KeyboardInterrupt:
+            proc = stack.process("draft")  # recorded
+            stack.stop(grace_s=5)
+            raise
+    assert proc.poll() is not None
+    assert signal.getsignal(signal.SIGTERM) is before
