@@ -20,12 +20,18 @@ def make_generator(params: SamplingParams) -> torch.Generator:
     return gen
 
 
+MIN_TEMPERATURE = torch.finfo(torch.float32).tiny  # 1.18e-38
+
+
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """[n, vocab] float32 logits -> [n, vocab] float32 probabilities after all of the request's filters."""
     logits = logits.float()
     # shifted by the row's max before the division: a tiny temperature (1e-39) sends the top logit to 0 and the
-    # rest to -inf (near-greedy), where logits / temperature overflowed to inf and the softmax to NaN
-    probs = torch.softmax((logits - logits.max(dim=-1, keepdim=True).values) / params.temperature, dim=-1)
+    # rest to -inf (near-greedy), where logits / temperature overflowed to inf and the softmax to NaN; and no
+    # smaller than float32's least normal number, which behaves the same: a temperature that rounds to 0 in float32
+    # (1e-50) divided the top logit's 0 by 0 and sampled a NaN distribution (the same junk token every time)
+    temperature = max(params.temperature, MIN_TEMPERATURE)
+    probs = torch.softmax((logits - logits.max(dim=-1, keepdim=True).values) / temperature, dim=-1)
     if params.top_k > 0 and params.top_k < probs.shape[-1]:
         kth = torch.topk(probs, params.top_k, dim=-1).values[:, -1:]  # [n, 1]
         probs = torch.where(probs >= kth, probs, 0.0)

@@ -91,12 +91,13 @@ def test_seeded_verification_is_reproducible():
 
 
 def test_extreme_but_valid_temperature_and_top_p_stay_near_greedy():
-    """A temperature or top_p that float32 cannot hold (1e-39, 1e-46: both inside the documented ranges) gives the
+    """A temperature or top_p that float32 cannot hold (1e-39, 1e-46, 1e-50: inside the documented ranges) gives the
     most likely token's one-hot distribution, not NaN (which sampled the last vocabulary id every time)."""
     from specdec.sampling import target_probs
 
     logits = torch.tensor([[1.0, 3.5, -2.0, 3.0], [0.5, -1.0, 2.0, 1.9]])
     for params in (SamplingParams(temperature=1e-39), SamplingParams(temperature=1e-30),
+                   SamplingParams(temperature=1e-50), SamplingParams(temperature=7e-46),  # 0 in float32
                    SamplingParams(temperature=1.0, top_p=1e-46), SamplingParams(temperature=1.0, top_p=1e-45),
                    SamplingParams(temperature=1e-39, top_p=1e-46, top_k=2, min_p=0.5)):
         probs = target_probs(logits, params)
