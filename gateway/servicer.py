@@ -125,9 +125,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     delta += text.flush()
                 if delta and first_text_at is None:
                     first_text_at = time.monotonic()
-                response = gateway_pb2.GatewayServiceGenerateResponse(text=delta, token_ids=chunk.token_ids)
+                ids = chunk.token_ids[: text.used]  # a stop string ends the ids at the token that completed it
+                response = gateway_pb2.GatewayServiceGenerateResponse(text=delta, token_ids=ids)
                 if finish is not None:
-                    response.final.CopyFrom(self._stats(generation, plan, finish, started, first_text_at))
+                    unused = len(chunk.token_ids) - len(ids)
+                    response.final.CopyFrom(self._stats(generation, plan, finish, started, first_text_at, unused))
                     yield response
                     return  # leaving the loop closes the downstream stream (a stop string cancels it)
                 if delta or chunk.token_ids:
@@ -140,13 +142,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         finish: Finish,
         started: float,
         first_text_at: float | None,
+        unused: int = 0,
     ) -> gateway_pb2.GatewayStats:
         now = time.monotonic()
         speculative = generation.speculative
         return gateway_pb2.GatewayStats(
             finish_reason=finish.reason,
             prompt_tokens=len(plan.prompt_ids),
-            completion_tokens=len(generation.generated),
+            completion_tokens=len(generation.generated) - unused,  # not those past a stop string
             tau=finish.tau if speculative else 0.0,
             accepted_per_position=list(finish.accepted_per_position) if speculative else [],
             time_to_first_token_s=(first_text_at or now) - started,

@@ -3,6 +3,7 @@
     text = TextStream(tokenizer, stop=["\\n\\n"])
     delta = text.push([331, 288])     # complete characters only; may be ""
     text.stopped                      # a stop string appeared: end the request, nothing more is emitted
+    text.used                         # of the last push's ids, those up to the one that completed it
     tail = text.flush()               # end of stream
 
 Special tokens (EOS, turn markers, padding) are control tokens, not text: they count as generated tokens
@@ -21,6 +22,8 @@ class TextStream:
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
         self._tokenizer = tokenizer
         self._detokenizer = IncrementalDetokenizer(tokenizer, stop)
+        self._stops = any(stop)
+        self.used = 0  # ids of the last `push` taken (all of them unless a stop string completed inside it)
 
     @property
     def stopped(self) -> bool:
@@ -32,8 +35,20 @@ class TextStream:
         return self._detokenizer.text
 
     def push(self, token_ids: Sequence[int]) -> str:
-        ids = [i for i in token_ids if not self._tokenizer.is_special(i)]
-        return self._detokenizer.push(ids) if ids else ""
+        """Text of `token_ids` that is complete. With stop strings, ids go in one at a time, so `used` names the
+        one that completed a stop string however the ids were chunked (speculative steps commit several)."""
+        self.used = len(token_ids)
+        if not self._stops:
+            ids = [i for i in token_ids if not self._tokenizer.is_special(i)]
+            return self._detokenizer.push(ids) if ids else ""
+        out = []
+        for n, i in enumerate(token_ids, 1):
+            if not self._tokenizer.is_special(i):
+                out.append(self._detokenizer.push([i]))
+            if self._detokenizer.stopped:
+                self.used = n
+                break
+        return "".join(out)
 
     def flush(self) -> str:
         return self._detokenizer.flush()

@@ -89,10 +89,14 @@ def test_gateway_stop_string_spanning_tokens_cuts_text_and_cancels_downstream(fa
                 await asyncio.sleep(0.05)
             return pairs, result
 
-    pairs, (text, _, final, _) = run(body())
+    pairs, (text, ids, final, _) = run(body())
     assert text == SCRIPT_TEXT[: SCRIPT_TEXT.index(stop)]
     assert final.finish_reason == STOP
-    assert final.completion_tokens < len(fake_model.script)
+    # the ids (chunks of 3 from the draft) end at the token that completed the stop string, as plain decoding's
+    # one-token chunks would: the stats count those
+    completes = next(k for k in range(1, len(fake_model.script) + 1)
+                     if stop in tiny_tokenizer.decode(fake_model.script[:k]))
+    assert ids == fake_model.script[:completes] and final.completion_tokens == completes
     assert pairs[0].draft.seen.cancelled == [final.request_id]  # the draft's stream was closed, freeing its KV
 
 
