@@ -42,6 +42,14 @@ class _Stream:
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     events: list = field(default_factory=list)
+    leaving: bool = False  # aborted: its id is free once the scheduler has applied the abort
+
+
+@dataclass
+class _Add:
+    """A request whose id a leaving stream still holds: added when that stream's last event is out."""
+
+    args: tuple  # _add_stream's (request_id, prompt_ids, sampling, stream, trace_context, tree_cap)
 
 
 class EngineLoop:
@@ -51,6 +59,7 @@ class EngineLoop:
         self.device = resolve_device(device) if device is not None else None  # the engine's GPU, if any
         self._calls: list[_Call] = []
         self._streams: dict[str, _Stream] = {}
+        self._next: dict[str, _Add] = {}  # id -> the request that takes it once its leaving stream has ended
         self._cond = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
@@ -123,16 +132,40 @@ class EngineLoop:
 
     def _add_stream(self, request_id, prompt_ids, sampling, stream: _Stream, trace_context=None,
                     tree_cap: TreeCap | None = None) -> None:
-        if request_id in self._streams:
+        old = self._streams.get(request_id)
+        if old is not None:
+            # an id a client cancelled is free at the next step's start (the scheduler applies aborts there, and
+            # releases the target's state): a client that reuses it at once waits for that, not ALREADY_EXISTS
+            if old.leaving and request_id not in self._next:
+                self._next[request_id] = _Add((request_id, prompt_ids, sampling, stream, trace_context, tree_cap))
+                return
             raise DuplicateRequest(f"request {request_id!r} is already running")
+        self.scheduler.add(request_id, prompt_ids, sampling, trace_context, tree_cap)  # may refuse it: then no stream
         self._streams[request_id] = stream
-        self.scheduler.add(request_id, prompt_ids, sampling, trace_context, tree_cap)
+
+    def _take_over(self, request_id: str) -> None:
+        """The id's stream has ended: the request waiting for the id is added now (its error, if refused, ends
+        its stream)."""
+        nxt = self._next.pop(request_id, None)
+        if nxt is None:
+            return
+        stream = nxt.args[3]
+        try:
+            self._add_stream(*nxt.args)
+        except Exception as exc:  # noqa: BLE001 - handed to its stream, which raises it in the handler
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait,
+                                             Event(request_id, [], "abort", error=_as_specdec(exc)))
 
     def _abort_stream(self, request_id: str, stream: _Stream | None = None) -> bool:
         """Abort the request (only if `stream` is the one it runs under, when given: not a request that took
         the id after, nor the one whose id a refused duplicate asked for)."""
+        nxt = self._next.get(request_id)
+        if nxt is not None and stream is not None and nxt.args[3] is stream:  # left before it got the id
+            del self._next[request_id]
+            return True
         found = request_id in self._streams and (stream is None or self._streams[request_id] is stream)
         if found:
+            self._streams[request_id].leaving = True
             self.scheduler.abort(request_id)
         return found
 
@@ -233,6 +266,7 @@ class EngineLoop:
                 continue
             if ev.finish_reason != RUNNING or ev.error is not None:
                 del self._streams[ev.request_id]
+                self._take_over(ev.request_id)
             deliveries.setdefault(stream.loop, []).append((stream.queue, ev))
         for loop, items in deliveries.items():
             loop.call_soon_threadsafe(_deliver, items)
@@ -242,9 +276,11 @@ class EngineLoop:
         for c in self._calls:
             self._set(c.future, exc=err)
         self._calls = []
-        for rid, stream in list(self._streams.items()):
+        waiting = [(rid, nxt.args[3]) for rid, nxt in self._next.items()]
+        for rid, stream in [*self._streams.items(), *waiting]:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, Event(rid, [], "abort", error=err))
         self._streams.clear()
+        self._next.clear()
 
 
 def _deliver(items: list[tuple[asyncio.Queue, Event]]) -> None:

@@ -108,3 +108,87 @@ def test_an_abort_after_a_refused_duplicate_leaves_the_running_request_alone():
         loop.stop()
 
     asyncio.run(body())
+
+
+def test_an_id_reused_right_after_its_cancel_waits_for_the_abort_not_already_exists():
+    """A client cancels a stream and at once sends a new request under the same id: the abort takes effect at the
+    next step, and until then the id was taken (ALREADY_EXISTS, 0.2-0.35 s on the speculative path in QA). The new
+    request now takes the id as soon as the old stream has ended; one that leaves while it waits is dropped."""
+    from specdec.errors import DuplicateRequest
+
+    async def body():
+        sched = FakeScheduler()
+        loop = EngineLoop(sched)
+        loop.start()
+        events = {"first": [], "second": [], "third": []}
+
+        async def read(name):
+            async for ev in loop.stream("r1", [1, 2, 3], SamplingParams()):
+                events[name].append(ev)
+
+        first = asyncio.ensure_future(read("first"))
+        await asyncio.sleep(0.05)
+        gate = threading.Event()
+        busy = asyncio.ensure_future(loop.call(gate.wait))  # the engine is inside a step-long call
+        await asyncio.sleep(0.05)
+        first.cancel()  # its abort is queued behind the busy call ...
+        await asyncio.sleep(0.02)
+        second = asyncio.ensure_future(read("second"))  # ... and so is the new request under the same id
+        await asyncio.sleep(0.02)
+        third = asyncio.ensure_future(read("third"))  # a true duplicate of the waiting one
+        await asyncio.sleep(0.05)
+        gate.set()
+        await busy
+        for _ in range(200):
+            if sched.log == [("add", "r1"), ("abort", "r1"), ("add", "r1")]:
+                break
+            await asyncio.sleep(0.01)
+        assert sched.log == [("add", "r1"), ("abort", "r1"), ("add", "r1")], sched.log
+        assert "r1" in sched.running and not second.done()
+        await asyncio.wait([third], timeout=5)
+        assert isinstance(third.exception(), DuplicateRequest)
+        second.cancel()  # and the request that took the id is aborted like any other
+        for _ in range(200):
+            if sched.log[-1] == ("abort", "r1") and not sched.running:
+                break
+            await asyncio.sleep(0.01)
+        assert sched.log[-1] == ("abort", "r1") and not sched.running
+        loop.stop()
+
+    asyncio.run(body())
+
+
+def test_a_request_the_scheduler_refuses_does_not_keep_its_id():
+    from specdec.errors import InvalidInput
+
+    class Refusing(FakeScheduler):
+        def add(self, request_id, prompt_ids, *args, **kwargs) -> None:
+            if not prompt_ids:
+                raise InvalidInput("empty prompt")
+            super().add(request_id, prompt_ids, *args, **kwargs)
+
+    async def body():
+        sched = Refusing()
+        loop = EngineLoop(sched)
+        loop.start()
+
+        async def first_event(prompt):
+            async for ev in loop.stream("r1", prompt, SamplingParams()):
+                return ev
+
+        try:
+            await first_event([])
+        except InvalidInput:
+            pass
+        else:
+            raise AssertionError("the empty prompt was accepted")
+        task = asyncio.ensure_future(first_event([1, 2]))  # the id is free: added, not ALREADY_EXISTS
+        for _ in range(200):
+            if ("add", "r1") in sched.log:
+                break
+            await asyncio.sleep(0.01)
+        assert sched.log == [("add", "r1")] and not task.done()
+        task.cancel()
+        loop.stop()
+
+    asyncio.run(body())
