@@ -71,6 +71,9 @@ def _load(args, opts, spec: SpecConfig, off: bool, stop: threading.Event):
     log.info("target %s: context length %d", info.model, max_context)
     if stop.is_set():
         raise StartCancelled("shutting down before the draft model was built")
+    if info.max_draft_tokens and spec.num_draft_tokens > info.max_draft_tokens:
+        raise ConfigError(f"--num-draft-tokens {spec.num_draft_tokens}: the target at {args.target} verifies trees "
+                          f"of at most {info.max_draft_tokens} draft tokens")
     engine = build_draft(args.model, args.target_model, spec, opts, max_context)
     _check_feature_layers(args, feature_layers_for(engine), info)
     client.feature_dim = info.hidden_size * max(1, len(feature_layers_for(engine)))

@@ -237,4 +237,5 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             device=str(self.engine.device),
             kv=common_pb2.KVStats(page_size=page_size, pages_total=total, pages_free=free),
             num_running=len(self.engine.requests),
+            max_draft_tokens=self.engine.max_draft_tokens,
         )

@@ -120,7 +120,7 @@ class TargetServiceGetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TargetServiceGetModelInfoResponse(_message.Message):
-    __slots__ = ("model", "architecture", "vocab_size", "hidden_size", "num_layers", "max_context_len", "eos_token_ids", "dtype", "device", "kv", "num_running")
+    __slots__ = ("model", "architecture", "vocab_size", "hidden_size", "num_layers", "max_context_len", "eos_token_ids", "dtype", "device", "kv", "num_running", "max_draft_tokens")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +132,7 @@ class TargetServiceGetModelInfoResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     vocab_size: int
@@ -143,4 +144,5 @@ class TargetServiceGetModelInfoResponse(_message.Message):
     device: str
     kv: _common_pb2.KVStats
     num_running: int
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_context_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv: _Optional[_Union[_common_pb2.KVStats, _Mapping]] = ..., num_running: _Optional[int] = ...) -> None: ...
+    max_draft_tokens: int
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_context_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv: _Optional[_Union[_common_pb2.KVStats, _Mapping]] = ..., num_running: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ...) -> None: ...

@@ -22,11 +22,11 @@ def shallow_target(tmp_path_factory):
                              kv_heads=2, shard=False)
 
 
-def _draft(target_addr: str, target_model: Path, head: str) -> ServiceThread:
+def _draft(target_addr: str, target_model: Path, head: str, *flags: str) -> ServiceThread:
     from draft_service.app import serve
 
     return ServiceThread(serve, ["serve-draft", "--model", str(TINY / head), "--target-model", str(target_model),
-                                 "--target", target_addr, "--port", "0", "--drain-seconds", "1"])
+                                 "--target", target_addr, "--port", "0", "--drain-seconds", "1", *flags])
 
 
 def test_an_eagle3_head_trained_for_a_deeper_target_fails_at_start(shallow_target):
@@ -38,5 +38,20 @@ def test_an_eagle3_head_trained_for_a_deeper_target_fails_at_start(shallow_targe
             _draft(target.addr, shallow_target, "draft-eagle3").start()
         with pytest.raises(RuntimeError, match=r"8 layers\)"):  # --target-model names another target
             _draft(target.addr, TINY / "target", "draft").start()
+    finally:
+        target.stop()
+
+
+def test_a_tree_larger_than_the_target_verifies_fails_at_start():
+    """65 draft tokens against a target that verifies at most 64 (QA: the draft went SERVING, its warm-up logged a
+    warning, and every request failed INVALID_ARGUMENT without a fallback); 64 starts."""
+    from target_service.app import serve
+
+    target = ServiceThread(serve, ["serve-target", "--model", str(TINY / "target"), "--port", "0"]).start()
+    try:
+        tree = ["--num-steps", "3", "--topk", "8", "--num-draft-tokens"]
+        with pytest.raises(RuntimeError, match=r"--num-draft-tokens 65: the target at .* at most 64 draft tokens"):
+            _draft(target.addr, TINY / "target", "draft", *tree, "65").start()
+        _draft(target.addr, TINY / "target", "draft", *tree, "64").start().stop()
     finally:
         target.stop()
