@@ -59,6 +59,9 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
                         f"tokenizing (default {DEFAULT_MAX_INPUT_CHARS})")
     p.add_argument("--drain-seconds", type=float, default=30.0, help="on SIGTERM, let streams finish this long")
     add_tls_args(p, who="the gateway, also used towards its pairs")
+    p.add_argument("--tls-client-certs", choices=("required", "optional"), default="required",
+                   help="with --tls-ca: whether the gateway's clients must present a certificate (optional: an "
+                        "Ingress or clients without one; its pairs are reached with mutual TLS either way)")
     add_telemetry_args(p)
     p.set_defaults(handler=_serve)
 

@@ -1,7 +1,9 @@
 """Build and run the gateway: tokenizer, router, servicer and interceptors on one gRPC server.
 
 Health (`specdec.v1.GatewayService` and "") turns SERVING once some pair's target answers SERVING, and stays
-so; while no pair is up, Generate answers UNAVAILABLE.
+so; while no pair is up, Generate answers UNAVAILABLE. `liveness` is SERVING from the start (until the drain):
+the gateway process itself is up, whatever its pairs do (a Kubernetes startup/liveness probe: the pairs may take
+longer than the gateway's budget to load on a first GPU install).
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+from grpc_health.v1 import health_pb2
 
 from gateway.auth import ApiKeyInterceptor, load_api_keys
 from gateway.config import GatewayConfig, GatewayLimits, PairAddress
@@ -50,6 +54,19 @@ class RunningGateway:
         await self.router.close()
 
 
+LIVENESS = "liveness"  # health name of the gateway process itself (module docstring)
+
+
+def server_tls(args: argparse.Namespace) -> TlsConfig | None:
+    """The gateway's own TLS from its flags: with `--tls-ca`, clients must present a certificate unless
+    `--tls-client-certs optional` (an Ingress in front, clients without one); the pairs are reached with the same
+    files either way (`pair_tls`)."""
+    tls = TlsConfig.from_args(args)
+    if tls is not None and tls.require_client_cert and getattr(args, "tls_client_certs", "required") == "optional":
+        return replace(tls, require_client_cert=False)
+    return tls
+
+
 def pair_tls(server_tls: TlsConfig | None) -> TlsConfig | None:
     """The gateway reaches its pairs with the same files: the CA verifies them, the cert is its client identity."""
     if server_tls is None:
@@ -77,6 +94,7 @@ async def start_gateway(
         interceptors.append(ApiKeyInterceptor(api_keys))
     add_servicer = lambda server: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
     handle = await start_server([add_servicer], [GATEWAY_SERVICE], host, port, tls, interceptors=interceptors)
+    await handle.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
     router.start()
     gateway = RunningGateway(handle, router, servicer)
     gateway._tasks.append(asyncio.create_task(_serving_when_a_pair_is_up(handle, router)))
@@ -98,7 +116,7 @@ async def serve(args: argparse.Namespace, shutdown: asyncio.Event, ready: Callab
                              args.max_streams_per_client, args.max_input_chars),
         served_model_name=args.served_model_name,
     )
-    tls = TlsConfig.from_args(args)
+    tls = server_tls(args)
     api_keys = load_api_keys(args.api_key_file) if args.api_key_file else ()
     setup_tracing("gateway")
     metrics = ServiceMetrics("gateway", model_name=model_label(config.model_dir), families=MetricsInterceptor.FAMILIES)

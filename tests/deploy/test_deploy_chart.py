@@ -96,6 +96,10 @@ def test_values_schema_is_self_contained_and_enforced():
         (["--set", "models.source=hostPath"], "models.hostPath.path"),
         (["--set", "models.source=image"], "models.image.repository"),
         (["--set", "tracing.enabled=true"], "tracing.otlpEndpoint"),
+        (["--set", "gateway.autoscaling.enabled=true", "--set", "gateway.autoscaling.minReplicas=5",
+          "--set", "gateway.autoscaling.maxReplicas=2"], "minReplicas 5 exceeds maxReplicas 2"),
+        (["--set", "draft.numDraftTokens=65"], "numDraftTokens"),  # the target verifies at most 64
+        (["--set", "target.gpus=2"], "gpus"),  # no tensor parallelism: a second GPU would sit idle
     ],
 )
 def test_incomplete_settings_fail_with_a_message(overrides, message):
@@ -144,6 +148,7 @@ def test_plain_steps_reach_both_services_when_set():
 @pytest.mark.parametrize("key, flag_name, default, other, bad", [
     ("plainCallsInFlight", "plain-calls-in-flight", "2", "1", "0"),  # calls in flight: at least one
     ("promptFeatureMb", "prompt-feature-mb", "64", "0", "-1"),  # the admission's feature budget: 0 = whole prompts
+    ("targetWaitSeconds", "target-wait-seconds", "1800", "600", "0"),  # the target's start-up budget
 ])
 def test_a_draft_value_reaches_its_flag_and_a_bad_one_is_refused(key, flag_name, default, other, bad):
     pair = one(render("default"), "StatefulSet", f"{FULL}-pair")
@@ -276,13 +281,15 @@ def test_every_service_has_grpc_probes_for_its_health_name(case):
         port = next(p["containerPort"] for p in c["ports"] if p["name"] == GRPC_PORT_NAMES[role])
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
             probe = c[kind]
+            # the gateway is alive (startup, liveness) as soon as its process is, ready once a pair serves
+            name = "liveness" if role == "gateway" and kind != "readinessProbe" else HEALTH_NAMES[role]
             if tls:  # the kubelet's gRPC probe cannot speak TLS: the image's healthcheck script does
                 cmd = probe["exec"]["command"]
                 assert cmd[:2] == ["python", "/opt/specdec/healthcheck.py"]
-                assert f"--addr=localhost:{port}" in cmd and f"--service={HEALTH_NAMES[role]}" in cmd
+                assert f"--addr=localhost:{port}" in cmd and f"--service={name}" in cmd
                 assert "--tls-ca=/etc/specdec/tls/ca.crt" in cmd
             else:
-                assert probe["grpc"] == {"port": port, "service": HEALTH_NAMES[role]}, (role, kind)
+                assert probe["grpc"] == {"port": port, "service": name}, (role, kind)
     assert seen == SPECDEC_CONTAINERS
 
 
@@ -424,6 +431,10 @@ def test_tls_and_api_key_are_wired_when_enabled():
         assert tls_volume["secret"]["secretName"] == "specdec-tls"
     gateway_doc = one(docs, "Deployment", f"{FULL}-gateway")
     gateway = container(gateway_doc, "gateway")
+    # an Ingress in front (no client certificate): the gateway's own port does not require one
+    assert flag(gateway, "tls-client-certs") == "optional"
+    strict = render("tls", "--set", "tls.gatewayClientCerts=true")
+    assert flag(container(one(strict, "Deployment", f"{FULL}-gateway"), "gateway"), "tls-client-certs") is None
     assert flag(gateway, "api-key-file") == "/etc/specdec/api-key/api-key"
     assert flag(gateway, "max-prompt-tokens") == "4096"
     secret = one(docs, "Secret", f"{FULL}-api-key")

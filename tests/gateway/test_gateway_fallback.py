@@ -109,18 +109,28 @@ def test_gateway_unavailable_when_no_pair_is_up(model_dir):
         gateway = await start_gateway(config)
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+                from grpc_health.v1 import health_pb2, health_pb2_grpc
+
                 from specdec.v1 import gateway_pb2_grpc
 
+                health = health_pb2_grpc.HealthStub(channel)
+                statuses = [(await health.Check(health_pb2.HealthCheckRequest(service=name))).status
+                            for name in ("specdec.v1.GatewayService", "", "liveness")]
                 stub = gateway_pb2_grpc.GatewayServiceStub(channel)
                 try:
                     await collect(stub.Generate(request()))
                 except grpc.aio.AioRpcError as exc:
-                    return exc.code(), exc.details()
+                    return exc.code(), exc.details(), statuses
         finally:
             await gateway.stop(None)
 
-    code, details = run(body())
+    code, details, statuses = run(body())
     assert code.name == "UNAVAILABLE" and "no draft/target pair is available" in details
+    # not ready without a pair, yet alive: a Kubernetes liveness / startup probe on "liveness" does not restart a
+    # gateway whose pairs are still loading
+    from grpc_health.v1 import health_pb2
+
+    assert statuses == [health_pb2.HealthCheckResponse.NOT_SERVING] * 2 + [health_pb2.HealthCheckResponse.SERVING]
 
 
 def test_gateway_pair_comes_back_after_a_health_check(fake_model, model_dir):

@@ -85,3 +85,27 @@ def test_missing_files_are_config_errors(tmp_path):
     tls = TlsConfig(cert=str(tmp_path / "nope.pem"), key=str(tmp_path / "nope.key"))
     with pytest.raises(ConfigError, match="nope"):
         tls.server_credentials()
+
+
+def test_gateway_client_certificates_can_be_optional(fake_server, certs):
+    """`serve-gateway --tls-client-certs optional` (an Ingress in front, which has no client certificate): clients
+    with and without one are served; the pairs are still reached with the gateway's certificate."""
+    from gateway.serve import pair_tls, server_tls
+    from specdec.cli import build_parser
+
+    files = [f"--tls-cert={certs['server']}.pem", f"--tls-key={certs['server']}.key", f"--tls-ca={certs['ca']}.pem"]
+    args = build_parser().parse_args(["serve-gateway", "--model", "m", "--pair", "a:1=b:2", *files])
+    assert server_tls(args).require_client_cert
+    args = build_parser().parse_args(["serve-gateway", "--model", "m", "--pair", "a:1=b:2", *files,
+                                      "--tls-client-certs", "optional"])
+    tls = server_tls(args)
+    assert not tls.require_client_cert and pair_tls(tls).cert == tls.cert and pair_tls(tls).ca == tls.ca
+    with_client_cert = TlsConfig(cert=f"{certs['client']}.pem", key=f"{certs['client']}.key", ca=f"{certs['ca']}.pem")
+
+    async def body():
+        async with fake_server(tls=tls) as (handle, _):
+            addr = f"localhost:{handle.bound_port}"
+            assert await model_info(addr, with_client_cert) == "fake"
+            assert await model_info(addr, TlsConfig(ca=f"{certs['ca']}.pem")) == "fake"
+
+    run(body())

@@ -216,12 +216,14 @@ initContainers:
 {{- end }}
 {{- end -}}
 
-{{/* startup/readiness/liveness probes; call with (dict "root" $ "port" P "service" NAME "cfg" .Values.X). */}}
+{{/* startup/readiness/liveness probes; call with (dict "root" $ "port" P "service" NAME "cfg" .Values.X), and
+"live" NAME2 where startup and liveness ask another health name than readiness (the gateway's "liveness"). */}}
 {{- define "specdec.probes" -}}
 {{- $ctx := . -}}
 {{- range $kind := list "startupProbe" "readinessProbe" "livenessProbe" }}
 {{ $kind }}:
-  {{- include "specdec.probeHandler" $ctx | nindent 2 }}
+  {{- $name := ternary $ctx.service (default $ctx.service $ctx.live) (eq $kind "readinessProbe") }}
+  {{- include "specdec.probeHandler" (merge (dict "service" $name) $ctx) | nindent 2 }}
   {{- toYaml (get $ctx.cfg $kind) | nindent 2 }}
 {{- end }}
 {{- end -}}
@@ -309,6 +311,7 @@ lifecycle:
     - --num-steps={{ $v.draft.numSteps }}
     - --topk={{ $v.draft.topk }}
     - --num-draft-tokens={{ $v.draft.numDraftTokens }}
+    - --target-wait-seconds={{ $v.draft.targetWaitSeconds }}
     {{- if and (eq $v.device "cuda") (not $v.draft.cudaGraph) }}
     - --disable-cuda-graph
     {{- end }}
@@ -467,5 +470,8 @@ volumes:
 {{- end -}}
 {{- if and $v.tracing.enabled (not $v.tracing.otlpEndpoint) (not $v.tracing.jaeger.enabled) -}}
 {{- fail "tracing.enabled=true needs tracing.otlpEndpoint or tracing.jaeger.enabled=true" -}}
+{{- end -}}
+{{- if and $v.gateway.autoscaling.enabled (gt (int $v.gateway.autoscaling.minReplicas) (int $v.gateway.autoscaling.maxReplicas)) -}}
+{{- fail (printf "gateway.autoscaling.minReplicas %v exceeds maxReplicas %v" $v.gateway.autoscaling.minReplicas $v.gateway.autoscaling.maxReplicas) -}}
 {{- end -}}
 {{- end -}}
