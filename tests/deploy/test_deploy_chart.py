@@ -528,6 +528,23 @@ def test_gateway_autoscaling_and_disruption_budget():
     assert pdb["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "gateway"
 
 
+@pytest.mark.parametrize("case, components", [("default", ["pair"]), ("split", ["draft", "target"])])
+def test_pairs_have_disruption_budgets_selecting_their_pods(case, components):
+    """A node drain takes one pair Pod at a time (each loads for minutes); the budgets select the StatefulSets'
+    Pods, and `maxUnavailable` must be a count or a percentage."""
+    docs = render(case)
+    for component in components:
+        pdb = one(docs, "PodDisruptionBudget", f"{FULL}-{component}")
+        sts = one(docs, "StatefulSet", f"{FULL}-{component}")
+        selector = pdb["spec"]["selector"]["matchLabels"]
+        assert selector.items() <= sts["spec"]["template"]["metadata"]["labels"].items()
+        assert pdb["spec"]["maxUnavailable"] == 1
+    assert not find(render(case, "--set", "pairs.podDisruptionBudget.enabled=false"), "PodDisruptionBudget",
+                    f"{FULL}-{components[0]}")
+    bad = run_helm(*template_args(case, "--set", "pairs.podDisruptionBudget.maxUnavailable=abc"), check=False)
+    assert bad.returncode != 0 and "maxUnavailable" in bad.stderr
+
+
 @pytest.mark.parametrize("case", VALUES_CASES)
 def test_standard_labels_everywhere(case):
     for doc in render(case):
