@@ -126,10 +126,11 @@ class Scheduler(Admission):
     def step(self) -> list[Event]:
         events = self._apply_aborts()
         events += self._expire_blocked()
-        t0 = time.perf_counter()
+        t0, queued = time.perf_counter(), len(self.waiting)
         events += self._admit()
         took = time.perf_counter() - t0
-        self.timings.admit_s += took
+        if len(self.waiting) < queued:  # an admission (or a refusal) happened: not a step with nothing to admit
+            self.timings.admit_s += took
         if took > ADMISSION_NOTICED_S:
             self._admissions.append((t0, took))
             if self.policy is not None and self.policy.history is not None:
