@@ -103,7 +103,9 @@ class AccessLogInterceptor(BehaviorInterceptor):
                     exc = error
                     raise
                 finally:
-                    _log_call(method, status_of(exc, context), started, count, final)
+                    # a request id the gateway generated comes back in the final stats
+                    with bind_request_id(incoming_request_id(request, context) or getattr(final, "request_id", None)):
+                        _log_call(method, status_of(exc, context), started, count, final)
 
         return logged
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import grpc.aio
+from opentelemetry import trace
 
 from gateway.auth import client_identity
 from gateway.config import GatewayLimits
@@ -56,6 +57,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         # the body's id, else the caller's `x-request-id` metadata (checked alike: it reaches the same logs and
         # downstream calls), else a generated one
         request_id = check_request_id(request.request_id or request_id_from(context) or "") or uuid.uuid4().hex
+        trace.get_current_span().set_attribute("specdec.request_id", request_id)  # the one it goes by, generated too
         with bind_request_id(request_id):
             plan, stop = await self._plan(request, request_id)
             with self._slots.hold(client_identity(context, self._clients_by_key)):

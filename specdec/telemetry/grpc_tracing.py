@@ -209,7 +209,8 @@ def server_span(
     Yields the span, or None when `parent_required` and the caller sent no trace context. `current=False` leaves
     the span out of the context (a stream makes it current around each step itself: `_in_span`).
     """
-    metadata = dict(context.invocation_metadata() or ())
+    pairs = tuple(context.invocation_metadata() or ())
+    metadata = dict(reversed(pairs))  # a key sent twice: its first value, as the services read the request id
     parent = PROPAGATOR.extract(metadata)
     if parent_required and not trace.get_current_span(parent).get_span_context().is_valid:
         yield None

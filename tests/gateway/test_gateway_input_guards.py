@@ -226,3 +226,19 @@ def test_an_x_request_id_in_metadata_is_the_requests_id_and_is_checked(fake_mode
     rid, downstream, (code, details) = run(body())
     assert rid == "trace-me-7" and downstream[0][0] == "trace-me-7"
     assert code == "INVALID_ARGUMENT" and "__warmup-" in details
+
+
+def test_the_access_log_carries_the_request_id_the_gateway_generated(fake_model, model_dir, caplog):
+    """A request without an id gets one from the gateway (in the final stats and downstream); its access-log line
+    carries it too, so the gateway's logs join the draft's and the target's (QA: it was null)."""
+    caplog.handler.addFilter(ContextFilter())
+    caplog.set_level(logging.INFO, logger="gateway.access")
+
+    async def body():
+        async with fake_stack(fake_model, model_dir) as (_, _, stub):
+            return await collect(stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(
+                prompt="def fib(n):", sampling=common_pb2.SamplingParams(max_new_tokens=4))))
+
+    _, _, final, _ = run(body())
+    (record,) = [r for r in caplog.records if r.name == "gateway.access"]
+    assert len(final.request_id) == 32 and record.request_id == final.request_id

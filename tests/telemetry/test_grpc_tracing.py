@@ -109,6 +109,19 @@ def test_unary_call_links_client_and_server_spans_and_keeps_metadata():
     assert server.attributes["rpc.method"] == "Echo" and server.attributes["rpc.grpc.status_code"] == 0
 
 
+def test_a_request_id_sent_twice_is_its_first_value_on_the_span_as_in_the_services():
+    (client_tp, _), (server_tp, server_spans) = make_provider(), make_provider()
+
+    async def run():
+        async with echo_pair(client_tp, server_tp) as (channel, _):
+            metadata = (("x-request-id", "a"), ("x-request-id", "b"))
+            await channel.unary_unary(f"/{SERVICE}/Echo")(b"hi", metadata=metadata)
+
+    asyncio.run(run())
+    (server,) = wait_for_spans(server_spans, 1)
+    assert server.attributes["specdec.request_id"] == "a"  # `request_id_from`'s pick (QA: the span said "b")
+
+
 def test_abort_marks_both_spans_with_the_status():
     (client_tp, client_spans), (server_tp, server_spans) = make_provider(), make_provider()
 
