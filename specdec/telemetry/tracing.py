@@ -187,17 +187,21 @@ def batch_parent(
     """Parent and links for a span that covers a whole batch of requests (a speculative step).
 
     The parent is the first request whose span is sampled (the step's spans join that request's trace);
-    every other request with a span gets a link (Jaeger shows them as references). No sampled request:
-    parent None, and the caller should record no step spans (they would be orphan root traces).
+    every other sampled request gets a link (Jaeger shows them as references). A request its caller did not
+    trace gets none: its trace is never exported (a link would point at nothing), and its trace id would leak
+    into another caller's trace. No sampled request: parent None, and the caller should record no step spans
+    (they would be orphan root traces).
     """
     parent, links = None, []
     for ctx in contexts:
         if ctx is None:
             continue
         span_context = trace.get_current_span(ctx).get_span_context()
-        if parent is None and span_context.trace_flags.sampled:
+        if not (span_context.is_valid and span_context.trace_flags.sampled):
+            continue
+        if parent is None:
             parent = ctx
-        elif span_context.is_valid:
+        else:
             links.append(trace.Link(span_context))
     return parent, links
 

@@ -30,7 +30,7 @@ def _sampled_out_context():
     return trace.set_span_in_context(NonRecordingSpan(span_context))
 
 
-def test_telemetry_batch_parent_first_sampled_request_others_linked(tracing):
+def test_telemetry_batch_parent_first_sampled_request_other_sampled_ones_linked(tracing):
     tracer, exporter = tracing
     with tracer.start_as_current_span("req-a") as a:
         ctx_a = current_trace_context()
@@ -38,7 +38,9 @@ def test_telemetry_batch_parent_first_sampled_request_others_linked(tracing):
         ctx_b = current_trace_context()
     parent, links = batch_parent([None, _sampled_out_context(), ctx_a, ctx_b])
     assert trace.get_current_span(parent) is a
-    assert [link.context.span_id for link in links] == [0x99, b.get_span_context().span_id]
+    # no link to the request its caller did not trace: that trace is never exported (QA saw Jaeger's "missing
+    # trace" references, and a sampled-out caller's trace id inside another caller's trace)
+    assert [link.context.span_id for link in links] == [b.get_span_context().span_id]
 
     sampler = StepSpanSampler(1.0, tracer)
     with sampler.span("draft.verify", sampler.sample_step(), links, parent, batch_size=3):
@@ -46,7 +48,7 @@ def test_telemetry_batch_parent_first_sampled_request_others_linked(tracing):
     (step,) = [s for s in exporter.get_finished_spans() if s.name == "draft.verify"]
     assert step.parent.span_id == a.get_span_context().span_id
     assert step.context.trace_id == a.get_span_context().trace_id
-    assert len(step.links) == 2 and step.attributes["batch_size"] == 3
+    assert len(step.links) == 1 and step.attributes["batch_size"] == 3
 
 
 def test_telemetry_batch_parent_without_sampled_request():
