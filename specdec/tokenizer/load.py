@@ -7,17 +7,20 @@ Search order in a dir: `tokenizer.tok.json` (xtok), `tokenizer.json` (HF byte-le
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from specdec.errors import ConfigError
 from specdec.tokenizer.bpe_vocab import BpeVocab
 from specdec.tokenizer.chat_template import ChatTemplate, default_chat_template_source
 from specdec.tokenizer.hf_format import load_hf_tokenizer_json
-from specdec.tokenizer.stop_tokens import find_chat_stop_token_ids, find_eos_token_ids
+from specdec.tokenizer.stop_tokens import find_chat_stop_token_ids, find_eos_token_ids, unknown_turn_ends
 from specdec.tokenizer.tiktoken_format import load_tiktoken_file
 from specdec.tokenizer.tokenizer import Tokenizer
 from specdec.tokenizer.tokenizer_config import TokenizerConfig
 from specdec.tokenizer.xtok_format import XTOK_FILE_NAME, load_xtok
+
+log = logging.getLogger(__name__)
 
 SEARCH_ORDER = (XTOK_FILE_NAME, "tokenizer.json", "*.tiktoken", "tokenizer.model", "original/tokenizer.model")
 
@@ -64,6 +67,11 @@ def build_tokenizer(vocab: BpeVocab, config: TokenizerConfig) -> Tokenizer:
         if value
     }
     chat_template = ChatTemplate.compile(template_source, vocab.special_tokens, variables, origin=vocab.name)
+    missing = unknown_turn_ends(vocab.special_tokens, template_source)
+    if missing:
+        log.warning("%s: the chat template writes %s, which this vocabulary has no special token for: chats render "
+                    "it as plain text and a reply stops only at EOS (give the model a chat_template that fits its "
+                    "vocabulary)", vocab.name, ", ".join(missing))
     eos_token_ids = find_eos_token_ids(vocab.special_tokens, config)
     return Tokenizer(
         vocab,

@@ -35,3 +35,9 @@ def find_chat_stop_token_ids(
         if name in special_tokens and name in chat_template_source
     ]
     return tuple(dict.fromkeys([*eos_token_ids, *turn_ends]))
+
+
+def unknown_turn_ends(special_tokens: dict[str, int], chat_template_source: str) -> list[str]:
+    """Known turn-end markers the template writes that the vocabulary has no special token for: they render as
+    plain text, and a chat reply stops only at EOS (the default template over an OpenAI vocabulary)."""
+    return [name for name in TURN_END_TOKEN_NAMES if name in chat_template_source and name not in special_tokens]

@@ -55,3 +55,20 @@ def test_broken_config_file_names_the_file(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps([1, 2]))
     with pytest.raises(ConfigError, match=r"generation_config\.json: expected a JSON object"):
         load_tokenizer(tmp_path)
+
+
+def test_a_chat_template_marker_the_vocabulary_lacks_is_warned_about(tmp_path, openai_dir, caplog):
+    """The default (Grok-style) template over cl100k_base: `<|separator|>` is no special token there, so chats
+    render it as text and replies stop only at EOS; loading says so (QA: silently). The tiny model's own
+    vocabulary has it: no warning."""
+    import logging
+
+    shutil.copy(openai_dir / "cl100k_base.tiktoken", tmp_path)
+    with caplog.at_level(logging.WARNING, logger="specdec.tokenizer.load"):
+        tok = load_tokenizer(tmp_path)
+    assert tok.chat_stop_token_ids == tok.eos_token_ids
+    assert any("<|separator|>" in r.getMessage() and "plain text" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="specdec.tokenizer.load"):
+        load_tokenizer(TINY_CODE_DIR)
+    assert not caplog.records
