@@ -86,33 +86,41 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         with bind_request_id(rid):
             t0 = time.perf_counter()
             ttft, n, steps, per_pos = None, 0, 0, []
-            async for ev in self.loop.stream(rid, prompt, sampling, cap):
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-                n += len(ev.tokens)
-                if ev.from_verify:
-                    steps += ev.num_steps
-                    per_pos += [0] * max(0, ev.num_accepted_drafts - len(per_pos))
-                    for i in range(ev.num_accepted_drafts):
-                        per_pos[i] += 1
-                msg = draft_pb2.DraftServiceGenerateResponse(token_ids=ev.tokens)
-                if ev.finish_reason != RUNNING:
-                    total = time.perf_counter() - t0
-                    tau = (n - 1) / steps if steps else 0.0
-                    msg.final.CopyFrom(draft_pb2.GenerationStats(
-                        finish_reason=finish_to_proto(ev.finish_reason), prompt_tokens=len(prompt),
-                        completion_tokens=n, num_verify_steps=steps, tau=tau, accepted_per_position=per_pos,
-                        time_to_first_token_s=ttft, total_s=total))
-                    log.info("done: %d prompt + %d new tokens, tau %.2f, ttft %.3f s, %.3f s (%s)", len(prompt), n,
-                             tau, ttft, total, ev.finish_reason,
-                             extra={"prompt_tokens": len(prompt), "completion_tokens": n, "tau": round(tau, 3),
-                                    "num_verify_steps": steps, "accepted_per_position": per_pos,
-                                    "ttft_s": round(ttft, 4), "total_s": round(total, 4),
-                                    "finish_reason": ev.finish_reason})
-                    if self.metrics is not None:
-                        self.metrics.observe_request("OK", ttft_s=ttft, tpot_s=(total - ttft) / max(1, n - 1),
-                                                     e2e_s=total)
-                yield msg
+            finished = False
+            try:
+                async for ev in self.loop.stream(rid, prompt, sampling, cap):
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    n += len(ev.tokens)
+                    if ev.from_verify:
+                        steps += ev.num_steps
+                        per_pos += [0] * max(0, ev.num_accepted_drafts - len(per_pos))
+                        for i in range(ev.num_accepted_drafts):
+                            per_pos[i] += 1
+                    msg = draft_pb2.DraftServiceGenerateResponse(token_ids=ev.tokens)
+                    if ev.finish_reason != RUNNING:
+                        total = time.perf_counter() - t0
+                        tau = (n - 1) / steps if steps else 0.0
+                        finished = True
+                        msg.final.CopyFrom(draft_pb2.GenerationStats(
+                            finish_reason=finish_to_proto(ev.finish_reason), prompt_tokens=len(prompt),
+                            completion_tokens=n, num_verify_steps=steps, tau=tau, accepted_per_position=per_pos,
+                            time_to_first_token_s=ttft, total_s=total))
+                        log.info("done: %d prompt + %d new tokens, tau %.2f, ttft %.3f s, %.3f s (%s)", len(prompt), n,
+                                 tau, ttft, total, ev.finish_reason,
+                                 extra={"prompt_tokens": len(prompt), "completion_tokens": n, "tau": round(tau, 3),
+                                        "num_verify_steps": steps, "accepted_per_position": per_pos,
+                                        "ttft_s": round(ttft, 4), "total_s": round(total, 4),
+                                        "finish_reason": ev.finish_reason})
+                        if self.metrics is not None:
+                            self.metrics.observe_request("OK", ttft_s=ttft, tpot_s=(total - ttft) / max(1, n - 1),
+                                                         e2e_s=total)
+                    yield msg
+            finally:
+                if not finished:  # cancelled, past its deadline or failed: its line too (the status is the caller's)
+                    log.info("ended early: %d prompt + %d new tokens, %.3f s", len(prompt), n, time.perf_counter() - t0,
+                             extra={"prompt_tokens": len(prompt), "completion_tokens": n, "num_verify_steps": steps,
+                                    "total_s": round(time.perf_counter() - t0, 4), "finish_reason": "early"})
 
     async def Abort(self, request, context):
         rid = check_request_id(request.request_id)

@@ -84,8 +84,9 @@ def test_seeded_sampling_is_reproducible(stack, prompts):
     assert asyncio.run(run("s1")) == asyncio.run(run("s2"))
 
 
-def test_cancel_and_abort_free_kv_in_both_services(stack, prompts):
+def test_cancel_and_abort_free_kv_in_both_services(stack, prompts, caplog):
     target, draft = stack
+    caplog.set_level("INFO", logger="draft_service.servicer")
 
     async def run():
         async with make_channel(draft.addr) as ch:
@@ -110,6 +111,8 @@ def test_cancel_and_abort_free_kv_in_both_services(stack, prompts):
         return False
 
     assert asyncio.run(run())
+    # the cancelled request has its log line too (QA: only finished requests had one)
+    assert any(r.getMessage().startswith("ended early:") for r in caplog.records), caplog.text[-2000:]
 
 
 @pytest.mark.parametrize("req,code,msg", [
