@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from specdec.errors import InvalidInput
 from specdec.rpc.options import channel_options
 from specdec.rpc.tls import TlsConfig
 from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -68,12 +69,18 @@ class GenerationStream:
         self.token_ids: list[int] = []
 
     def __iter__(self) -> Iterator[str]:
-        for response in self._call:
-            self.token_ids.extend(response.token_ids)
-            if response.HasField("final"):
-                self.stats = GenerationStats.from_proto(response.final)
-            if response.text:
-                yield response.text
+        ended = False
+        try:
+            for response in self._call:
+                self.token_ids.extend(response.token_ids)
+                if response.HasField("final"):
+                    self.stats = GenerationStats.from_proto(response.final)
+                if response.text:
+                    yield response.text
+            ended = True
+        finally:
+            if not ended:  # the caller left the loop (`break`) or it failed: stop the work on the server too
+                self._call.cancel()
 
     def cancel(self) -> None:
         self._call.cancel()
@@ -115,7 +122,19 @@ class GatewayClient:
         spec: Mapping[str, int] | None = None,
     ) -> GenerationStream:
         """Stream a completion of `prompt` (text) or a chat reply (`[{"role": ..., "content": ...}, ...]`). `spec`:
-        this request's own smaller tree (`num_steps`, `topk`, `num_draft_tokens`, each up to the draft service's)."""
+        this request's own smaller tree (`num_steps`, `topk`, `num_draft_tokens`, each up to the draft service's).
+        A value the request message cannot hold (a negative seed, a string temperature, an unknown `spec` key, a
+        chat message without content) raises `InvalidInput` here; the gateway checks the rest (INVALID_ARGUMENT)."""
+        try:
+            request = self._request(prompt, max_new_tokens, temperature, top_k, top_p, min_p, seed, ignore_eos, stop,
+                                    stop_token_ids, no_speculation, request_id, spec)
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise InvalidInput(f"bad request: {type(exc).__name__}: {exc}") from exc
+        return GenerationStream(self._stub.Generate(request, timeout=self._timeout_s, metadata=self._metadata))
+
+    @staticmethod
+    def _request(prompt, max_new_tokens, temperature, top_k, top_p, min_p, seed, ignore_eos, stop, stop_token_ids,
+                 no_speculation, request_id, spec) -> gateway_pb2.GatewayServiceGenerateRequest:
         sampling = common_pb2.SamplingParams(stop_token_ids=list(stop_token_ids))
         for name, value in (
             ("max_new_tokens", max_new_tokens),
@@ -137,7 +156,7 @@ class GatewayClient:
             request.prompt = prompt
         else:
             request.chat.CopyFrom(_chat(prompt))
-        return GenerationStream(self._stub.Generate(request, timeout=self._timeout_s, metadata=self._metadata))
+        return request
 
     def complete(self, prompt: str | Messages, **kwargs) -> tuple[str, GenerationStats]:
         """The whole text and its stats (see `generate` for the arguments)."""

@@ -46,6 +46,7 @@ STOP_ORDER = ("gateway", "draft", "target")
 RESTARTS = 5  # deaths in a row, each within QUICK_S of its start, after which `supervise` gives up
 QUICK_S = 60.0
 MAX_BACKOFF_S = 16.0
+STOP_GRACE_S = 35.0  # each service's time to drain on stop: above their default --drain-seconds (30)
 
 
 @dataclass
@@ -133,6 +134,10 @@ class LocalStack:
         """Start every service and wait until each reports SERVING; on failure stop them all and raise."""
         deadline = time.monotonic() + timeout_s
         commands = self.config.commands()
+        for name in commands:  # a port someone else serves on: its health checks would answer for ours
+            if _answers(self.config.host, getattr(self.config, f"{name}_port")):
+                raise NotReady(f"port {getattr(self.config, f'{name}_port')} for the {name} is already in use on "
+                               f"{self.config.host} (another `specdec up`?); choose another with --{name}-port")
         try:  # the model services load side by side; the gateway starts once they serve, so it sees both up
             for name in ("target", "draft", "gateway"):
                 if name == "gateway":
@@ -202,7 +207,7 @@ class LocalStack:
                 notes.append(f"{name} restarted (pid {self._procs[name].pid})")
         return notes
 
-    def stop(self, grace_s: float = 15.0) -> None:
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """SIGTERM in STOP_ORDER, each given `grace_s` to drain, then SIGKILL. Safe to call twice. Interrupted
         (a second Ctrl-C while a service drains), it kills whatever still runs before it lets the interrupt
         through: the services run in sessions of their own, and nothing else would stop them."""
@@ -257,6 +262,16 @@ def temporary_stack(config: StackConfig, timeout_s: float = 180.0):
             yield stack
         finally:
             stack.stop()
+
+
+def _answers(host: str, port: int) -> bool:
+    """Whether something accepts connections on host:port (0.0.0.0 / :: asked on the loopback)."""
+    target = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    try:
+        with socket.create_connection((target, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
 
 
 @contextlib.contextmanager

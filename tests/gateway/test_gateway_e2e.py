@@ -115,6 +115,32 @@ def test_gateway_e2e_cancel_frees_kv(client, stack):
     assert wait_all_pages_free(stack) == (total, total)
 
 
+def test_gateway_e2e_leaving_a_stream_loop_early_stops_the_work(client, stack):
+    """`for text in stream: ... break`: the client's iterator is closed, and that cancels the call, so the draft
+    and the target stop and free the pages (QA: they ran on to max_new_tokens, holding them)."""
+    total = wait_all_pages_free(stack)[1]
+    stream = client.generate(PROMPTS[1] * 4, max_new_tokens=1500, ignore_eos=True)
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    assert wait_all_pages_free(stack, timeout_s=10) == (total, total)
+
+
+def test_gateway_e2e_client_side_bad_values_are_invalid_input(client):
+    """Values the request message cannot hold fail in the client as `InvalidInput` naming the problem, not as a
+    ValueError / KeyError / TypeError from protobuf (QA: `specdec generate --seed -5` printed a traceback)."""
+    from specdec.errors import InvalidInput
+
+    for kwargs in ({"seed": -5}, {"temperature": "hot"}, {"spec": {"bogus": 1}}):
+        with pytest.raises(InvalidInput, match="bad request"):
+            client.generate("x", **kwargs)
+    with pytest.raises(InvalidInput, match="content"):
+        client.generate([{"role": "user"}])
+    proc = subprocess.run([sys.executable, "-m", "specdec", "generate", "--addr", "127.0.0.1:9", "--seed", "-5", "x"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and proc.stderr.startswith("error: bad request") and "Traceback" not in proc.stderr
+
+
 def test_gateway_e2e_cancels_in_the_first_milliseconds_free_kv_and_ids(client, stack):
     """A client that cancels 0-15 ms after starting (before its request reached the draft's engine, or just
     after) leaves nothing running: every page comes back and the ids can be used again at once. Before, a cancel

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -128,3 +128,32 @@ def test_sigterm_while_a_service_is_spawned_stops_it_too(monkeypatch, tmp_path):
             raise
     assert proc.poll() is not None
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_port_already_served_fails_the_start_before_anything_is_spawned():
+    """`specdec up --gateway-port P` with another gateway on P: its own gateway could not bind, yet P's health
+    check answered for it, so `up` printed "ready" and then crash-looped (QA). Now it stops at once, naming the
+    port, and starts nothing."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    busy = listener.getsockname()[1]
+    try:
+        config = replace(StackConfig.free_ports(), gateway_port=busy)
+        stack = LocalStack(config)
+        started = time.monotonic()
+        with pytest.raises(NotReady, match=rf"port {busy} for the gateway is already in use"):
+            stack.start(timeout_s=30)
+        assert time.monotonic() - started < 5 and not stack._procs
+    finally:
+        listener.close()
+
+
+def test_stopping_gives_each_service_longer_than_its_drain():
+    """Ctrl-C on `specdec up` let the gateway drain for 15 s of its 30 and then killed it (QA: streams cut with
+    UNAVAILABLE, no `gateway stopped` line)."""
+    import inspect
+
+    assert inspect.signature(LocalStack.stop).parameters["grace_s"].default > 30.0
