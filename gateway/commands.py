@@ -76,6 +76,7 @@ def sigterm_as_interrupt():
 
 def run_generate(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as cleanup:
+        cleanup.enter_context(sigterm_as_interrupt())  # SIGTERM as Ctrl-C: exit 130, the request cancelled
         try:
             addr = args.addr or _local_gateway(args.device, cleanup)
             api_key = _first_key(args.api_key_file) if args.api_key_file else None
@@ -121,7 +122,6 @@ def _local_gateway(device: str, cleanup: contextlib.ExitStack) -> str:
         file=sys.stderr,
         flush=True,
     )
-    cleanup.enter_context(sigterm_as_interrupt())
     stack: LocalStack = cleanup.enter_context(temporary_stack(StackConfig.free_ports(device=device)))
     return stack.gateway_addr
 
@@ -137,7 +137,11 @@ def format_stats(stats: GenerationStats | None) -> str:
         return "[no final stats: the stream ended early]"
     mode = f"tau {stats.tau:.2f}" if stats.speculative else "no speculation"
     return (
-        f"[{stats.completion_tokens} tokens in {stats.total_s:.2f} s, {stats.tokens_per_s:.1f} tokens/s, {mode}, "
-        f"first text after {stats.time_to_first_token_s:.2f} s, prompt {stats.prompt_tokens} tokens, "
+        f"[{_count(stats.completion_tokens, 'token')} in {stats.total_s:.2f} s, {stats.tokens_per_s:.1f} tokens/s, "
+        f"{mode}, first text after {stats.time_to_first_token_s:.2f} s, prompt {_count(stats.prompt_tokens, 'token')}, "
         f"finish {stats.finish_reason}]"
     )
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

@@ -35,7 +35,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "detokenize", help="print the text of token IDS", description="Print the text of token IDS."
     )
     _add_tokenizer_flag(detokenize)
-    detokenize.add_argument("ids", metavar="IDS", help="ids as a JSON list or separated by spaces/commas")
+    detokenize.add_argument("ids", metavar="IDS",
+                            help="ids as a JSON list or separated by spaces/commas ('-' reads stdin)")
     detokenize.set_defaults(handler=run_detokenize)
 
 
@@ -66,7 +67,7 @@ def run_detokenize(args: argparse.Namespace) -> int:
     from specdec.tokenizer import load_tokenizer
 
     try:
-        ids = parse_ids(args.ids)
+        ids = parse_ids(sys.stdin.read() if args.ids == "-" else args.ids)
         text = load_tokenizer(args.tokenizer).decode(ids)
     except (SpecdecError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

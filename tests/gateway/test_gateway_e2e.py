@@ -91,6 +91,24 @@ def test_generate_command_takes_the_sampling_and_tree_flags(stack, plain_texts):
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "num_draft_tokens=5" in bad.stderr
 
 
+def test_generate_command_on_sigterm_is_interrupted_and_its_request_cancelled(stack):
+    """SIGTERM to `specdec generate --addr ...` ends it as Ctrl-C does (exit 130, `interrupted`) and the request
+    stops on the services (QA: it died of the signal, 143, with no message)."""
+    total = wait_all_pages_free(stack)[1]
+    proc = subprocess.Popen([sys.executable, "-m", "specdec", "generate", "--addr", stack.gateway_addr,
+                             "--max-new-tokens", "1500", PROMPTS[1]], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        proc.stdout.read(1)  # text is streaming
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and "interrupted" in err, (proc.returncode, err[-500:])
+    assert wait_all_pages_free(stack, timeout_s=10) == (total, total)
+
+
 def test_gateway_e2e_stop_string(client, plain_texts):
     plain = plain_texts[0]
     stop = plain[len(plain) // 2 : len(plain) // 2 + 3]

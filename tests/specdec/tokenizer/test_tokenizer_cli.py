@@ -32,6 +32,16 @@ def test_detokenize_accepts_json_and_plain_lists(capsys, tiny_code):
         assert capsys.readouterr().out == "print('héllo')\n"
 
 
+def test_detokenize_reads_stdin_for_a_dash(capsys, monkeypatch, tiny_code):
+    """As `tokenize -` and `generate -` do (QA: `echo '[331]' | specdec detokenize ... -` said IDS must be ints)."""
+    import io
+
+    ids = tiny_code.encode("x = 1")
+    monkeypatch.setattr("sys.stdin", io.StringIO(json.dumps(ids) + "\n"))
+    assert main(["detokenize", "--tokenizer", TOKENIZER, "-"]) == 0
+    assert capsys.readouterr().out == "x = 1\n"
+
+
 def test_errors_exit_1_with_message(capsys, tmp_path):
     assert main(["detokenize", "--tokenizer", TOKENIZER, "[1, 99999]"]) == 1
     assert "outside the vocabulary" in capsys.readouterr().err
