@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from specdec.rpc.metadata import REQUEST_ID_KEY, left_status
+from specdec.rpc.metadata import left_status, request_id_from
 from specdec.telemetry import ServiceMetrics, bind_request_id
 
 log = logging.getLogger("gateway.access")
@@ -59,13 +59,7 @@ def status_of(exc: BaseException | None, context: grpc.aio.ServicerContext) -> g
 
 
 def incoming_request_id(request: Any, context: grpc.aio.ServicerContext) -> str | None:
-    value = getattr(request, "request_id", "")
-    if value:
-        return value
-    for key, item in context.invocation_metadata() or ():
-        if key == REQUEST_ID_KEY:
-            return item if isinstance(item, str) else item.decode()
-    return None
+    return getattr(request, "request_id", "") or request_id_from(context)
 
 
 # ------------------------------------------------------------------------------------------- logging

@@ -29,13 +29,12 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from specdec.rpc.metadata import left_status
+from specdec.rpc.metadata import left_status, request_id_from
 from specdec.telemetry.logs import loggable_id
 from specdec.telemetry.tracing import active_provider, get_tracer
 
 PROPAGATOR = TraceContextTextMapPropagator()
 _PROPAGATED_KEYS = frozenset(PROPAGATOR.fields)  # {"traceparent", "tracestate"}
-REQUEST_ID_METADATA_KEY = "x-request-id"  # as specdec.rpc.metadata sends it; the request's field wins
 
 
 def client_interceptors(provider: trace.TracerProvider | None = None) -> list[grpc.aio.ClientInterceptor]:
@@ -209,15 +208,14 @@ def server_span(
     Yields the span, or None when `parent_required` and the caller sent no trace context. `current=False` leaves
     the span out of the context (a stream makes it current around each step itself: `_in_span`).
     """
-    pairs = tuple(context.invocation_metadata() or ())
-    metadata = dict(reversed(pairs))  # a key sent twice: its first value, as the services read the request id
+    metadata = dict(context.invocation_metadata() or ())
     parent = PROPAGATOR.extract(metadata)
     if parent_required and not trace.get_current_span(parent).get_span_context().is_valid:
         yield None
         return
     name = _method_name(method)
     attributes = _rpc_attributes(name)
-    request_id = _request_id(request) or metadata.get(REQUEST_ID_METADATA_KEY)
+    request_id = _request_id(request) or request_id_from(context)  # as the services read it
     if isinstance(request_id, str) and request_id:
         attributes["specdec.request_id"] = loggable_id(request_id)  # a client's, not yet checked
     tracer = tracer or get_tracer()
