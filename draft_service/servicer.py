@@ -118,9 +118,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                     yield msg
             finally:
                 if not finished:  # cancelled, past its deadline or failed: its line too (the status is the caller's)
-                    log.info("ended early: %d prompt + %d new tokens, %.3f s", len(prompt), n, time.perf_counter() - t0,
+                    total = time.perf_counter() - t0
+                    log.info("ended early: %d prompt + %d new tokens, %.3f s", len(prompt), n, total,
                              extra={"prompt_tokens": len(prompt), "completion_tokens": n, "num_verify_steps": steps,
-                                    "total_s": round(time.perf_counter() - t0, 4), "finish_reason": "early"})
+                                    "total_s": round(total, 4), "finish_reason": "early"})
 
     async def Abort(self, request, context):
         rid = check_request_id(request.request_id)

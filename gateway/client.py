@@ -125,38 +125,31 @@ class GatewayClient:
         this request's own smaller tree (`num_steps`, `topk`, `num_draft_tokens`, each up to the draft service's).
         A value the request message cannot hold (a negative seed, a string temperature, an unknown `spec` key, a
         chat message without content) raises `InvalidInput` here; the gateway checks the rest (INVALID_ARGUMENT)."""
-        try:
-            request = self._request(prompt, max_new_tokens, temperature, top_k, top_p, min_p, seed, ignore_eos, stop,
-                                    stop_token_ids, no_speculation, request_id, spec)
+        try:  # protobuf refuses these as ValueError / TypeError; KeyError: a chat message without a field
+            sampling = common_pb2.SamplingParams(stop_token_ids=list(stop_token_ids))
+            for name, value in (
+                ("max_new_tokens", max_new_tokens),
+                ("temperature", temperature),
+                ("top_k", top_k),
+                ("top_p", top_p),
+                ("min_p", min_p),
+                ("seed", seed),
+                ("ignore_eos", ignore_eos),
+            ):
+                if value is not None:
+                    setattr(sampling, name, value)
+            request = gateway_pb2.GatewayServiceGenerateRequest(
+                sampling=sampling, stop=list(stop), no_speculation=no_speculation, request_id=request_id
+            )
+            if spec is not None:
+                request.spec.CopyFrom(common_pb2.SpecParams(**spec))
+            if isinstance(prompt, str):
+                request.prompt = prompt
+            else:
+                request.chat.CopyFrom(_chat(prompt))
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise InvalidInput(f"bad request: {type(exc).__name__}: {exc}") from exc
         return GenerationStream(self._stub.Generate(request, timeout=self._timeout_s, metadata=self._metadata))
-
-    @staticmethod
-    def _request(prompt, max_new_tokens, temperature, top_k, top_p, min_p, seed, ignore_eos, stop, stop_token_ids,
-                 no_speculation, request_id, spec) -> gateway_pb2.GatewayServiceGenerateRequest:
-        sampling = common_pb2.SamplingParams(stop_token_ids=list(stop_token_ids))
-        for name, value in (
-            ("max_new_tokens", max_new_tokens),
-            ("temperature", temperature),
-            ("top_k", top_k),
-            ("top_p", top_p),
-            ("min_p", min_p),
-            ("seed", seed),
-            ("ignore_eos", ignore_eos),
-        ):
-            if value is not None:
-                setattr(sampling, name, value)
-        request = gateway_pb2.GatewayServiceGenerateRequest(
-            sampling=sampling, stop=list(stop), no_speculation=no_speculation, request_id=request_id
-        )
-        if spec is not None:
-            request.spec.CopyFrom(common_pb2.SpecParams(**spec))
-        if isinstance(prompt, str):
-            request.prompt = prompt
-        else:
-            request.chat.CopyFrom(_chat(prompt))
-        return request
 
     def complete(self, prompt: str | Messages, **kwargs) -> tuple[str, GenerationStats]:
         """The whole text and its stats (see `generate` for the arguments)."""
