@@ -45,13 +45,6 @@ class _Stream:
     leaving: bool = False  # aborted: its id is free once the scheduler has applied the abort
 
 
-@dataclass
-class _Add:
-    """A request whose id a leaving stream still holds: added when that stream's last event is out."""
-
-    args: tuple  # _add_stream's (request_id, prompt_ids, sampling, stream, trace_context, tree_cap)
-
-
 class EngineLoop:
     def __init__(self, scheduler: Scheduler | None, name: str = "engine", device=None):
         self.scheduler = scheduler
@@ -59,7 +52,9 @@ class EngineLoop:
         self.device = resolve_device(device) if device is not None else None  # the engine's GPU, if any
         self._calls: list[_Call] = []
         self._streams: dict[str, _Stream] = {}
-        self._next: dict[str, _Add] = {}  # id -> the request that takes it once its leaving stream has ended
+        # id -> `_add_stream`'s arguments (request_id, prompt_ids, sampling, stream, trace_context, tree_cap) of the
+        # request that takes the id once the leaving stream holding it has ended
+        self._next: dict[str, tuple] = {}
         self._cond = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
@@ -137,7 +132,7 @@ class EngineLoop:
             # an id a client cancelled is free at the next step's start (the scheduler applies aborts there, and
             # releases the target's state): a client that reuses it at once waits for that, not ALREADY_EXISTS
             if old.leaving and request_id not in self._next:
-                self._next[request_id] = _Add((request_id, prompt_ids, sampling, stream, trace_context, tree_cap))
+                self._next[request_id] = (request_id, prompt_ids, sampling, stream, trace_context, tree_cap)
                 return
             raise DuplicateRequest(f"request {request_id!r} is already running")
         self.scheduler.add(request_id, prompt_ids, sampling, trace_context, tree_cap)  # may refuse it: then no stream
@@ -146,12 +141,12 @@ class EngineLoop:
     def _take_over(self, request_id: str) -> None:
         """The id's stream has ended: the request waiting for the id is added now (its error, if refused, ends
         its stream)."""
-        nxt = self._next.pop(request_id, None)
-        if nxt is None:
+        args = self._next.pop(request_id, None)
+        if args is None:
             return
-        stream = nxt.args[3]
+        stream = args[3]
         try:
-            self._add_stream(*nxt.args)
+            self._add_stream(*args)
         except Exception as exc:  # noqa: BLE001 - handed to its stream, which raises it in the handler
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait,
                                              Event(request_id, [], "abort", error=_as_specdec(exc)))
@@ -159,8 +154,8 @@ class EngineLoop:
     def _abort_stream(self, request_id: str, stream: _Stream | None = None) -> bool:
         """Abort the request (only if `stream` is the one it runs under, when given: not a request that took
         the id after, nor the one whose id a refused duplicate asked for)."""
-        nxt = self._next.get(request_id)
-        if nxt is not None and stream is not None and nxt.args[3] is stream:  # left before it got the id
+        waiting = self._next.get(request_id)
+        if waiting is not None and stream is not None and waiting[3] is stream:  # left before it got the id
             del self._next[request_id]
             return True
         found = request_id in self._streams and (stream is None or self._streams[request_id] is stream)
@@ -276,7 +271,7 @@ class EngineLoop:
         for c in self._calls:
             self._set(c.future, exc=err)
         self._calls = []
-        waiting = [(rid, nxt.args[3]) for rid, nxt in self._next.items()]
+        waiting = [(rid, args[3]) for rid, args in self._next.items()]
         for rid, stream in [*self._streams.items(), *waiting]:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, Event(rid, [], "abort", error=err))
         self._streams.clear()
