@@ -135,9 +135,10 @@ class LocalStack:
         deadline = time.monotonic() + timeout_s
         commands = self.config.commands()
         for name in commands:  # a port someone else serves on: its health checks would answer for ours
-            if _answers(self.config.host, getattr(self.config, f"{name}_port")):
-                raise NotReady(f"port {getattr(self.config, f'{name}_port')} for the {name} is already in use on "
-                               f"{self.config.host} (another `specdec up`?); choose another with --{name}-port")
+            port = getattr(self.config, f"{name}_port")
+            if _answers(self.config.host, port):
+                raise NotReady(f"port {port} for the {name} is already in use on {self.config.host} (another "
+                               f"`specdec up`?); choose another with --{name}-port")
         try:  # the model services load side by side; the gateway starts once they serve, so it sees both up
             for name in ("target", "draft", "gateway"):
                 if name == "gateway":
