@@ -26,12 +26,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specdec.engine.adaptive import FULL, SpeculationPolicy, budget_menu  # noqa: E402
+from specdec.engine.calibration import calibrate  # noqa: E402
 from specdec.engine.draft_engine import SpecConfig  # noqa: E402
 from specdec.engine.factory import EngineOptions, build_draft, build_target  # noqa: E402
 from specdec.engine.generate import feature_layers_for, generate  # noqa: E402
 from specdec.engine.overlap import TwoBatchOverlap  # noqa: E402
 from specdec.engine.plain_steps import PLAIN_STEPS  # noqa: E402
 from specdec.engine.requests import StepTimings, VerifyInput  # noqa: E402
+from specdec.engine.scheduler import Scheduler  # noqa: E402
 from specdec.engine.warmup import warm_verify_shapes  # noqa: E402
 from specdec.sampling_params import SamplingParams  # noqa: E402
 from specdec.serving.long_lived import freeze_start_up_objects  # noqa: E402
@@ -75,16 +77,23 @@ def _opts(backend, **kw):
 
 
 def _decode_rate(target, draft, prompts, new_tokens, policy=None, timings=None, overlap=None, busy=None,
-                 plain_steps=PLAIN_STEPS, **sp):
-    """(tokens/s, tokens per target step) of the second of two identical runs (the first warms up; with a
-    `policy` it also trains it, so the timed run shows the policy's settled choice). `timings` (a StepTimings)
-    collects where the timed run's time went; `busy` (a GpuBusy) is entered around the timed run."""
+                 plain_steps=PLAIN_STEPS, repeats=1, warm_up=True, **sp):
+    """(tokens/s, tokens per target step) of the run after a first identical one (which warms up; with a
+    `policy` it also trains it, so the timed run shows the policy's settled choice); `repeats` > 1: the median
+    of that many timed runs (a tiny-pair run is tens of ms); `warm_up=False`: the first run is the timed one (a
+    policy's cold start). `timings` (a StepTimings) collects where the last timed run's time went; `busy` (a
+    GpuBusy) is entered around the timed runs."""
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, **sp)
     run = partial(generate, target, draft, prompts, params, max_batch_size=len(prompts), policy=policy,
                   overlap=overlap, plain_steps=plain_steps)
-    run()
+    if warm_up:
+        run()
+    times = []
     with busy if busy is not None else contextlib.nullcontext():
-        t, out = _sync_time(partial(run, timings=timings))
+        for _ in range(repeats):
+            t, out = _sync_time(partial(run, timings=timings))
+            times.append(t)
+    t = sorted(times)[len(times) // 2]
     toks = sum(len(r.tokens) for r in out)
     steps = sum(r.num_verify_steps for r in out)
     tau = sum(len(r.tokens) - 1 for r in out) / steps if steps and draft is not None else 1.0
@@ -276,6 +285,14 @@ def plain_batches(res, args, target):
     res["plain_rows"] = rows
 
 
+def calibrated_policy(target, draft, max_batch_size: int) -> SpeculationPolicy:
+    """A fresh `auto` policy seeded as the draft service seeds its own at start-up (`engine/calibration.py`)."""
+    policy = SpeculationPolicy(budget_menu(draft.spec.num_draft_tokens))
+    sched = Scheduler(target, draft, target.max_context, max_batch_size, feature_layers_for(draft), policy=policy)
+    calibrate(sched, policy, target.cfg.vocab_size)
+    return policy
+
+
 def tiny(res, args):
     opts = _opts(args.backend, max_batch_size=max(args.batch_sizes), num_pages=8192)
     target = build_target(str(TINY / "target"), opts)
@@ -291,15 +308,23 @@ def tiny(res, args):
         draft = build_draft(str(TINY / kind), str(TINY / "target"), spec, opts, target.max_context)
         for bs in args.batch_sizes:
             prompts = [tok.encode(p)[-256:] for p in lines[:bs]]
-            plain, _ = _decode_rate(target, None, prompts, 64)
-            rate, tau = _decode_rate(target, draft, prompts, 64)
+            n, reps = args.tiny_new_tokens, args.tiny_repeats
+            plain, _ = _decode_rate(target, None, prompts, n, repeats=reps)
+            rate, tau = _decode_rate(target, draft, prompts, n, repeats=reps)
+            # a fresh service's first requests: calibrated at start-up, nothing learned from requests yet
+            cold_policy = calibrated_policy(target, draft, len(prompts))
+            cold, cold_tps = _decode_rate(target, draft, prompts, n, policy=cold_policy, warm_up=False)
             policy = SpeculationPolicy(budget_menu(spec.num_draft_tokens))
-            auto, auto_tps = _decode_rate(target, draft, prompts, 64, policy=policy)
+            auto, auto_tps = _decode_rate(target, draft, prompts, n, policy=policy, repeats=reps)
+            plain_again, _ = _decode_rate(target, None, prompts, n, repeats=reps)  # the drift during the row
             rows.append({"draft": kind, "spec": f"s{spec.num_steps}k{spec.topk}d{spec.num_draft_tokens}", "bs": bs,
-                         "tau": round(tau, 2), "plain_tok_s": round(plain, 1), "spec_tok_s": round(rate, 1),
+                         "tau": round(tau, 2), "plain_tok_s": round(plain, 1),
+                         "plain_again_tok_s": round(plain_again, 1), "spec_tok_s": round(rate, 1),
                          "speedup": round(rate / plain, 2), "auto_tok_s": round(auto, 1),
                          "auto_speedup": round(auto / plain, 2), "auto_tokens_per_step": round(auto_tps, 2),
-                         "auto_rates": policy.summary()})
+                         "auto_cold_tok_s": round(cold, 1), "auto_cold_speedup": round(cold / plain, 2),
+                         "auto_cold_tokens_per_step": round(cold_tps, 2), "auto_rates": policy.summary(),
+                         "auto_cold_rates": cold_policy.summary()})
             print(rows[-1], flush=True)
     res["tiny_rows"] = rows
 
@@ -337,6 +362,8 @@ def main() -> int:
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompts", default=None)
+    ap.add_argument("--tiny-new-tokens", type=int, default=128)
+    ap.add_argument("--tiny-repeats", type=int, default=3, help="timed runs per tiny-pair measurement (median)")
     ap.add_argument("--draft-config", default="llama3-8b-eagle1",
                     help="the 8B-shaped head of the simulated rows: llama3-8b-eagle1 (the target's 128k vocabulary) "
                          "or llama3-8b-eagle3 (a 32k draft vocabulary, three target layers as features)")

@@ -39,7 +39,8 @@ class Stretch(SpeculationPolicy):
         self.calls += 1
         return 0 if self.before < self.calls <= self.before + self.plain else FULL
 
-    def record(self, batch_size, budget, tokens, seconds, steps=1, yielding=None, chosen_at=None) -> None:
+    def record(self, batch_size, budget, tokens, seconds, steps=1, yielding=None, chosen_at=None,
+               derived=None) -> None:
         if budget != 0 and self.calls > self.before + self.plain and yielding:
             self.after.append(tokens / yielding)
 

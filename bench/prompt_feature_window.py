@@ -36,7 +36,8 @@ class Counting(SpeculationPolicy):
     def plain_leads(self, batch_size: int) -> bool:
         return False
 
-    def record(self, batch_size, budget, tokens, seconds, steps=1, yielding=None, chosen_at=None) -> None:
+    def record(self, batch_size, budget, tokens, seconds, steps=1, yielding=None, chosen_at=None,
+               derived=None) -> None:
         if yielding:
             self.committed, self.request_steps = self.committed + tokens, self.request_steps + yielding
 

@@ -13,6 +13,7 @@ from draft_service.servicer import DraftServicer
 from draft_service.target_client import TargetClient
 from specdec.config import ModelConfig
 from specdec.engine.adaptive import FULL, SpeculationPolicy, budget_menu
+from specdec.engine.calibration import calibrate
 from specdec.engine.draft_engine import SpecConfig
 from specdec.engine.factory import build_draft
 from specdec.engine.generate import feature_layers_for
@@ -137,6 +138,8 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
         metrics.track(kv_pages=lambda: (kv.num_total_pages - kv.num_free_pages, kv.num_free_pages),
                       running=lambda: len(sched.running), waiting=lambda: len(sched.waiting))
         loop.start()
+        if policy is not None:  # each budget's time at batch 1, before the first request pays to learn it
+            await loop.call(calibrate, sched, policy, info.vocab_size)
         servicer.engine, servicer.loop, servicer.metrics = engine, loop, metrics
         servicer.num_running = lambda: len(sched.running)
         servicer.max_context, servicer.vocab_size = max_context, info.vocab_size

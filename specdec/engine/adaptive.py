@@ -103,6 +103,10 @@ class SpeculationPolicy:
     recorded: dict[int, int] = field(default_factory=dict)  # bucket -> the budget of its latest record
     target_steps: dict[int, int] = field(default_factory=dict)  # budget -> target steps recorded with it
     peaks: dict[int, float] = field(default_factory=dict)  # bucket -> recent peak batch size (decaying)
+    # chains (topk 1): a step of a budget tells what each smaller one would have committed (the first h nodes of a
+    # chain are the h-budget's tree; a request that accepted a drafts would have accepted min(a, h)), so those
+    # yields are counted from every step (`record`'s `derived`) and a smaller budget's time is all it must measure
+    derives_yields: bool = False
     # a list: every record is appended to it, (kind, batch size, budget, tokens, seconds, steps, yielding, chosen at,
     # time.perf_counter()), and the scheduler's admissions as ("admission", start, seconds, admitted) (diagnosis:
     # benchmarks, and the draft service's SPECDEC_POLICY_HISTORY)
@@ -153,8 +157,12 @@ class SpeculationPolicy:
 
     def _next_unmeasured(self, b: int) -> int | None:
         """The next budget of the menu to measure at bucket `b` (None: all that will be tried are measured)."""
+        top = self.budgets[-1]
         for i, budget in enumerate(self.budgets):
             if not self._is_measured(b, budget):
+                if self.derives_yields and budget not in (0, top) and self._timed(b, budget) \
+                        and not self._is_measured(b, top):
+                    return top  # this one's time is known (`seed`, or its first steps): the biggest's yield it
                 if i and self._far_behind(b, self.budgets[i - 1]):
                     return None  # the smaller budget lost by more than half: the bigger (costlier) ones are not tried
                 return budget
@@ -170,8 +178,23 @@ class SpeculationPolicy:
 
     def _is_measured(self, b: int, budget: int) -> bool:
         key = (b, budget)
-        return self.samples.get(key, 0) >= self.min_samples and (
+        return self._timed(b, budget) and (
             budget == 0 or self.counted.get(key, 0) >= self.min_request_steps)  # a plain step yields 1 per step
+
+    def _timed(self, b: int, budget: int) -> bool:
+        return self.samples.get((b, budget), 0) >= self.min_samples
+
+    def seed(self, batch_size: int, budget: int, seconds: float) -> None:
+        """Take `seconds` per request-step as `budget`'s measured time at `batch_size`'s bucket (the draft's start-up
+        calibration, `specdec.engine.calibration`): plain decoding (one token a request-step) is then measured
+        outright, a speculative budget still needs its yield from real requests. Later steps average into it."""
+        key = (self.bucket(batch_size), budget)
+        self.seconds[key] = seconds
+        self.samples[key] = max(self.samples.get(key, 0), self.min_samples)
+        if budget == 0:
+            self.tokens[key], self.counted[key] = 1.0, self.min_request_steps
+        if key in self.tokens:
+            self._rate(key)
 
     def _far_behind(self, b: int, budget: int) -> bool:
         """Did `budget` measure under half the rate of the best measured one?"""
@@ -205,14 +228,16 @@ class SpeculationPolicy:
         return top
 
     def record(self, batch_size: int, budget: int, tokens: int, seconds: float, steps: int = 1,
-               yielding: int | None = None, chosen_at: int | None = None) -> None:
+               yielding: int | None = None, chosen_at: int | None = None,
+               derived: dict[int, int] | None = None) -> None:
         """One call of `batch_size` requests with `budget`: `seconds` for `steps` target steps (a plain call runs
         several; each is one request-step per request), in which `yielding` of the requests (default: all) that
         did not finish in the call committed `tokens`. A request's last call is cut short by its length limit or
         stop token: counted in the yield it read as low acceptance (one plain call at the end of a batch of
         requests once halved plain's rate at 128 requests on the H200); it still counts in the time.
         `chosen_at`: the batch size whose bucket chose the budget (default `batch_size`): under two-batch overlap
-        a micro-batch's choice of plain decoding runs the whole batch plainly."""
+        a micro-batch's choice of plain decoding runs the whole batch plainly. `derived`: smaller budgets -> the
+        tokens the same requests would have committed with them (`derives_yields`), counted in their yields."""
         yielding = batch_size if yielding is None else yielding
         chosen_at = chosen_at or batch_size
         key = (self.bucket(chosen_at), budget)
@@ -246,20 +271,28 @@ class SpeculationPolicy:
             step_s = min(step_s, self.max_step_ratio * self.seconds[key])
         self.seconds[key] = step_s if first else self.seconds[key] + weight * (step_s - self.seconds[key])
         if yielding:
-            step_tokens = tokens / (yielding * steps)
-            if first or key not in self.tokens:
-                self.tokens[key], self.counted[key] = step_tokens, yielding
-            else:
-                n = self.counted[key]
-                weight = max(yielding / (n + yielding), 1 - (1 - self.yield_ema) ** yielding)
-                self.tokens[key] += weight * (step_tokens - self.tokens[key])
-                self.counted[key] = n + yielding
+            self._add_yield(key, tokens / (yielding * steps), yielding, reset=first and not self.derives_yields)
+            for smaller, committed in (derived or {}).items():
+                self._add_yield((b, smaller), committed / yielding, yielding)
+                if (b, smaller) in self.seconds:
+                    self._rate((b, smaller))
         self._rate(key)
         self.samples[key] = self.samples.get(key, 0) + 1
         if b in self.challenged and budget != self.challenged[b]:  # the re-measurement came back
             held = self._best(b) == self.challenged.pop(b)
             interval = self.intervals.get(b, self.explore_every)
             self.intervals[b] = min(2 * interval, self.max_explore_every) if held else self.explore_every
+
+    def _add_yield(self, key: tuple[int, int], step_tokens: float, yielding: int, reset: bool = False) -> None:
+        """Average `yielding` request-steps of `step_tokens` each into `key`'s tokens per request-step (`reset`:
+        they replace it, as the first samples' times do)."""
+        if reset or key not in self.tokens:
+            self.tokens[key], self.counted[key] = step_tokens, yielding
+            return
+        n = self.counted[key]
+        weight = max(yielding / (n + yielding), 1 - (1 - self.yield_ema) ** yielding)
+        self.tokens[key] += weight * (step_tokens - self.tokens[key])
+        self.counted[key] = n + yielding
 
     def _rate(self, key: tuple[int, int]) -> None:
         """tokens/s of (bucket, budget): tokens per request-step over seconds per request-step."""

@@ -72,6 +72,8 @@ class Scheduler(Admission):
         if overlap is not None:
             self.target = overlap.wrap_target(target)
         self.policy = policy  # None: always speculate when there is a draft
+        if policy is not None and draft is not None and draft.spec.topk == 1:
+            policy.derives_yields = True  # chains: a step tells the smaller budgets' yields (`_derived`)
         self.step_spans = step_spans or StepSpanSampler(0.0)  # default: no step spans
         # a request refused for lack of KV pages waits (FIFO) up to this long, then fails OutOfPages; 0: at once
         self.max_queue_wait_s = max_queue_wait_s
@@ -327,8 +329,18 @@ class Scheduler(Admission):
         if self.policy is not None and self.draft is not None and not (launch.ramp or ending):
             going = [e for e in events if e.finish_reason == RUNNING and e.request_id not in bounded]
             self.policy.record(len(rids), launch.budget, sum(len(e.tokens) for e in going), elapsed, steps,
-                               len(going), launch.chosen_at)
+                               len(going), launch.chosen_at, self._derived(launch, going))
         return events
+
+    def _derived(self, launch: Launch, going: list[Event]) -> dict[int, int] | None:
+        """What the menu's smaller speculative budgets would have committed for `going` in this step of chains
+        (`SpeculationPolicy.derives_yields`): a budget of h keeps a chain's first h nodes, so a request that
+        accepted a drafts would have accepted min(a, h), plus the target's own token."""
+        if not (launch.speculate and self.policy.derives_yields):
+            return None
+        size = self.draft.spec.num_draft_tokens if launch.budget == FULL else launch.budget
+        return {h: sum(1 + min(e.num_accepted_drafts, h) for e in going)
+                for h in self.policy.budgets if h not in (0, FULL) and h < size}
 
     def _near_limit(self, state: RunState, launch: Launch, tree: TokenTree) -> bool:
         """Could the request's length limit (max_new_tokens, the context) have ended it in this call, before this

@@ -453,7 +453,7 @@ class _Recorder(SpeculationPolicy):
     def choose(self, batch_size: int) -> int:
         return 0
 
-    def record(self, batch_size, budget, tokens, seconds, steps=1, yielding=None, chosen_at=None):
+    def record(self, batch_size, budget, tokens, seconds, steps=1, yielding=None, chosen_at=None, derived=None):
         self.calls.append((batch_size, steps, yielding))
 
 

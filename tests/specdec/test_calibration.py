@@ -1,0 +1,156 @@
+"""`--speculation auto` from a cold start: chains' steps tell the smaller budgets' yields, and the draft's start-up
+calibration measures each budget's time at batch 1, so a fresh service's first request speculates."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from core_engines import drive, tiny_draft, tiny_target
+
+from specdec.engine.adaptive import FULL, SpeculationPolicy, budget_menu
+from specdec.engine.calibration import calibrate
+from specdec.engine.generate import feature_layers_for
+from specdec.engine.scheduler import Scheduler
+from specdec.errors import SpecdecError
+from specdec.sampling_params import SamplingParams
+
+
+class _Fixed(SpeculationPolicy):
+    """Always `budget`; keeps what the scheduler records."""
+
+    def __init__(self, budget: int):
+        super().__init__(budgets=budget_menu(5))
+        self.budget, self.records = budget, []
+
+    def choose(self, batch_size: int) -> int:
+        return self.budget
+
+    def record(self, batch_size, budget, tokens, seconds, steps=1, yielding=None, chosen_at=None, derived=None):
+        self.records.append((budget, tokens, yielding, derived))
+
+
+def test_a_chain_step_tells_what_the_half_chain_would_have_committed(dev_prompts, tiny_tokenizer):
+    """Greedy, same state: the whole chain's first step's derived yield for 2 drafts equals what a step of 2
+    drafts commits."""
+    target = tiny_target()
+    prompts = [tiny_tokenizer.encode(p)[-90:] for p in dev_prompts[0:8]]
+    params = [SamplingParams(max_new_tokens=40, ignore_eos=True)] * len(prompts)
+    first = {}
+    for budget in (FULL, 2):
+        draft = tiny_draft()
+        policy = _Fixed(budget)
+        sched = Scheduler(target, draft, target.max_context, len(prompts), feature_layers_for(draft), policy=policy)
+        assert policy.derives_yields  # a chain draft
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            sched.add(f"r{i}", prompt, p)
+        while not policy.records:
+            sched.step()
+        first[budget] = policy.records[0]
+        for i in range(len(prompts)):
+            sched.abort(f"r{i}")
+        while sched.has_work:
+            sched.step()
+    full_budget, full_tokens, full_yielding, derived = first[FULL]
+    half_budget, half_tokens, half_yielding, half_derived = first[2]
+    assert full_yielding == half_yielding == len(prompts)
+    assert derived == {2: half_tokens}, (derived, half_tokens)
+    assert full_tokens >= half_tokens
+    assert half_derived == {}  # nothing smaller than 2 in the menu
+
+
+def test_derived_yields_count_toward_the_smaller_budget():
+    p = SpeculationPolicy(budget_menu(5), min_samples=2, min_request_steps=4)
+    p.derives_yields = True
+    for _ in range(4):
+        p.record(1, FULL, tokens=5, seconds=0.010, derived={2: 3})
+    assert p.tokens[(1, 2)] == pytest.approx(3.0) and p.counted[(1, 2)] == 4
+    assert (1, 2) not in p.seconds  # its time is its own to measure
+
+
+def test_seeded_times_let_the_first_request_speculate_and_decide_after_the_whole_chain_alone():
+    p = SpeculationPolicy(budget_menu(5))
+    p.derives_yields = True
+    for budget, seconds in ((0, 0.010), (2, 0.012), (FULL, 0.013)):
+        p.seed(1, budget, seconds)
+    chosen = []
+    for _ in range(p.min_request_steps + 2):
+        b = p.choose(1)
+        chosen.append(b)
+        assert b == FULL  # plain is measured outright (1 token a step); half's yield comes from the chain's steps
+        p.record(1, b, tokens=4, seconds=0.013, derived={2: 3})
+    assert p._is_measured(1, 0) and p._is_measured(1, 2) and p._is_measured(1, FULL)
+    assert p.rates[(1, 0)] == pytest.approx(100.0) and p.rates[(1, 2)] == pytest.approx(250.0)
+    assert p._best(1) == FULL
+
+
+def test_seeded_times_where_plain_is_faster_end_speculating_after_the_chain_is_measured():
+    p = SpeculationPolicy(budget_menu(5))
+    p.derives_yields = True
+    for budget, seconds in ((0, 0.001), (2, 0.012), (FULL, 0.013)):
+        p.seed(1, budget, seconds)
+    for _ in range(p.min_request_steps):
+        b = p.choose(1)
+        assert b == FULL
+        p.record(1, b, tokens=4, seconds=0.013, derived={2: 3})
+    assert p.choose(1) == 0  # 1000 tok/s plain against ~300
+
+
+def test_without_derived_yields_the_menu_is_measured_in_order():
+    p = SpeculationPolicy(budget_menu(5))
+    for budget, seconds in ((0, 0.010), (2, 0.012), (FULL, 0.013)):
+        p.seed(1, budget, seconds)
+    assert p.choose(1) == 2  # trees: half's yield is its own
+
+
+def _idle(sched, target, draft, pages_before) -> None:
+    assert not sched.running and not sched.waiting and not sched.has_work
+    assert not target.requests and not draft.requests
+    assert target.kv.num_free_pages == pages_before
+
+
+def test_calibration_seeds_every_budget_and_leaves_the_scheduler_as_it_was(dev_prompts, tiny_tokenizer, caplog):
+    target, draft = tiny_target(), tiny_draft()
+    policy = SpeculationPolicy(budget_menu(draft.spec.num_draft_tokens))
+    sched = Scheduler(target, draft, target.max_context, 4, feature_layers_for(draft), policy=policy)
+    free = target.kv.num_free_pages
+    with caplog.at_level(logging.INFO, logger="specdec.engine.calibration"):
+        measured = calibrate(sched, policy, target.model.cfg.vocab_size, max_seconds=120)  # (a loaded machine)
+    assert set(measured) == {0, 2, FULL} and all(s > 0 for s in measured.values())
+    assert "speculation calibration at batch 1" in caplog.text
+    _idle(sched, target, draft, free)
+    assert sched.policy is policy and sched.timings.spec_steps == 0 and sched.timings.plain_steps == 0
+    assert all(policy.seconds[(1, b)] == measured[b] for b in measured)
+    assert policy.history is None or not policy.history
+    assert policy.choose(1) == FULL  # the first real request starts on the whole chain
+    # and the scheduler then generates exactly the target's greedy output
+    prompts = [tiny_tokenizer.encode(p)[-80:] for p in dev_prompts[20:23]]
+    params = [SamplingParams(max_new_tokens=30)] * len(prompts)
+    plain = drive(Scheduler(target, None, target.max_context, 4), prompts, params)
+    assert drive(sched, prompts, params) == plain
+    _idle(sched, target, draft, free)
+
+
+class _Failing:
+    """A target whose verifies fail (an answer the draft cannot use)."""
+
+    def __init__(self, target):
+        self.inner = target
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def verify(self, *args, **kwargs):
+        raise SpecdecError("malformed reply")
+
+
+def test_a_failing_calibration_is_logged_and_the_policy_learns_as_before(caplog):
+    target, draft = tiny_target(), tiny_draft()
+    free = target.kv.num_free_pages
+    policy = SpeculationPolicy(budget_menu(draft.spec.num_draft_tokens))
+    sched = Scheduler(_Failing(target), draft, target.max_context, 4, feature_layers_for(draft), policy=policy)
+    with caplog.at_level(logging.WARNING, logger="specdec.engine.calibration"):
+        assert calibrate(sched, policy, target.model.cfg.vocab_size) == {}
+    assert "calibration stopped" in caplog.text
+    assert not policy.seconds and sched.policy is policy
+    _idle(sched, target, draft, free)  # the throw-away request released on both sides
