@@ -8,7 +8,8 @@ deltas. Greedy decoding is deterministic, so the text is exactly what an uninter
 requests keep the target's distribution but not the same sample.
 
 Each attempt uses its own downstream request id (`rid`, `rid~1`, `rid~2`, ...), since the failed service may
-still hold the old one.
+still hold the old one. Client ids may contain `~`: a continuation whose id another request runs under already
+(ALREADY_EXISTS: a client's own `rid~1`) is sent again under the next one, `MAX_ID_TRIES` times at most.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+
+import grpc
 
 from gateway.downstream import Chunk, Finish, StreamBroken, is_backend_failure
 from gateway.router import Lease, Part, Router
@@ -31,6 +34,7 @@ log = logging.getLogger(__name__)
 FINISH_STOP = common_pb2.FINISH_REASON_STOP
 FINISH_LENGTH = common_pb2.FINISH_REASON_LENGTH
 FINISH_ABORT = common_pb2.FINISH_REASON_ABORT
+MAX_ID_TRIES = 8  # continuation ids tried past ones another request runs under
 
 
 @dataclass(frozen=True)
@@ -63,21 +67,34 @@ class FallbackGeneration:
         try:
             use_draft = self._plan.speculative and lease.pair.speculative
             max_attempts = 2 * len(self._router.pairs) + 1
-            for attempt in range(max_attempts):
+            number, taken = 0, 0  # the downstream id's suffix; continuation ids found taken
+            for _ in range(max_attempts):
                 done = self._finished_locally()
                 if done is not None:
                     yield Chunk((), done)
                     return
-                rid = self._plan.request_id if attempt == 0 else f"{self._plan.request_id}~{attempt}"
                 self.speculative = self.speculative and use_draft
-                try:
-                    async for chunk in self._attempt(lease, rid, use_draft):
-                        yield chunk
-                    return
-                except Exception as exc:
-                    if not is_backend_failure(exc):
-                        raise
-                    lease, use_draft = self._recover(lease, rid, use_draft, exc)
+                while True:
+                    rid = self._plan.request_id if number == 0 else f"{self._plan.request_id}~{number}"
+                    number += 1
+                    try:
+                        async for chunk in self._attempt(lease, rid, use_draft):
+                            yield chunk
+                        return
+                    except grpc.aio.AioRpcError as exc:
+                        if not (rid != self._plan.request_id and exc.code() == grpc.StatusCode.ALREADY_EXISTS
+                                and taken < MAX_ID_TRIES):
+                            failure = exc
+                            break
+                        taken += 1
+                        log.info("continuation id %s is another request's; sending it as %s~%d", rid,
+                                 self._plan.request_id, number)
+                    except Exception as exc:
+                        failure = exc
+                        break
+                if not is_backend_failure(failure):
+                    raise failure
+                lease, use_draft = self._recover(lease, rid, use_draft, failure)
             raise StreamBroken(f"request {self._plan.request_id} failed on {max_attempts} attempts")
         finally:
             self._router.release(lease)

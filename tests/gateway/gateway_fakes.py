@@ -63,9 +63,12 @@ class _Behaviour:
         self.fail_after_chunks: int | None = None  # abort the stream with UNAVAILABLE after this many chunks
         self.hang_after_chunks: int | None = None  # stop producing (until cancelled) after this many chunks
         self.delay_s = 0.0
+        self.taken_ids: set[str] = set()  # ids other requests run under: ALREADY_EXISTS
 
     async def stream(self, request, context, chunk_size: int):
         rid = request.request_id
+        if rid in self.taken_ids:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already running")
         self.seen.requests.append((rid, list(request.prompt_ids), request.sampling.max_new_tokens))
         self.seen.deadlines.append(context.time_remaining())
         tokens, reason = self.model.plan(rid, request.prompt_ids, request.sampling)

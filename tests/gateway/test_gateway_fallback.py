@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import grpc
 import pytest
 from conftest import SCRIPT_TEXT
 from gateway_fakes import FakeModel, PairAddress, collect, fake_stack, gateway_over, run, start_fake_pair
@@ -34,6 +35,32 @@ def test_gateway_draft_failing_mid_stream_continues_on_the_target(fake_model, mo
     assert prompt[-6:] == fake_model.script[:6]
     assert pairs[0].target.seen.released == ["r1"]
     assert not gateway.router.pairs[0].draft_up  # taken out until a health check finds it again
+
+
+def test_a_continuation_id_a_client_runs_under_already_takes_the_next_one(fake_model, model_dir):
+    """A client may name a request `r1~1` itself: request r1's continuation on the target then goes as r1~3."""
+    async def body():
+        async with fake_stack(fake_model, model_dir) as (pairs, _, stub):
+            pairs[0].draft.fail_after_chunks = 2
+            pairs[0].target.taken_ids = {"r1~1", "r1~2"}
+            result = await collect(stub.Generate(request(request_id="r1")))
+            return pairs, result
+
+    pairs, (text, ids, final, _) = run(body())
+    assert text == SCRIPT_TEXT and ids == fake_model.script
+    assert [r[0] for r in pairs[0].target.seen.requests] == ["r1~3"]  # (refused ids abort before they are seen)
+
+
+def test_a_clients_own_id_already_running_is_still_its_error(fake_model, model_dir):
+    async def body():
+        async with fake_stack(fake_model, model_dir) as (pairs, _, stub):
+            pairs[0].target.taken_ids = {"t9"}
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(stub.Generate(request(request_id="t9", no_speculation=True)))
+            return err.value
+
+    err = run(body())
+    assert err.code() == grpc.StatusCode.ALREADY_EXISTS
 
 
 def test_gateway_draft_server_killed_mid_stream_gives_the_same_text(fake_model, model_dir):
