@@ -14,7 +14,7 @@ from specdec.rpc.metadata import left_status
 from specdec.rpc.sampling_codec import sampling_from_proto
 from specdec.rpc.target_codec import check_request_id, finish_to_proto
 from specdec.serving.engine_loop import EngineLoop
-from specdec.spec_params import TREE_CAP_FIELDS, asked_tree_shape
+from specdec.spec_params import TREE_CAP_FIELDS, asked_tree_shape, check_within
 from specdec.telemetry import bind_request_id
 from specdec.tree import TreeCap
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -54,11 +54,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         service's, pruned: `TreeCap.prune`); None where it asks for the service's own."""
         mine = self.engine.spec
         asked = asked_tree_shape(spec)
-        bad = {f: v for f, v in asked.items() if v > getattr(mine, f)}
-        if bad:
-            raise InvalidInput(f"this draft service runs num_steps={mine.num_steps} topk={mine.topk} "
-                               f"num_draft_tokens={mine.num_draft_tokens}; a request's spec may ask for each "
-                               f"from 1 up to that, not {bad}")
+        check_within(asked, {f: getattr(mine, f) for f in TREE_CAP_FIELDS}, "this draft service")
         cap = TreeCap(*(asked.get(f, getattr(mine, f)) for f in TREE_CAP_FIELDS))
         return None if all(getattr(cap, f) == getattr(mine, f) for f in TREE_CAP_FIELDS) else cap
 

@@ -137,7 +137,10 @@ class GatewayClient:
                 ("ignore_eos", ignore_eos),
             ):
                 if value is not None:
-                    setattr(sampling, name, value)
+                    try:
+                        setattr(sampling, name, value)
+                    except (ValueError, TypeError) as exc:  # the message names no field: say which one
+                        raise InvalidInput(f"bad request: {name} {value!r}: {exc}") from exc
             request = gateway_pb2.GatewayServiceGenerateRequest(
                 sampling=sampling, stop=list(stop), no_speculation=no_speculation, request_id=request_id
             )
@@ -147,6 +150,8 @@ class GatewayClient:
                 request.prompt = prompt
             else:
                 request.chat.CopyFrom(_chat(prompt))
+        except InvalidInput:
+            raise
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise InvalidInput(f"bad request: {type(exc).__name__}: {exc}") from exc
         return GenerationStream(self._stub.Generate(request, timeout=self._timeout_s, metadata=self._metadata))

@@ -26,6 +26,7 @@ from gateway.config import PairAddress
 from gateway.downstream import DraftClient, Health, TargetClient
 from specdec.errors import NotReady
 from specdec.rpc.tls import TlsConfig
+from specdec.spec_params import TREE_CAP_FIELDS
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class Pair:
     target_model: str = ""  # from GetModelInfo once the target was seen up
     draft_model: str = ""
     max_context_len: int = 0  # 0: not known yet
+    draft_shape: dict[str, int] | None = None  # its draft's tree shape (num_steps, topk, num_draft_tokens), once seen
     # per part: set when health checks mark it down for not answering (a frozen or unreachable service), so the
     # streams running on it stop waiting for it (`FallbackGeneration`); a fresh one once it is up again
     unresponsive: dict[Part, asyncio.Event] = field(
@@ -189,7 +191,10 @@ class Router:
 
     async def _learn_draft(self, pair: Pair) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError):
-            pair.draft_model = (await pair.draft.model_info()).model
+            info = await pair.draft.model_info()
+            pair.draft_model = info.model
+            if all(info.spec.HasField(f) for f in TREE_CAP_FIELDS):
+                pair.draft_shape = {f: getattr(info.spec, f) for f in TREE_CAP_FIELDS}
 
     async def _health_loop(self) -> None:
         while True:

@@ -31,7 +31,7 @@ from gateway.router import Router
 from gateway.stream import TextStream
 from specdec.rpc.errors import map_servicer_errors
 from specdec.rpc.metadata import downstream_timeout, request_id_from
-from specdec.spec_params import asked_tree_shape
+from specdec.spec_params import TREE_CAP_FIELDS, asked_tree_shape, check_within
 from specdec.telemetry import bind_request_id, get_tracer
 from specdec.tokenizer import Tokenizer
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc
@@ -73,7 +73,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         InvalidInput."""
         spec = request.spec if request.HasField("spec") else None
         if spec is not None:
-            asked_tree_shape(spec)  # on every route: with no_speculation too
+            asked = asked_tree_shape(spec)  # on every route: with no_speculation too
+            shapes = [p.draft_shape for p in self._router.pairs if p.draft_shape]
+            if shapes:  # the drafts' own bounds, whether one is up or the request falls back to a target
+                largest = {f: max(s[f] for s in shapes) for f in TREE_CAP_FIELDS}
+                check_within(asked, largest, "the draft service" if len(shapes) == 1 else "the largest draft service")
         sampling = resolve_sampling(
             request.sampling if request.HasField("sampling") else None, self._limits, self._tokenizer.vocab_size
         )
@@ -111,8 +115,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         return tuple(dict.fromkeys([*requested, *self._tokenizer.chat_stop_token_ids]))
 
     def _max_context_len(self) -> int:
-        known = [p.max_context_len for p in self._router.pairs if p.usable and p.max_context_len]
-        return min(known, default=0)
+        """The smallest context of the pairs up, or while none is, of those that answered once (ListModels kept
+        saying 0 after every pair had gone down)."""
+        pairs = [p for p in self._router.pairs if p.usable] or self._router.pairs
+        return min((p.max_context_len for p in pairs if p.max_context_len), default=0)
 
     async def _stream(
         self, generation: FallbackGeneration, plan: GenerationPlan, stop: tuple[str, ...], started: float

@@ -2,8 +2,9 @@
 
 Every field a request sets must be >= 1, whatever the request's route: the gateway checks it also for requests
 it sends without speculation (`no_speculation`, or no draft up), so their validity does not depend on where they
-run. The upper bounds, the draft service's own shape, only the draft knows (`DraftServicer._tree_cap`). Torch-free:
-the gateway imports it.
+run. The upper bounds are the draft service's own shape (`DraftServicer._tree_cap`); the gateway checks them too
+against the largest shape its drafts reported (`GetModelInfo.spec`), so a request too big for them is refused the
+same way whether a draft is up or the request falls back to its target. Torch-free: the gateway imports it.
 """
 
 from __future__ import annotations
@@ -21,3 +22,12 @@ def asked_tree_shape(spec) -> dict[str, int]:
         raise InvalidInput(f"a request's spec may ask for num_steps, topk and num_draft_tokens from 1 up to the "
                            f"draft service's, not {bad}")
     return asked
+
+
+def check_within(asked: dict[str, int], shape: dict[str, int], who: str) -> None:
+    """InvalidInput unless every field of `asked` (`asked_tree_shape`) is at most `shape`'s (num_steps, topk and
+    num_draft_tokens of `who`: a draft service, or the drafts a gateway knows)."""
+    bad = {f: v for f, v in asked.items() if v > shape[f]}
+    if bad:
+        runs = " ".join(f"{f}={shape[f]}" for f in TREE_CAP_FIELDS)
+        raise InvalidInput(f"{who} runs {runs}; a request's spec may ask for each from 1 up to that, not {bad}")

@@ -116,7 +116,8 @@ class FakeDraft(draft_pb2_grpc.DraftServiceServicer, _Behaviour):
             yield msg
 
     async def GetModelInfo(self, request, context):
-        return draft_pb2.DraftServiceGetModelInfoResponse(model="fake-draft")
+        return draft_pb2.DraftServiceGetModelInfoResponse(
+            model="fake-draft", spec=common_pb2.SpecParams(num_steps=5, topk=1, num_draft_tokens=5))
 
 
 async def serve_fake(servicer, add, health_name: str):

@@ -149,14 +149,17 @@ def test_gateway_e2e_client_side_bad_values_are_invalid_input(client):
     ValueError / KeyError / TypeError from protobuf (QA: `specdec generate --seed -5` printed a traceback)."""
     from specdec.errors import InvalidInput
 
-    for kwargs in ({"seed": -5}, {"temperature": "hot"}, {"spec": {"bogus": 1}}):
-        with pytest.raises(InvalidInput, match="bad request"):
+    for kwargs, named in (({"seed": -5}, "seed -5"), ({"temperature": "hot"}, "temperature 'hot'"),
+                          ({"spec": {"bogus": 1}}, "bogus")):
+        with pytest.raises(InvalidInput, match="bad request") as err:
             client.generate("x", **kwargs)
+        assert named in str(err.value)  # the field is named (QA: `--seed -1` said "Value out of range: -1")
     with pytest.raises(InvalidInput, match="content"):
         client.generate([{"role": "user"}])
     proc = subprocess.run([sys.executable, "-m", "specdec", "generate", "--addr", "127.0.0.1:9", "--seed", "-5", "x"],
                           capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 1 and proc.stderr.startswith("error: bad request") and "Traceback" not in proc.stderr
+    assert proc.returncode == 1 and proc.stderr.startswith("error: bad request: seed -5")
+    assert "Traceback" not in proc.stderr
 
 
 def test_gateway_e2e_cancels_in_the_first_milliseconds_free_kv_and_ids(client, stack):

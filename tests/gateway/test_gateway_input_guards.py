@@ -14,6 +14,7 @@ from gateway_fakes import collect, fake_stack, run, status_of
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.prompts import OFF_LOOP_MIN_CHARS
+from gateway.router import Part
 from specdec.telemetry.logs import TEXT_FORMAT, ContextFilter
 from specdec.tokenizer import Tokenizer
 from specdec.v1 import common_pb2, gateway_pb2
@@ -158,6 +159,29 @@ def test_spec_values_are_checked_on_every_route(fake_model, model_dir, no_specul
     assert [code for code, _ in bad] == ["INVALID_ARGUMENT"] * 3
     assert "not {'num_draft_tokens': -1}" in bad[0][1] and "not {'topk': 0}" in bad[2][1]
     assert good == ("OK", "") and len(downstream) == 1  # only the good one went downstream
+
+
+def test_a_spec_past_the_drafts_shape_is_refused_with_the_draft_down_too(fake_model, model_dir):
+    """Upper bounds: the drafts' shape as the gateway learnt it. Before, `num_draft_tokens: 1000` was
+    INVALID_ARGUMENT while the draft was up and ran (plainly, on the target) while it was down (QA)."""
+    def generate(stub, **spec):
+        return stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(
+            prompt="def fib(n):", spec=common_pb2.SpecParams(**spec),
+            sampling=common_pb2.SamplingParams(max_new_tokens=2)))
+
+    async def body():
+        async with fake_stack(fake_model, model_dir) as (pairs, gateway, stub):
+            up = await status_of(generate(stub, num_draft_tokens=1000))
+            await pairs[0].draft_handle.stop(None)
+            gateway.router.report_failure(gateway.router.pairs[0], Part.DRAFT, "stopped")
+            down = await status_of(generate(stub, num_draft_tokens=1000))
+            fits = await status_of(generate(stub, num_draft_tokens=5))
+            return up, down, fits, pairs[0].draft.seen.requests + pairs[0].target.seen.requests
+
+    up, down, fits, downstream = run(body())
+    assert up[0] == down[0] == "INVALID_ARGUMENT"
+    assert "num_draft_tokens=5" in down[1] and "not {'num_draft_tokens': 1000}" in down[1]
+    assert fits == ("OK", "") and len(downstream) == 1  # the fitting one ran, on the target
 
 
 @pytest.mark.parametrize("size", [1001, 70_000])

@@ -33,6 +33,7 @@ BAD_REQUESTS = [
     (request(temperature=float("nan")), "temperature must be a finite number"),
     (request(top_p=0.0), "top_p must be in (0, 1]"),
     (request(stop_token_ids=[99999]), "outside the vocabulary"),
+    (request(stop_token_ids=[1] * 1025), "1025 stop_token_ids; at most 1024 are allowed"),
     (request(prompt="word " * 40), "tokens; the limit is 32"),
     (gateway_pb2.GatewayServiceGenerateRequest(chat=chat(("robot", "hi"))), "role 'robot' is not one of"),
     (gateway_pb2.GatewayServiceGenerateRequest(chat=chat()), "chat has no messages"),
@@ -180,6 +181,18 @@ def test_gateway_list_models_and_detokenize(fake_model, model_dir, tiny_tokenize
         2,
     )
     assert bad[0] == "INVALID_ARGUMENT" and "outside the vocabulary" in bad[1]
+
+
+def test_list_models_keeps_the_context_length_once_every_pair_went_down(fake_model, model_dir):
+    """The proto says 0 "until a pair has answered"; one had (QA: it fell back to 0 with the pairs down)."""
+    async def body():
+        async with fake_stack(fake_model, model_dir, num_pairs=2) as (_, gateway, stub):
+            for pair in gateway.router.pairs:
+                pair.target_up = False  # as health checks mark a target down
+            return (await stub.ListModels(gateway_pb2.ListModelsRequest())).models
+
+    (card,) = run(body())
+    assert (card.max_context_len, card.pairs_up, card.target) == (512, 0, "fake-target")
 
 
 def test_gateway_served_model_name_is_the_listed_id(fake_model, model_dir):

@@ -60,6 +60,7 @@ SAMPLING_CASES = [
     ("min_p", S(min_p=-0.1), "min_p must be in [0, 1)"),
     ("seed", S(seed=(1 << 63) + 5), "seed must be in [0, 2^63-1]"),
     ("stop_token_ids", S(stop_token_ids=[8192]), "outside the vocabulary"),
+    ("stop_token_ids", S(stop_token_ids=[2] * 1025), "at most 1024 are allowed"),
 ]
 # (kind, prompt ids, message fragment)
 PROMPT_CASES = [
