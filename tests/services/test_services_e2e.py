@@ -367,6 +367,47 @@ def test_the_drafts_client_takes_trimmed_feature_rows_from_prefill_and_verify(st
     assert asyncio.run(_kv_free(stack))[0]
 
 
+def test_the_drafts_client_reads_each_target_error_as_its_engine_exception(stack):
+    """Every status the target's errors name comes back through the draft's client as that error's class: an
+    overtaking pipelined plain call (ABORTED) as `OutOfOrder`, which the pipeline sends again. Before, ABORTED
+    came back as a bare SpecdecError (INTERNAL): its whole batch failed and the gateway took the draft out (QA)."""
+    import specdec.errors as errors
+    from draft_service.target_client import TargetClient, _translate
+    from specdec.engine.requests import PrefillInput, VerifyInput
+    from specdec.sampling_params import SamplingParams
+
+    class Status(grpc.RpcError):
+        def __init__(self, code):
+            self._code = code
+
+        def code(self):
+            return self._code
+
+        def details(self):
+            return "x"
+
+    kinds = [c for c in vars(errors).values()
+             if isinstance(c, type) and issubclass(c, errors.SpecdecError) and c.status not in ("INTERNAL",
+                                                                                                  "FAILED_PRECONDITION")]
+    assert errors.OutOfOrder in kinds
+    for cls in kinds:
+        assert type(_translate(Status(grpc.StatusCode[cls.status]))) is cls, cls
+    target, _ = stack
+    client = TargetClient(target.addr)
+    try:
+        client.prefill([PrefillInput("ooo", list(range(60, 90)), SamplingParams(max_new_tokens=20, ignore_eos=True),
+                                     return_features=False)])
+        client.features = False
+        ahead = client.verify_start([VerifyInput("ooo", [], [], num_generated=9)], plain_steps=4)
+        with pytest.raises(errors.OutOfOrder, match="the call continues from 9"):
+            client.verify_finish(ahead)
+        assert len(client.verify([VerifyInput("ooo", [], [], num_generated=1)], plain_steps=4)[0].tokens) == 4
+    finally:
+        client.release("ooo")
+        client.close()
+    assert asyncio.run(_kv_free(stack))[0]
+
+
 def _lossless_with_and_refused(target, prompts, new_tokens: int, option: str, value: str, bad: str,
                                max_batch: int) -> None:
     """A draft started with `option value` streams what target Generate streams for every prompt (`new_tokens`
