@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from draft_service.cli import DRAFT_GPU_PLAIN_STEPS  # noqa: E402
 from specdec.engine.adaptive import FULL, SpeculationPolicy, budget_menu  # noqa: E402
 from specdec.engine.calibration import calibrate  # noqa: E402
 from specdec.engine.draft_engine import SpecConfig  # noqa: E402
@@ -311,11 +312,14 @@ def tiny(res, args):
             n, reps = args.tiny_new_tokens, args.tiny_repeats
             plain, _ = _decode_rate(target, None, prompts, n, repeats=reps)
             rate, tau = _decode_rate(target, draft, prompts, n, repeats=reps)
+            # `auto` as the draft service runs it on a GPU: plain calls of DRAFT_GPU_PLAIN_STEPS tokens, two in
+            # flight (its scheduler always keeps a TwoBatchOverlap); plain decoding is the target's own loop
+            service = {"plain_steps": DRAFT_GPU_PLAIN_STEPS, "overlap": TwoBatchOverlap(0, target.device)}
             # a fresh service's first requests: calibrated at start-up, nothing learned from requests yet
             cold_policy = calibrated_policy(target, draft, len(prompts))
-            cold, cold_tps = _decode_rate(target, draft, prompts, n, policy=cold_policy, warm_up=False)
+            cold, cold_tps = _decode_rate(target, draft, prompts, n, policy=cold_policy, warm_up=False, **service)
             policy = SpeculationPolicy(budget_menu(spec.num_draft_tokens))
-            auto, auto_tps = _decode_rate(target, draft, prompts, n, policy=policy, repeats=reps)
+            auto, auto_tps = _decode_rate(target, draft, prompts, n, policy=policy, repeats=reps, **service)
             plain_again, _ = _decode_rate(target, None, prompts, n, repeats=reps)  # the drift during the row
             rows.append({"draft": kind, "spec": f"s{spec.num_steps}k{spec.topk}d{spec.num_draft_tokens}", "bs": bs,
                          "tau": round(tau, 2), "plain_tok_s": round(plain, 1),
