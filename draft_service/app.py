@@ -132,6 +132,7 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
                           overlap=TwoBatchOverlap(0 if off else args.two_batch_overlap, engine.device,
                                                   args.plain_calls_in_flight))
         loop = EngineLoop(sched, "draft-engine", engine.device)
+        loop.on_leave = client.cancel_prefill  # a client leaving during its admission: its Prefill is dropped
         phases = StepPhases(sched.timings)
         loop.on_step = lambda events: (_observe(metrics, engine, events), phases.observe(metrics))
         kv = engine.kv

@@ -53,6 +53,13 @@ class OutOfOrder(SpecdecError):
     status = "ABORTED"
 
 
+class Cancelled(SpecdecError):
+    """The caller left before the work ran (a draft's Prefill RPC for a request whose client cancelled during its
+    admission): dropped."""
+
+    status = "CANCELLED"
+
+
 class ConfigError(SpecdecError):
     """A model directory, checkpoint or flag that cannot be used; raised at start-up."""
 

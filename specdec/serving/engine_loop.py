@@ -59,6 +59,10 @@ class EngineLoop:
         self._stopping = False
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self.on_step: Callable[[list[Event]], None] | None = None  # metrics hook, runs on the engine thread
+        # called on the event loop when a stream leaves before its request finished, before its abort is queued:
+        # thread-safe work only (the draft cancels the request's Prefill RPC if its admission is under way, which
+        # holds the engine thread, so the abort would wait for it: `TargetClient.cancel_prefill`)
+        self.on_leave: Callable[[str], None] | None = None
         # a chore run on the engine thread between calls every `chore_every_s`, idle or not (None: none)
         self.chore: Callable[[], None] | None = None
         self.chore_every_s = 5.0
@@ -108,6 +112,7 @@ class EngineLoop:
             # the caller left (a client's cancel, a deadline) while the add was queued: the engine thread adds the
             # request all the same, so this stream's abort is queued right behind it (calls run in order), and the
             # request does not run on, holding its pages and its id, with no one reading it
+            self._left(request_id)
             await asyncio.shield(self.call(self._abort_stream, request_id, s))
             raise
         finished = False
@@ -123,7 +128,15 @@ class EngineLoop:
                     return
         finally:
             if not finished:
+                self._left(request_id)
                 await asyncio.shield(self.call(self._abort_stream, request_id, s))
+
+    def _left(self, request_id: str) -> None:
+        if self.on_leave is not None:
+            try:
+                self.on_leave(request_id)
+            except Exception:  # noqa: BLE001 - the abort still goes
+                log.exception("on_leave hook failed")
 
     def _add_stream(self, request_id, prompt_ids, sampling, stream: _Stream, trace_context=None,
                     tree_cap: TreeCap | None = None) -> None:
@@ -209,6 +222,12 @@ class EngineLoop:
             else:
                 batches.setdefault(c.batch_fn, []).append(c)
         for batch_fn, group in batches.items():
+            # a caller that left while its item waited (a cancelled RPC: its handler's future is cancelled) is not
+            # run: a draft's Prefill of a request its client cancelled during admission once ran anyway, seconds of
+            # prompt forwards on a slow device, while requests behind it waited (QA)
+            group = [c for c in group if not c.future.cancelled()]
+            if not group:
+                continue
             try:
                 results = batch_fn([c.args[0] for c in group])
             except SpecdecError:

@@ -408,6 +408,43 @@ def test_the_drafts_client_reads_each_target_error_as_its_engine_exception(stack
     assert asyncio.run(_kv_free(stack))[0]
 
 
+def test_a_prefill_cancelled_while_the_draft_waits_for_it_is_dropped_and_nothing_is_left_on_the_target(stack):
+    """`TargetClient.cancel_prefill` (the draft's engine loop calls it when a client leaves during its request's
+    admission): the cancelled requests' answers are `Cancelled`; whether the target had run their forward or not,
+    nothing of theirs stays admitted there; the request beside them is admitted as usual."""
+    import threading
+
+    from draft_service.target_client import TargetClient
+    from specdec.engine.requests import PrefillInput, PrefillOutput
+    from specdec.errors import Cancelled
+    from specdec.sampling_params import SamplingParams
+
+    target, _ = stack
+    client = TargetClient(target.addr)
+    client.features = False
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    inputs = [PrefillInput(f"pc{i}", [(7 * j + i) % 500 + 3 for j in range(1500)], params, return_features=False)
+              for i in range(4)]
+    answers = []
+    try:
+        worker = threading.Thread(target=lambda: answers.extend(client.prefill_each(inputs)))
+        worker.start()
+        for _ in range(200):  # cancel as soon as the calls are in flight
+            if len(client._admitting) == 4:
+                break
+            threading.Event().wait(0.001)
+        for rid in ("pc1", "pc2", "pc3"):
+            client.cancel_prefill(rid)
+        worker.join(60)
+        assert isinstance(answers[0], PrefillOutput)
+        assert all(isinstance(a, Cancelled) for a in answers[1:]), answers
+        assert not client._admitting
+    finally:
+        client.release("pc0")
+        client.close()
+    assert asyncio.run(_kv_free(stack))[0]
+
+
 def _lossless_with_and_refused(target, prompts, new_tokens: int, option: str, value: str, bad: str,
                                max_batch: int) -> None:
     """A draft started with `option value` streams what target Generate streams for every prompt (`new_tokens`

@@ -192,3 +192,66 @@ def test_a_request_the_scheduler_refuses_does_not_keep_its_id():
         loop.stop()
 
     asyncio.run(body())
+
+
+def test_a_batched_call_whose_caller_left_before_it_ran_is_dropped():
+    """A target's Prefill RPC cancelled while it waited for the engine thread (the draft dropped it: its client left
+    during admission) is not run; the items queued with it are."""
+    async def body():
+        loop = EngineLoop(None)
+        loop.start()
+        gate = threading.Event()
+        busy = asyncio.ensure_future(loop.call(gate.wait))
+        await asyncio.sleep(0.05)
+        seen = []
+
+        def batch(items):
+            seen.append(list(items))
+            return [f"done {i}" for i in items]
+
+        calls = [asyncio.ensure_future(loop.call_batched(batch, i)) for i in ("a", "b", "c")]
+        await asyncio.sleep(0.05)
+        calls[1].cancel()  # a handler cancelled with its RPC: the future it awaits is cancelled too
+        await asyncio.sleep(0.05)
+        gate.set()
+        await busy
+        got = await asyncio.gather(calls[0], calls[2])
+        loop.stop()
+        return seen, got
+
+    seen, got = asyncio.run(body())
+    assert seen == [["a", "c"]] and got == ["done a", "done c"]
+
+
+def test_a_leaving_stream_calls_on_leave_before_its_abort_is_queued():
+    """The draft's hook that cancels a Prefill in flight runs on the event loop at once: the engine thread may be
+    inside that very admission, and the abort call waits for it."""
+    async def body():
+        sched = FakeScheduler()
+        loop = EngineLoop(sched)
+        left = []
+        loop.on_leave = lambda rid: left.append((rid, list(sched.log)))
+        loop.start()
+
+        async def read():
+            async for _ in loop.stream("r1", [1], SamplingParams()):
+                pass
+
+        task = asyncio.ensure_future(read())
+        await asyncio.sleep(0.05)
+        gate = threading.Event()
+        busy = asyncio.ensure_future(loop.call(gate.wait))  # the engine thread is busy (an admission)
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.sleep(0.05)
+        assert left == [("r1", [("add", "r1")])]  # called while the engine thread was still busy
+        gate.set()
+        await busy
+        for _ in range(100):
+            if ("abort", "r1") in sched.log:
+                break
+            await asyncio.sleep(0.01)
+        loop.stop()
+        return sched.log
+
+    assert asyncio.run(body()) == [("add", "r1"), ("abort", "r1")]
