@@ -18,6 +18,7 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from opentelemetry import trace
@@ -96,6 +97,10 @@ class Scheduler(Admission):
         # (`Admission._window`); 0: whole prompts
         self.prompt_feature_rows = prompt_feature_rows
         self._prompt_window = 0  # feature rows per prompt of the admission under way (0: whole prompts)
+        # called with a step's events so far (aborts, expiries, admissions with their first tokens) before its
+        # decode, which then returns only its own: a request's first token is streamed a step sooner (the engine
+        # loop's delivery; None: everything is returned together)
+        self.before_decode: Callable[[list[Event]], None] | None = None
 
     # ---- queue ----------------------------------------------------------------------------------------------
     def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, trace_context=None,
@@ -138,6 +143,9 @@ class Scheduler(Admission):
             if self.policy is not None and self.policy.history is not None:
                 self.policy.history.append(("admission", t0, took, len(self.running)))
         if self.running:
+            if self.before_decode is not None and events:
+                self.before_decode(events)  # first tokens (and aborts) out now, not after the decode
+                events = []
             events += self._decode()
         elif self.waiting and self._retry_at:  # waiting for pages held elsewhere: do not spin
             time.sleep(max(0.0, self._retry_at - time.monotonic()))

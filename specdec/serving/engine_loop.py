@@ -63,6 +63,8 @@ class EngineLoop:
         # thread-safe work only (the draft cancels the request's Prefill RPC if its admission is under way, which
         # holds the engine thread, so the abort would wait for it: `TargetClient.cancel_prefill`)
         self.on_leave: Callable[[str], None] | None = None
+        if scheduler is not None:  # a request's first token reaches its stream before the step's decode
+            scheduler.before_decode = self._hand_out
         # a chore run on the engine thread between calls every `chore_every_s`, idle or not (None: none)
         self.chore: Callable[[], None] | None = None
         self.chore_every_s = 5.0
@@ -273,6 +275,11 @@ class EngineLoop:
                 self.on_step(events)
             except Exception:  # noqa: BLE001
                 log.exception("on_step hook failed")
+        self._hand_out(events)
+
+    def _hand_out(self, events: list[Event]) -> None:
+        """Hand events to their streams (engine thread): after a step, and a step's admissions before its decode
+        (`Scheduler.before_decode`)."""
         deliveries: dict[asyncio.AbstractEventLoop, list] = {}  # one wake-up per event loop, not per request
         for ev in events:
             stream = self._streams.get(ev.request_id)

@@ -164,3 +164,33 @@ def test_admission_time_counts_only_steps_that_admit():
     assert sched.timings.admit_s == admitted
     while sched.has_work:
         sched.step()
+
+
+def test_a_steps_admissions_go_out_before_its_decode(dev_prompts, tiny_tokenizer):
+    """`before_decode` (the engine loop's delivery) gets the admitted requests' first tokens before the step's decode
+    runs, and the step returns only the decode's events: a request's first token is streamed a step sooner. Without
+    it, everything comes back together, as before."""
+    target, draft = tiny_target(), tiny_draft()
+    prompts = [tiny_tokenizer.encode(p)[-60:] for p in dev_prompts[30:32]]
+    for hooked in (True, False):
+        sched = Scheduler(target, draft, target.max_context, 4, feature_layers_for(draft))
+        early, decoded_when_early = [], []
+        if hooked:
+            def hand_out(evs, early=early, seen=decoded_when_early, sched=sched):
+                early.extend(evs)
+                seen.append(sched.timings.spec_steps)
+
+            sched.before_decode = hand_out
+        for i, p in enumerate(prompts):
+            sched.add(f"d{i}", p, SamplingParams(max_new_tokens=12))
+        returned = sched.step()
+        if hooked:
+            assert [e.request_id for e in early] == ["d0", "d1"] and all(len(e.tokens) == 1 for e in early)
+            assert decoded_when_early == [0]  # handed out before the step's decode ran
+            assert all(e.from_verify for e in returned) and len(returned) == 2
+        else:
+            assert [e.from_verify for e in returned] == [False, False, True, True]
+        for i in range(len(prompts)):
+            sched.abort(f"d{i}")
+        while sched.has_work:
+            sched.step()
