@@ -15,9 +15,11 @@ from typing import Any
 
 import grpc
 import grpc.aio
+from opentelemetry import context as otel_context
 
 from specdec.rpc.metadata import left_status, request_id_from
 from specdec.telemetry import ServiceMetrics, bind_request_id
+from specdec.telemetry.tracing import attached
 
 log = logging.getLogger("gateway.access")
 
@@ -85,6 +87,9 @@ class AccessLogInterceptor(BehaviorInterceptor):
     def wrap_stream(self, behavior, method: str):
         async def logged(request, context):
             started, exc, count, final = time.monotonic(), None, 0, None
+            # the call's trace, for its line: a stream the client cancelled is closed from outside the call's
+            # context (its line lacked the trace id, 3 of 9 cancelled streams in QA)
+            call_context = otel_context.get_current()
             with bind_request_id(incoming_request_id(request, context)):
                 try:
                     async with contextlib.aclosing(behavior(request, context)) as responses:
@@ -98,7 +103,8 @@ class AccessLogInterceptor(BehaviorInterceptor):
                     raise
                 finally:
                     # a request id the gateway generated comes back in the final stats
-                    with bind_request_id(incoming_request_id(request, context) or getattr(final, "request_id", None)):
+                    with (attached(call_context),
+                          bind_request_id(incoming_request_id(request, context) or getattr(final, "request_id", None))):
                         _log_call(method, status_of(exc, context), started, count, final)
 
         return logged

@@ -173,6 +173,9 @@ def blocking_call_metadata(
         code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
         _finish(span, code, exc.details() if hasattr(exc, "details") else str(exc))
         raise
+    except grpc.FutureCancelledError:  # the caller cancelled the call (a draft's Prefill whose client left)
+        _finish(span, grpc.StatusCode.CANCELLED, "cancelled by the caller")
+        raise
     except BaseException as exc:
         span.record_exception(exc)
         _finish(span, grpc.StatusCode.UNKNOWN, str(exc))

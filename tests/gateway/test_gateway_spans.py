@@ -60,3 +60,39 @@ def test_a_refused_request_marks_its_server_span_not_the_tokenize_span(fake_mode
     (server,) = [s for s in served_trace if s.name == GENERATE_SPAN]
     assert tokenize.parent.span_id == server.context.span_id and tokenize.attributes["num_prompt_tokens"] > 0
     assert all(s.status.status_code is not StatusCode.ERROR for s in served_trace)
+
+
+def test_a_cancelled_streams_access_line_carries_its_trace(fake_model, model_dir, spans, caplog):
+    """The access log's line of a stream the client cancelled mid-way names the call's trace, as a finished one's
+    does (QA: 3 of 9 cancelled streams' lines had no trace id: the stream is closed from outside its context)."""
+    import asyncio
+    import logging
+
+    from specdec.telemetry.logs import ContextFilter
+
+    N = 24
+
+    async def body():
+        async with fake_stack(fake_model, model_dir) as (pairs, _, stub):
+            pairs[0].draft.delay_s = 0.01
+            for i in range(N):
+                call = stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(
+                    prompt="def fib(n):", request_id=f"cut{i}", sampling=common_pb2.SamplingParams(max_new_tokens=100)))
+                for _ in range(i % 3):  # cancelled before its first message, after one, after two
+                    await call.read()
+                await asyncio.sleep(0.003 * (i % 4))
+                call.cancel()
+            await asyncio.sleep(0.3)
+
+    handler_filter = ContextFilter()
+    with caplog.at_level(logging.INFO, logger="gateway.access"):
+        caplog.handler.addFilter(handler_filter)
+        try:
+            run(body())
+        finally:
+            caplog.handler.removeFilter(handler_filter)
+    lines = [r for r in caplog.records if r.name == "gateway.access" and "Generate" in r.getMessage()]
+    # (a call cancelled before its first message may not have reached the gateway at all: no line)
+    assert len(lines) >= N // 2 and all(r.grpc_status == "CANCELLED" for r in lines)
+    roots = {format(s.context.trace_id, "032x") for s in spans.get_finished_spans() if s.name == GENERATE_SPAN}
+    assert {r.trace_id for r in lines} <= roots and all(r.trace_id for r in lines), [r.trace_id for r in lines]

@@ -118,3 +118,18 @@ def test_telemetry_blocking_call_under_sampled_out_span_passes_the_flag(tracing)
     (traceparent,) = [v for k, v in metadata if k == "traceparent"]
     assert traceparent.endswith("-00")
     assert exporter.get_finished_spans() == ()
+
+
+def test_telemetry_a_call_its_caller_cancelled_is_cancelled_without_an_exception_event(tracing):
+    """A draft's Prefill cancelled because its client left (`TargetClient.cancel_prefill`): CANCELLED, as the
+    target's server span says, not UNKNOWN with a traceback (QA)."""
+    tracer, exporter = tracing
+    with (
+        tracer.start_as_current_span("req"),
+        pytest.raises(grpc.FutureCancelledError),
+        blocking_call_metadata(METHOD, (), tracer),
+    ):
+        raise grpc.FutureCancelledError()
+    (client,) = [s for s in exporter.get_finished_spans() if s.kind is trace.SpanKind.CLIENT]
+    assert client.attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
+    assert client.status.description.startswith("CANCELLED") and not client.events
