@@ -24,6 +24,7 @@ from specdec.telemetry.tracing import attached
 log = logging.getLogger("gateway.access")
 
 GATEWAY_METHOD_PREFIX = "/specdec.v1.GatewayService/"
+MAX_LOGGED_MESSAGE = 300  # characters of a failed call's status message in its access-log line
 
 
 # ------------------------------------------------------------------------------------------- the base class
@@ -80,7 +81,7 @@ class AccessLogInterceptor(BehaviorInterceptor):
                     exc = error
                     raise
                 finally:
-                    _log_call(method, status_of(exc, context), started)
+                    _log_call(method, status_of(exc, context), started, why=_details(context))
 
         return logged
 
@@ -105,7 +106,7 @@ class AccessLogInterceptor(BehaviorInterceptor):
                     # a request id the gateway generated comes back in the final stats
                     with (attached(call_context),
                           bind_request_id(incoming_request_id(request, context) or getattr(final, "request_id", None))):
-                        _log_call(method, status_of(exc, context), started, count, final)
+                        _log_call(method, status_of(exc, context), started, count, final, _details(context))
 
         return logged
 
@@ -117,11 +118,24 @@ def _has_final(response: Any) -> bool:
         return False
 
 
+def _details(context: grpc.aio.ServicerContext) -> str:
+    """The message the call ended with, if it set one (an abort's: why a request was refused)."""
+    try:
+        details = context.details()
+    except Exception:  # noqa: BLE001 - a context that cannot tell: the line goes without it
+        return ""
+    return details.decode(errors="replace") if isinstance(details, bytes) else (details or "")
+
+
 def _log_call(
-    method: str, code: grpc.StatusCode, started: float, num_responses: int | None = None, final: Any = None
+    method: str, code: grpc.StatusCode, started: float, num_responses: int | None = None, final: Any = None,
+    why: str = "",
 ) -> None:
-    """One line per call; a Generate that finished adds its tokens, tau and timings (`GatewayStats`)."""
+    """One line per call; a Generate that finished adds its tokens, tau and timings (`GatewayStats`); a call that
+    failed, its status message (`why`: the reason a request was refused, lost with tracing off before)."""
     extra = {"rpc_method": method, "grpc_status": code.name, "duration_s": round(time.monotonic() - started, 4)}
+    if why and code is not grpc.StatusCode.OK:
+        extra["grpc_message"] = why[:MAX_LOGGED_MESSAGE]
     streamed = "" if num_responses is None else f", {num_responses} messages"
     if final is not None:
         extra.update(prompt_tokens=final.prompt_tokens, completion_tokens=final.completion_tokens,
@@ -129,6 +143,8 @@ def _log_call(
                       ttft_s=round(final.time_to_first_token_s, 4), speculative=final.speculative)
         streamed += (f", {final.prompt_tokens} prompt + {final.completion_tokens} new tokens, tau {final.tau:.2f}, "
                      f"ttft {final.time_to_first_token_s:.3f} s")
+    if "grpc_message" in extra:
+        streamed += f": {extra['grpc_message']!r}"
     level = logging.INFO if code in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED) else logging.WARNING
     log.log(level, "%s %s in %.3f s%s", method, code.name, extra["duration_s"], streamed, extra=extra)
 

@@ -266,3 +266,23 @@ def test_the_access_log_carries_the_request_id_the_gateway_generated(fake_model,
     _, _, final, _ = run(body())
     (record,) = [r for r in caplog.records if r.name == "gateway.access"]
     assert len(final.request_id) == 32 and record.request_id == final.request_id
+
+
+def test_the_access_log_says_why_a_request_was_refused(fake_model, model_dir, caplog):
+    """A refused call's line carries its status message (`grpc_message`): with tracing off or sampled out it was
+    only in the client's reply (QA)."""
+    caplog.handler.addFilter(ContextFilter())
+    caplog.set_level(logging.INFO, logger="gateway.access")
+
+    async def body():
+        async with fake_stack(fake_model, model_dir) as (_, _, stub):
+            bad = await status_of(stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(
+                prompt="def fib(n):", sampling=common_pb2.SamplingParams(temperature=-1.0))))
+            good = await status_of(stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(prompt="def fib(n):")))
+            return bad, good
+
+    (code, details), good = run(body())
+    bad_line, good_line = [r for r in caplog.records if r.name == "gateway.access"]
+    assert code == "INVALID_ARGUMENT" and bad_line.grpc_message == details
+    assert "temperature must be in [0, 100]" in bad_line.getMessage()
+    assert good == ("OK", "") and not hasattr(good_line, "grpc_message")
