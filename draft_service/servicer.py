@@ -111,10 +111,13 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                         if self.metrics is not None:
                             self.metrics.observe_request("OK", ttft_s=ttft, tpot_s=(total - ttft) / max(1, n - 1),
                                                          e2e_s=total)
+                            self.metrics.count_tokens(len(prompt), n)
                     yield msg
             finally:
                 if not finished:  # cancelled, past its deadline or failed: its line too (the status is the caller's)
                     total = time.perf_counter() - t0
+                    if self.metrics is not None:
+                        self.metrics.count_tokens(len(prompt), n)
                     log.info("ended early: %d prompt + %d new tokens, %.3f s", len(prompt), n, total,
                              extra={"prompt_tokens": len(prompt), "completion_tokens": n, "num_verify_steps": steps,
                                     "total_s": round(total, 4), "finish_reason": "early"})

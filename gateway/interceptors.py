@@ -163,13 +163,14 @@ class MetricsInterceptor(BehaviorInterceptor):
 
     def wrap_stream(self, behavior, method: str):
         async def measured(request, context):
-            started, exc, first_text_s, final = time.monotonic(), None, None, None
+            started, exc, first_text_s, final, generated = time.monotonic(), None, None, None, 0
             self._set_running(+1)
             try:
                 async with contextlib.aclosing(behavior(request, context)) as responses:
                     async for response in responses:
                         if first_text_s is None and getattr(response, "text", ""):
                             first_text_s = time.monotonic() - started
+                        generated += len(response.token_ids)
                         if response.HasField("final"):
                             final = response.final
                         yield response
@@ -179,6 +180,8 @@ class MetricsInterceptor(BehaviorInterceptor):
             finally:
                 self._set_running(-1)
                 self._observe(status_of(exc, context), time.monotonic() - started, first_text_s, final)
+                # a refused request has no final stats: its prompt was not served (tokens streamed: none)
+                self._metrics.count_tokens(final.prompt_tokens if final is not None else 0, generated)
 
         return measured
 

@@ -106,7 +106,7 @@ BASE_LABELS = ("service", "model_name")
 # the families a service may register, by group: each service asks for the groups it sets (`families=`)
 FAMILY_GROUPS = {
     "requests": ("requests", "request_errors", "time_to_first_token_seconds", "time_per_output_token_seconds",
-                 "e2e_request_latency_seconds"),  # observe_request
+                 "e2e_request_latency_seconds", "prompt_tokens", "generation_tokens"),  # observe_request, count_tokens
     "running": ("num_requests_running",),  # set_running, track(running=)
     "waiting": ("num_requests_waiting",),  # set_waiting, track(waiting=)
     "kv": ("kv_pages_used", "kv_pages_free"),  # set_kv, track(kv_pages=)
@@ -173,6 +173,11 @@ class ServiceMetrics:
                           "Mean time per output token after the first, per request.", buckets=TPOT_BUCKETS_S)
         self._e2e = make("requests", Histogram, "e2e_request_latency_seconds", "End-to-end request latency.",
                          buckets=E2E_BUCKETS_S)
+        self._prompt_tokens = make("requests", Counter, "prompt_tokens",
+                                   "Prompt tokens of the requests served (vLLM's prompt_tokens_total).")
+        self._generation_tokens = make("requests", Counter, "generation_tokens",
+                                       "Tokens generated and sent, cancelled requests' included (vLLM's "
+                                       "generation_tokens_total).")
         self._running = make("running", Gauge, "num_requests_running", "Requests in the running batch.")
         self._waiting = make("waiting", Gauge, "num_requests_waiting", "Requests queued, not yet running.")
         self._kv_used = make("kv", Gauge, "kv_pages_used", "KV cache pages in use.")
@@ -208,6 +213,14 @@ class ServiceMetrics:
             self._tpot.observe(tpot_s)
         if e2e_s is not None:
             self._e2e.observe(e2e_s)
+
+    def count_tokens(self, prompt_tokens: int, generation_tokens: int) -> None:
+        """One request's prompt tokens and the tokens generated for it (those sent before it ended, whatever its
+        status): `rate(specdec:generation_tokens_total[1m])` is the service's output tokens/s."""
+        if prompt_tokens > 0:
+            self._prompt_tokens.inc(prompt_tokens)
+        if generation_tokens > 0:
+            self._generation_tokens.inc(generation_tokens)
 
     def set_running(self, n: int) -> None:
         self._running.set(n)

@@ -57,6 +57,8 @@ def test_scraped_names_and_values(scrape):
     metrics.observe_batch(3)
     metrics.observe_spec_step(num_drafts=3, num_draft_tokens=24, accepted_per_pos=[3, 2, 0])
     metrics.observe_spec_step(num_drafts=2, num_draft_tokens=16, accepted_per_pos=[1, 1, 1, 1])
+    metrics.count_tokens(12, 30)
+    metrics.count_tokens(8, 0)  # ended before its first token
     got = samples()
 
     def value(name: str, **extra: str) -> float:
@@ -82,6 +84,7 @@ def test_scraped_names_and_values(scrape):
         value("specdec:spec_decode_num_accepted_tokens_per_pos_total", position=str(i)) for i in range(4)
     ]
     assert per_pos == [4, 3, 1, 1]
+    assert value("specdec:prompt_tokens_total") == 20 and value("specdec:generation_tokens_total") == 30
 
 
 def test_status_codes_are_accepted_as_enums(scrape):

@@ -183,6 +183,9 @@ def test_telemetry_e2e_metrics(run):
     assert _value(gateway, "specdec:time_to_first_token_seconds_count") == 1
     assert _value(gateway, "specdec:e2e_request_latency_seconds_count") == 1
     assert _value(target, "specdec:batch_size_count") == drafts  # one verify batch per step
+    for text in (draft, gateway):  # token counters: the one request's prompt and what it generated
+        assert _value(text, "specdec:prompt_tokens_total") == stats.prompt_tokens
+        assert _value(text, "specdec:generation_tokens_total") == stats.completion_tokens
 
 
 def _families(text: str) -> dict[str, set[tuple[str, str]]]:
