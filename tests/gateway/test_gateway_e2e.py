@@ -126,7 +126,7 @@ def wait_all_pages_free(stack, timeout_s: float = 10.0) -> tuple[int, int]:
 def test_gateway_e2e_cancel_frees_kv(client, stack):
     free, total = wait_all_pages_free(stack)  # also proves the stop-string request above released its pages
     assert free == total
-    stream = client.generate(PROMPTS[1] * 4, max_new_tokens=400)
+    stream = client.generate(PROMPTS[1] * 4, max_new_tokens=400, ignore_eos=True)  # runs until cancelled
     next(iter(stream))
     assert kv_pages_free(stack)[0] < total  # the request holds pages while it runs
     stream.cancel()
