@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -31,6 +32,7 @@ logger = logging.getLogger(__name__)
 TRACER_NAME = "specdec"
 
 _provider: TracerProvider | None = None
+_exporter = None  # the OTLP exporter behind `_provider` (`shutdown_tracing` stops it first when the collector lags)
 
 
 def setup_tracing(service_name_default: str, config: TelemetryConfig | None = None) -> TracerProvider | None:
@@ -48,7 +50,9 @@ def setup_tracing(service_name_default: str, config: TelemetryConfig | None = No
 
     resource = Resource.create({SERVICE_NAME: config.service_name or service_name_default})
     provider = TracerProvider(resource=resource, sampler=build_sampler(config))
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=config.traces_endpoint)))
+    global _exporter
+    _exporter = OTLPSpanExporter(endpoint=config.traces_endpoint)
+    provider.add_span_processor(BatchSpanProcessor(_exporter))
     trace.set_tracer_provider(provider)
     _provider = provider
     logger.info(
@@ -61,13 +65,31 @@ def setup_tracing(service_name_default: str, config: TelemetryConfig | None = No
 
 
 def shutdown_tracing(timeout_s: float = 5.0) -> None:
-    """Export the spans still queued and stop the exporter; a no-op when tracing is off."""
-    global _provider
+    """Export the spans still queued (up to `timeout_s`) and stop the exporter; a no-op when tracing is off. A
+    collector that has not taken them by then (down, unreachable) is given up on: the exporter stops, which ends
+    its retries (a service's exit took 7-13 s with the collector down, most of a pod's grace period after its
+    drain: QA)."""
+    global _provider, _exporter
     if _provider is None:
         return
-    _provider.force_flush(int(timeout_s * 1000))
+    # the flush's own timeout does not bound an export under way: the exporter retries an unreachable collector
+    # for its whole timeout (7.7 s for a 1 s flush); stopping the exporter ends its retries
+    stop = threading.Timer(timeout_s, _give_up, (_exporter, timeout_s)) if _exporter is not None else None
+    if stop is not None:
+        stop.daemon = True
+        stop.start()
+    try:
+        _provider.force_flush(int(timeout_s * 1000))
+    finally:
+        if stop is not None:
+            stop.cancel()
     _provider.shutdown()
-    _provider = None
+    _provider = _exporter = None
+
+
+def _give_up(exporter, timeout_s: float) -> None:
+    logger.warning("spans not exported within %.0f s (collector unreachable?); dropping the rest", timeout_s)
+    exporter.shutdown()
 
 
 def active_provider() -> TracerProvider | None:
