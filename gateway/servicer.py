@@ -66,7 +66,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     async for response in self._stream(generation, plan, stop, started):
                         yield response
                 except grpc.aio.AioRpcError as exc:  # a downstream refusal (bad input, KV full, deadline)
-                    await context.abort(exc.code(), exc.details() or exc.code().name)
+                    await pass_on(context, exc)
 
     async def _plan(self, request, request_id: str) -> tuple[GenerationPlan, tuple[str, ...]]:
         """Validate the request and turn it into what the pair runs, the cheap checks before tokenizing; raises
@@ -186,3 +186,21 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         card = gateway_pb2.ModelCard(id=self._served_model_name or Path(target).name, target=target, draft=draft,
                                      max_context_len=self._max_context_len(), pairs_up=len(up))
         return gateway_pb2.ListModelsResponse(models=[card])
+
+
+async def pass_on(context: grpc.aio.ServicerContext, exc: grpc.aio.AioRpcError) -> None:
+    """End the client's call with a downstream service's status, unless the call has ended already: its deadline
+    passed or it cancelled, and the downstream error is the echo of that. An abort then fails inside grpc
+    ("Abort already called!"), which was logged as an unhandled ERROR with a traceback for 8 of 200 expired
+    deadlines in QA."""
+    if context.done() or context.cancelled():
+        return
+    try:
+        await context.abort(exc.code(), exc.details() or exc.code().name)
+    except grpc.aio.AbortError:
+        raise
+    except Exception:
+        if context.done() or context.cancelled():  # it ended while the abort went out
+            return
+        raise
+
