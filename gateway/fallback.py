@@ -26,6 +26,7 @@ import grpc
 from gateway.downstream import Chunk, Finish, StreamBroken, is_backend_failure
 from gateway.router import Lease, Part, Router
 from specdec.sampling_params import SamplingParams
+from specdec.spec_params import asked_tree_shape, fits
 from specdec.telemetry import get_tracer
 from specdec.v1 import common_pb2
 
@@ -61,11 +62,11 @@ class FallbackGeneration:
 
     async def run(self) -> AsyncIterator[Chunk]:
         with get_tracer().start_as_current_span("gateway.route") as span:
-            lease = self._router.acquire(self._plan.speculative)
+            lease = self._router.acquire(self._plan.speculative, fit=self._fits)
             span.set_attribute("specdec.pair", str(lease.pair))
-            span.set_attribute("speculative", self._plan.speculative and lease.pair.speculative)
+            span.set_attribute("speculative", self._plan.speculative and self._drafts(lease.pair))
         try:
-            use_draft = self._plan.speculative and lease.pair.speculative
+            use_draft = self._plan.speculative and self._drafts(lease.pair)
             max_attempts = 2 * len(self._router.pairs) + 1
             number, taken = 0, 0  # the downstream id's suffix; continuation ids found taken
             for _ in range(max_attempts):
@@ -138,6 +139,17 @@ class FallbackGeneration:
         new_lease = self._router.switch(lease, speculative=False)
         log.warning("target of %s failed (%s); continuing on %s", lease.pair, reason, new_lease.pair)
         return new_lease, False
+
+    def _fits(self, pair) -> bool:
+        """Does the request's own tree shape (`spec`) fit the pair's draft? (Its shape unknown: the draft checks.)
+        Behind one gateway, pairs of different shapes each take the specs that fit them; a pair whose draft
+        does not fit serves the request plainly (the same text) rather than refusing it."""
+        if self._plan.spec is None:
+            return True
+        return fits(asked_tree_shape(self._plan.spec), pair.draft_shape)
+
+    def _drafts(self, pair) -> bool:
+        return pair.speculative and self._fits(pair)
 
     def _finished_locally(self) -> Finish | None:
         """A request whose last stream broke right after its finishing token needs no further call."""

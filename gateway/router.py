@@ -17,7 +17,7 @@ import contextlib
 import enum
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc.aio
@@ -104,8 +104,10 @@ class Router:
         return cls(pairs, health_interval_s)
 
     # -- leases ---------------------------------------------------------------------------------------------
-    def acquire(self, speculative: bool, exclude: Sequence[Pair] = ()) -> Lease:
-        """The least-loaded usable pair (speculative pairs first if `speculative`); NotReady when none."""
+    def acquire(self, speculative: bool, exclude: Sequence[Pair] = (),
+                fit: Callable[[Pair], bool] | None = None) -> Lease:
+        """The least-loaded usable pair (speculative pairs first if `speculative`, among them those whose draft
+        `fit` accepts: a request's own tree shape); NotReady when none."""
         candidates = [p for p in self.pairs if p.usable and p not in exclude]
         if not candidates:
             down = ", ".join(str(p.address) for p in self.pairs)
@@ -114,7 +116,8 @@ class Router:
         n = len(self.pairs)
 
         def rank(pair: Pair) -> tuple[bool, int, int]:
-            return (speculative and not pair.speculative, pair.in_flight, (pair.index - turn) % n)
+            drafts = pair.speculative and (fit is None or fit(pair))
+            return (speculative and not drafts, pair.in_flight, (pair.index - turn) % n)
 
         pair = min(candidates, key=rank)
         pair.in_flight += 1

@@ -24,6 +24,11 @@ def asked_tree_shape(spec) -> dict[str, int]:
     return asked
 
 
+def fits(asked: dict[str, int], shape: dict[str, int] | None) -> bool:
+    """Does a request's spec (`asked_tree_shape`) fit a draft's shape (None: not known, taken as fitting)?"""
+    return shape is None or all(v <= shape[f] for f, v in asked.items())
+
+
 def check_within(asked: dict[str, int], shape: dict[str, int], who: str) -> None:
     """InvalidInput unless every field of `asked` (`asked_tree_shape`) is at most `shape`'s (num_steps, topk and
     num_draft_tokens of `who`: a draft service, or the drafts a gateway knows)."""

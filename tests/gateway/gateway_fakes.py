@@ -107,6 +107,8 @@ class FakeTarget(target_pb2_grpc.TargetServiceServicer, _Behaviour):
 
 
 class FakeDraft(draft_pb2_grpc.DraftServiceServicer, _Behaviour):
+    shape = (5, 1, 5)  # the tree it reports: num_steps, topk, num_draft_tokens
+
     async def Generate(self, request, context):
         async for chunk, reason in self.stream(request, context, chunk_size=3):
             msg = draft_pb2.DraftServiceGenerateResponse(token_ids=chunk)
@@ -116,8 +118,9 @@ class FakeDraft(draft_pb2_grpc.DraftServiceServicer, _Behaviour):
             yield msg
 
     async def GetModelInfo(self, request, context):
+        steps, topk, nodes = self.shape
         return draft_pb2.DraftServiceGetModelInfoResponse(
-            model="fake-draft", spec=common_pb2.SpecParams(num_steps=5, topk=1, num_draft_tokens=5))
+            model="fake-draft", spec=common_pb2.SpecParams(num_steps=steps, topk=topk, num_draft_tokens=nodes))
 
 
 async def serve_fake(servicer, add, health_name: str):

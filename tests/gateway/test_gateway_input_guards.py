@@ -184,6 +184,32 @@ def test_a_spec_past_the_drafts_shape_is_refused_with_the_draft_down_too(fake_mo
     assert fits == ("OK", "") and len(downstream) == 1  # the fitting one ran, on the target
 
 
+def test_pairs_of_different_shapes_each_take_the_specs_that_fit_them(fake_model, model_dir):
+    """A chain pair (5, 1, 5) and a tree pair (4, 4, 12) behind one gateway: a spec that fits only the tree goes to
+    the tree's draft whatever the load, one that fits neither whole (the chain's depth with the tree's topk) is
+    INVALID_ARGUMENT at the gateway. Before, the answer depended on which pair a request was routed to (QA)."""
+    def generate(stub, **spec):
+        return stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(
+            prompt="def fib(n):", spec=common_pb2.SpecParams(**spec),
+            sampling=common_pb2.SamplingParams(max_new_tokens=2)))
+
+    async def body():
+        async with fake_stack(fake_model, model_dir, num_pairs=2) as (pairs, gateway, stub):
+            pairs[1].draft.shape = (4, 4, 12)
+            await gateway.router.check_once()  # the gateway learns the drafts' shapes as health checks find them
+            for pair in gateway.router.pairs:
+                await gateway.router._learn_draft(pair)
+            tree_only = [await status_of(generate(stub, topk=4)) for _ in range(4)]
+            nodes = [await status_of(generate(stub, num_draft_tokens=12)) for _ in range(2)]
+            neither = await status_of(generate(stub, num_steps=5, topk=4))
+            return tree_only, nodes, neither, [len(p.draft.seen.requests) for p in pairs]
+
+    tree_only, nodes, neither, seen = run(body())
+    assert tree_only == [("OK", "")] * 4 and nodes == [("OK", "")] * 2
+    assert seen == [0, 6]  # every one on the tree's draft
+    assert neither[0] == "INVALID_ARGUMENT" and "no draft service runs a tree this spec fits" in neither[1]
+
+
 @pytest.mark.parametrize("size", [1001, 70_000])
 @pytest.mark.parametrize("kind", BIG_INPUTS)
 def test_an_input_over_max_input_chars_is_refused_before_tokenizing(fake_model, model_dir, monkeypatch, kind, size):
