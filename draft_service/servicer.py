@@ -14,7 +14,7 @@ from specdec.rpc.metadata import left_status
 from specdec.rpc.sampling_codec import sampling_from_proto
 from specdec.rpc.target_codec import check_request_id, finish_to_proto
 from specdec.serving.engine_loop import EngineLoop
-from specdec.spec_params import TREE_CAP_FIELDS, asked_tree_shape, check_within
+from specdec.spec_params import TREE_CAP_FIELDS, asked_tree_shape, check_fits
 from specdec.telemetry import bind_request_id
 from specdec.tree import TreeCap
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -54,7 +54,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         service's, pruned: `TreeCap.prune`); None where it asks for the service's own."""
         mine = self.engine.spec
         asked = asked_tree_shape(spec)
-        check_within(asked, {f: getattr(mine, f) for f in TREE_CAP_FIELDS}, "this draft service")
+        check_fits(asked, [{f: getattr(mine, f) for f in TREE_CAP_FIELDS}], "this draft service")
         cap = TreeCap(*(asked.get(f, getattr(mine, f)) for f in TREE_CAP_FIELDS))
         return None if all(getattr(cap, f) == getattr(mine, f) for f in TREE_CAP_FIELDS) else cap
 
@@ -111,13 +111,12 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                         if self.metrics is not None:
                             self.metrics.observe_request("OK", ttft_s=ttft, tpot_s=(total - ttft) / max(1, n - 1),
                                                          e2e_s=total)
-                            self.metrics.count_tokens(len(prompt), n)
                     yield msg
             finally:
+                if self.metrics is not None:  # finished or not: what it generated was generated
+                    self.metrics.count_tokens(len(prompt), n)
                 if not finished:  # cancelled, past its deadline or failed: its line too (the status is the caller's)
                     total = time.perf_counter() - t0
-                    if self.metrics is not None:
-                        self.metrics.count_tokens(len(prompt), n)
                     log.info("ended early: %d prompt + %d new tokens, %.3f s", len(prompt), n, total,
                              extra={"prompt_tokens": len(prompt), "completion_tokens": n, "num_verify_steps": steps,
                                     "total_s": round(total, 4), "finish_reason": "early"})

@@ -125,22 +125,9 @@ class GatewayClient:
         this request's own smaller tree (`num_steps`, `topk`, `num_draft_tokens`, each up to the draft service's).
         A value the request message cannot hold (a negative seed, a string temperature, an unknown `spec` key, a
         chat message without content) raises `InvalidInput` here; the gateway checks the rest (INVALID_ARGUMENT)."""
+        sampling = _sampling(stop_token_ids=stop_token_ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                             top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, ignore_eos=ignore_eos)
         try:  # protobuf refuses these as ValueError / TypeError; KeyError: a chat message without a field
-            sampling = common_pb2.SamplingParams(stop_token_ids=list(stop_token_ids))
-            for name, value in (
-                ("max_new_tokens", max_new_tokens),
-                ("temperature", temperature),
-                ("top_k", top_k),
-                ("top_p", top_p),
-                ("min_p", min_p),
-                ("seed", seed),
-                ("ignore_eos", ignore_eos),
-            ):
-                if value is not None:
-                    try:
-                        setattr(sampling, name, value)
-                    except (ValueError, TypeError) as exc:  # the message names no field: say which one
-                        raise InvalidInput(f"bad request: {name} {value!r}: {exc}") from exc
             request = gateway_pb2.GatewayServiceGenerateRequest(
                 sampling=sampling, stop=list(stop), no_speculation=no_speculation, request_id=request_id
             )
@@ -150,8 +137,6 @@ class GatewayClient:
                 request.prompt = prompt
             else:
                 request.chat.CopyFrom(_chat(prompt))
-        except InvalidInput:
-            raise
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise InvalidInput(f"bad request: {type(exc).__name__}: {exc}") from exc
         return GenerationStream(self._stub.Generate(request, timeout=self._timeout_s, metadata=self._metadata))
@@ -187,6 +172,21 @@ class GatewayClient:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def _sampling(**fields) -> common_pb2.SamplingParams:
+    """The request's sampling fields that are set; a value the message cannot hold (a negative seed) is
+    `InvalidInput` naming its field (protobuf's own message names none)."""
+    sampling = common_pb2.SamplingParams()
+    for name, value in fields.items():
+        try:
+            if name == "stop_token_ids":
+                sampling.stop_token_ids.extend(value)
+            elif value is not None:
+                setattr(sampling, name, value)
+        except (ValueError, TypeError) as exc:
+            raise InvalidInput(f"bad request: {name} {value!r}: {exc}") from exc
+    return sampling
 
 
 def _chat(messages: Messages) -> gateway_pb2.ChatMessages:

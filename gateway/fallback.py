@@ -59,6 +59,7 @@ class FallbackGeneration:
         self.num_fallbacks = 0
         self.speculative = plan.speculative  # false once any part of the stream came from a plain Generate
         self._background: set[asyncio.Task] = set()
+        self._asked = asked_tree_shape(plan.spec) if plan.spec is not None else {}  # its own tree shape, if any
 
     async def run(self) -> AsyncIterator[Chunk]:
         with get_tracer().start_as_current_span("gateway.route") as span:
@@ -144,9 +145,7 @@ class FallbackGeneration:
         """Does the request's own tree shape (`spec`) fit the pair's draft? (Its shape unknown: the draft checks.)
         Behind one gateway, pairs of different shapes each take the specs that fit them; a pair whose draft
         does not fit serves the request plainly (the same text) rather than refusing it."""
-        if self._plan.spec is None:
-            return True
-        return fits(asked_tree_shape(self._plan.spec), pair.draft_shape)
+        return fits(self._asked, pair.draft_shape)
 
     def _drafts(self, pair) -> bool:
         return pair.speculative and self._fits(pair)

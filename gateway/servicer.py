@@ -29,10 +29,9 @@ from gateway.limits import (
 from gateway.prompts import EncodedInput, encode_input, read_input
 from gateway.router import Router
 from gateway.stream import TextStream
-from specdec.errors import InvalidInput
 from specdec.rpc.errors import map_servicer_errors
 from specdec.rpc.metadata import downstream_timeout, request_id_from
-from specdec.spec_params import TREE_CAP_FIELDS, asked_tree_shape, check_within, fits
+from specdec.spec_params import asked_tree_shape, check_fits
 from specdec.telemetry import bind_request_id, get_tracer
 from specdec.tokenizer import Tokenizer
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc
@@ -75,15 +74,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         spec = request.spec if request.HasField("spec") else None
         if spec is not None:
             asked = asked_tree_shape(spec)  # on every route: with no_speculation too
-            shapes = [p.draft_shape for p in self._router.pairs if p.draft_shape]
-            # the drafts' own bounds, whether one is up or the request falls back to a target: the spec must fit
-            # one draft's shape whole (pairs of different shapes: a tree's topk and a chain's depth fit neither)
-            if len(shapes) == 1:
-                check_within(asked, shapes[0], "the draft service")
-            elif shapes and not any(fits(asked, shape) for shape in shapes):
-                runs = "; ".join(" ".join(f"{f}={s[f]}" for f in TREE_CAP_FIELDS) for s in shapes)
-                raise InvalidInput(f"no draft service runs a tree this spec fits ({runs}): a request's spec may ask "
-                                   f"for each field from 1 up to one draft's, not {asked}")
+            # the drafts' own bounds, whether one is up or the request falls back to a target
+            check_fits(asked, [p.draft_shape for p in self._router.pairs if p.draft_shape], "the draft service")
         sampling = resolve_sampling(
             request.sampling if request.HasField("sampling") else None, self._limits, self._tokenizer.vocab_size
         )

@@ -2,9 +2,10 @@
 
 Every field a request sets must be >= 1, whatever the request's route: the gateway checks it also for requests
 it sends without speculation (`no_speculation`, or no draft up), so their validity does not depend on where they
-run. The upper bounds are the draft service's own shape (`DraftServicer._tree_cap`); the gateway checks them too
-against the largest shape its drafts reported (`GetModelInfo.spec`), so a request too big for them is refused the
-same way whether a draft is up or the request falls back to its target. Torch-free: the gateway imports it.
+run. The upper bounds are a draft service's own shape (`DraftServicer._tree_cap`); the gateway checks them too,
+against the shapes its drafts reported (`GetModelInfo.spec`; `check_fits`), so a request too big for them is
+refused the same way whether a draft is up or the request falls back to its target. Torch-free: the gateway
+imports it.
 """
 
 from __future__ import annotations
@@ -29,10 +30,17 @@ def fits(asked: dict[str, int], shape: dict[str, int] | None) -> bool:
     return shape is None or all(v <= shape[f] for f, v in asked.items())
 
 
-def check_within(asked: dict[str, int], shape: dict[str, int], who: str) -> None:
-    """InvalidInput unless every field of `asked` (`asked_tree_shape`) is at most `shape`'s (num_steps, topk and
-    num_draft_tokens of `who`: a draft service, or the drafts a gateway knows)."""
-    bad = {f: v for f, v in asked.items() if v > shape[f]}
-    if bad:
+def check_fits(asked: dict[str, int], shapes: list[dict[str, int]], who: str) -> None:
+    """InvalidInput unless `asked` (`asked_tree_shape`) fits one of `shapes` whole (num_steps, topk and
+    num_draft_tokens of `who`: a draft service, or the drafts a gateway knows; none known: nothing to check). With
+    pairs of different shapes a tree's topk and a chain's depth fit neither."""
+    if not shapes or any(fits(asked, shape) for shape in shapes):
+        return
+    if len(shapes) == 1:
+        shape = shapes[0]
+        bad = {f: v for f, v in asked.items() if v > shape[f]}
         runs = " ".join(f"{f}={shape[f]}" for f in TREE_CAP_FIELDS)
         raise InvalidInput(f"{who} runs {runs}; a request's spec may ask for each from 1 up to that, not {bad}")
+    runs = "; ".join(" ".join(f"{f}={s[f]}" for f in TREE_CAP_FIELDS) for s in shapes)
+    raise InvalidInput(f"no draft service runs a tree this spec fits ({runs}): a request's spec may ask for each "
+                       f"field from 1 up to one draft's, not {asked}")

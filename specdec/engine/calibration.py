@@ -32,10 +32,10 @@ MAX_SECONDS = 3.0  # and seconds
 
 
 def calibrate(sched, policy: SpeculationPolicy, vocab_size: int, max_seconds: float = MAX_SECONDS) -> dict[int, float]:
-    """Seed `policy` with each of its budgets' seconds per request-step at batch 1, measured on `sched` (idle: run
-    before its engine loop starts), each budget for at most `MAX_STEPS` steps and `max_seconds`. Returns {budget:
-    seconds} of those measured (a budget whose steps ran out of time before the policy's rules could time it is
-    left to the requests). A failure is logged, not raised: the policy then learns as before."""
+    """Seed `policy` with each of its budgets' seconds per request-step at batch 1, measured on `sched` (idle:
+    before the service serves; on its engine thread), each budget for at most `MAX_STEPS` steps and `max_seconds`.
+    Returns {budget: seconds} of those measured (a budget whose steps ran out of time before the policy's rules could
+    time it is left to the requests). A failure is logged, not raised: the policy then learns as before."""
     measured: dict[int, float] = {}
     t0 = time.perf_counter()
     held, timings = sched.policy, sched.timings
