@@ -31,7 +31,8 @@ what the target's own plain decoding costs plus a round trip, and a speculative 
 one-token catch-up and acceptance a little lower for the skipped context: each budget's rate holds its own costs.
 Not a switch's, though: the first landing of a budget after another one's (in a bucket) fills the pipeline (the
 draft settles and catches up, the first micro-batch's verify has nothing to overlap) and is left out of the
-averages, so a re-measurement runs the rival for `probe_choices` (2) choices, the second one measured. Averaged in,
+averages, so a re-measurement runs the rival until one steady landing is measured (at most `probe_choices`
+choices; usually two). Averaged in,
 the first two landings after each switch (2.4x and 1.7x a steady micro-step: 8B shape, tau 5, 64 requests, 2 x
 H200) pulled the whole chain's rate under plain decoding's, though its steady steps ran 1.5x plain's rate; the
 stretches between switches are long (16-256 choices), so the steady rates are what decide.
@@ -83,7 +84,10 @@ class SpeculationPolicy:
     # every re-measurement, each flip paying a switch and resetting the re-measurement interval
     switch_margin: float = 0.03
     plain_margin: float = 0.01  # the same, for plain decoding to replace a speculative budget (see `_best`)
-    probe_choices: int = 2  # choices a re-measurement of a rival lasts: the first after a switch only warms up
+    # a re-measurement of a rival lasts until it has recorded a steady sample (the first landing after a switch
+    # only warms up), at most this many choices: a landing at a request's end or beside an admission is not
+    # sampled, and a fixed two choices then measured nothing (CPU, three drafts on one target: 5 of 9 probes)
+    probe_choices: int = 4
     far_rival: float = 0.8  # a budget not next to the choice in the menu is re-measured only within this of its rate
     # a call of fewer requests than this fraction of its bucket's recent peak batch size is not sampled (a run's
     # tail: see `record`); the peak falls by `peak_decay` a record, so a lasting smaller load is sampled again
@@ -100,6 +104,7 @@ class SpeculationPolicy:
     turn: dict[int, int] = field(default_factory=dict)  # bucket -> which other budget is re-measured next
     followed: dict[int, int] = field(default_factory=dict)  # bucket -> the budget it last followed
     probing: dict[int, tuple[int, int]] = field(default_factory=dict)  # bucket -> (rival, its choices still to run)
+    clipped: dict[tuple[int, int], float] = field(default_factory=dict)  # -> what the last sample's clip cut off
     recorded: dict[int, int] = field(default_factory=dict)  # bucket -> the budget of its latest record
     target_steps: dict[int, int] = field(default_factory=dict)  # budget -> target steps recorded with it
     peaks: dict[int, float] = field(default_factory=dict)  # bucket -> recent peak batch size (decaying)
@@ -124,7 +129,7 @@ class SpeculationPolicy:
             return unmeasured
         probe = self.probing.pop(b, None)
         if probe is not None:  # a re-measurement goes on
-            rival, left = probe
+            rival, left = probe  # (it ends at the rival's first steady sample: `record`)
             if left > 1:
                 self.probing[b] = (rival, left - 1)
             return rival
@@ -253,6 +258,7 @@ class SpeculationPolicy:
             self.history.append((kind, batch_size, budget, tokens, round(seconds, 6), steps, yielding, chosen_at,
                                  time.perf_counter()))
         if switched and key in self.seconds:  # the pipeline fills after a switch: not this budget's steady rate
+            self.clipped.pop(key, None)
             return
         if tail:  # a bucket's requests finishing (a batch that came together ends together): it spans a factor of
             # two, and at the small end a step costs more per request (39 of 64 requests: 0.36 ms a request-step
@@ -268,7 +274,7 @@ class SpeculationPolicy:
         # CPU), and such a sample alone was the baseline that the clip below then held for dozens of samples
         weight = 1.0 if first else max(1.0 / done, self.ema)
         if weight == self.ema:  # a one-off stall (a 200 ms pause among 40 ms steps on the H200) moves it this far
-            step_s = min(step_s, self.max_step_ratio * self.seconds[key])
+            step_s = self._clip(key, step_s)
         self.seconds[key] = step_s if first else self.seconds[key] + weight * (step_s - self.seconds[key])
         if yielding:
             self._add_yield(key, tokens / (yielding * steps), yielding, reset=first and not self.derives_yields)
@@ -278,10 +284,26 @@ class SpeculationPolicy:
                     self._rate((b, smaller))
         self._rate(key)
         self.samples[key] = self.samples.get(key, 0) + 1
+        if self.probing.get(b, (None,))[0] == budget:  # the re-measurement has its sample
+            del self.probing[b]
         if b in self.challenged and budget != self.challenged[b]:  # the re-measurement came back
             held = self._best(b) == self.challenged.pop(b)
             interval = self.intervals.get(b, self.explore_every)
             self.intervals[b] = min(2 * interval, self.max_explore_every) if held else self.explore_every
+
+    def _clip(self, key: tuple[int, int], step_s: float) -> float:
+        """A steady sample's seconds per request-step, at most `max_step_ratio` times the average. A sample that
+        short of the average (under 1 / `max_step_ratio` of it) right after a clipped one takes back what the clip
+        cut off: landings of pipelined calls
+        come in pairs when the draft, not the target, is behind (the second call was done while the first landed:
+        238 ms then 3 ms, CPU shared by three drafts), and clipping the long one alone read plain decoding at 1.3x
+        its real rate (up to 10x under heavier load), where a one-off stall is followed by a normal sample."""
+        average = self.seconds[key]
+        cap = self.max_step_ratio * average
+        if step_s * self.max_step_ratio < average:
+            step_s += self.clipped.get(key, 0.0)
+        self.clipped[key] = max(0.0, step_s - cap)
+        return min(step_s, cap)
 
     def _add_yield(self, key: tuple[int, int], step_tokens: float, yielding: int, reset: bool = False) -> None:
         """Average `yielding` request-steps of `step_tokens` each into `key`'s tokens per request-step (`reset`:

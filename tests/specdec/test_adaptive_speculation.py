@@ -19,13 +19,61 @@ def test_policy_measures_both_modes_then_follows_the_faster_and_keeps_exploring(
         seen.append(mode)
         p.record(4, mode, tokens=(40 if mode else 10) if i % 2 else 1, seconds=1.0)
     assert sorted(seen) == sorted([0, 0, FULL, FULL])
-    later = [p.choose(4) for _ in range(16)]
-    # speculation wins; plain re-measured every 8 choices, for two choices (the first after a switch warms up)
+    later = []
+    for _ in range(16):
+        later.append(p.choose(4))
+        p.record(4, later[-1], tokens=40 if later[-1] else 10, seconds=1.0)
+    # speculation wins; plain re-measured every 8 choices, until it has a steady sample (the first landing after a
+    # switch only warms up)
     assert later == [FULL] * 7 + [0, 0] + [FULL] * 7
-    for _ in range(10):  # acceptance collapses: plain becomes faster at this batch size
+    for _ in range(40):  # acceptance collapses: plain becomes faster at this batch size
         p.record(4, FULL, tokens=5, seconds=1.0)
-    assert [p.choose(4) for _ in range(7)].count(0) >= 5  # (a re-measurement of the tree falls due in them)
+    after = []
+    for _ in range(7):
+        after.append(p.choose(4))
+        p.record(4, after[-1], tokens=5 if after[-1] else 10, seconds=1.0)
+    assert after.count(0) >= 5  # (a re-measurement of the tree falls due in them)
     assert p.bucket(3) == 4 and p.bucket(4) == 4 and p.bucket(5) == 8 and p.bucket(1) == 1
+
+
+def test_a_re_measurement_lasts_until_it_has_a_steady_sample():
+    """A rival's landings that are not sampled (a request's end, an admission beside it) do not end its
+    re-measurement: it goes on until one steady sample came back, at most `probe_choices` choices."""
+    p = SpeculationPolicy(explore_every=4, max_explore_every=4, min_samples=2, min_request_steps=1)
+    for mode in (0, 0, FULL, FULL):
+        assert p.choose(1) == mode
+        p.record(1, mode, tokens=4 if mode else 1, seconds=0.01)
+    chosen = [p.choose(1) for _ in range(4)]
+    assert chosen == [FULL, FULL, FULL, 0]  # the re-measurement of plain decoding is due
+    p.record(1, 0, tokens=1, seconds=0.01)  # its first landing warms up
+    assert [p.choose(1) for _ in range(3)] == [0, 0, 0]  # no landing sampled yet: it goes on, up to 4 choices
+    assert p.choose(1) == FULL
+    p = SpeculationPolicy(explore_every=4, max_explore_every=4, min_samples=2, min_request_steps=1)
+    for mode in (0, 0, FULL, FULL):
+        p.choose(1)
+        p.record(1, mode, tokens=4 if mode else 1, seconds=0.01)
+    [p.choose(1) for _ in range(3)]
+    assert p.choose(1) == 0
+    p.record(1, 0, tokens=1, seconds=0.01)  # warm-up
+    assert p.choose(1) == 0
+    p.record(1, 0, tokens=1, seconds=0.01)  # steady: the re-measurement is over
+    assert p.choose(1) == FULL
+
+
+def test_a_clipped_sample_is_given_back_to_the_short_one_after_it():
+    """Pipelined landings in pairs (the draft behind: the second call done while the first landed) average to the
+    real pace; a one-off stall followed by normal steps stays clipped."""
+    p = SpeculationPolicy(budgets=(0,), min_samples=1)
+    for _ in range(8):
+        p.record(1, 0, tokens=1, seconds=0.010)
+    for _ in range(40):  # the same calls now land as 38 ms + 2 ms pairs: 20 ms a call
+        p.record(1, 0, tokens=1, seconds=0.038)
+        p.record(1, 0, tokens=1, seconds=0.002)
+    assert 0.8 < p.rates[(1, 0)] / 50.0 < 1.25  # (clipped alone: ~2x the real rate)
+    q = SpeculationPolicy(budgets=(0,), min_samples=1)
+    for i in range(30):
+        q.record(1, 0, tokens=1, seconds=0.2 if i == 20 else 0.010)
+    assert abs(q.rates[(1, 0)] - 100.0) < 5.0
 
 
 def test_budget_menu_and_a_middle_budget_that_wins():
