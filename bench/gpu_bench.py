@@ -36,6 +36,7 @@ from specdec.engine.plain_steps import PLAIN_STEPS  # noqa: E402
 from specdec.engine.requests import StepTimings, VerifyInput  # noqa: E402
 from specdec.engine.scheduler import Scheduler  # noqa: E402
 from specdec.engine.warmup import warm_verify_shapes  # noqa: E402
+from specdec.models.token_map import write_token_map  # noqa: E402
 from specdec.sampling_params import SamplingParams  # noqa: E402
 from specdec.serving.long_lived import freeze_start_up_objects  # noqa: E402
 
@@ -70,6 +71,7 @@ def floors(res):
 
 
 DEVICE = "cuda"
+TOKEN_MAP = ""  # --draft-vocab N: a token-map file of the first N ids for the simulated rows' EAGLE-1 head
 
 
 def _opts(backend, **kw):
@@ -188,7 +190,8 @@ def profile8b(res, args, target):
 
 
 def draft8b(res, args, target):
-    opts = _opts(args.backend, dummy_weights=True, max_batch_size=32, max_context=4096, num_pages=4096)
+    opts = _opts(args.backend, dummy_weights=True, max_batch_size=32, max_context=4096, num_pages=4096,
+                 token_map=TOKEN_MAP)
     for kind in ("llama3-8b-eagle1",):
         draft = build_draft(kind, "llama3-8b", SpecConfig(6, 1, 6), opts, target.max_context)
         rid = "d0"
@@ -264,7 +267,8 @@ def simulated_draft(target, config: str, backend: str, max_batch_size: int):
     ladder's capture: eighth pass, 4 steps of ~345 ms), then the start-up objects frozen out of the collector (a
     full collection, ~150-200 ms here, landed in one admission of 64 requests in ~8, and a row's timed run that met
     it read ~10% slow: seventeenth pass)."""
-    opts = _opts(backend, dummy_weights=True, max_batch_size=max_batch_size, max_context=4096, num_pages=8192)
+    opts = _opts(backend, dummy_weights=True, max_batch_size=max_batch_size, max_context=4096, num_pages=8192,
+                 token_map=TOKEN_MAP)
     draft = build_draft(config, "llama3-8b", SpecConfig(6, 1, 6), opts, target.max_context)
     n = draft.spec.num_draft_tokens
     warm_verify_shapes(target, [n if b == FULL else b for b in budget_menu(n)], draft.spec.topk,
@@ -371,10 +375,16 @@ def main() -> int:
     ap.add_argument("--draft-config", default="llama3-8b-eagle1",
                     help="the 8B-shaped head of the simulated rows: llama3-8b-eagle1 (the target's 128k vocabulary) "
                          "or llama3-8b-eagle3 (a 32k draft vocabulary, three target layers as features)")
+    ap.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                    help="the simulated rows' EAGLE-1 head proposes from N tokens only (a token map, --token-map; "
+                         "random weights: the first N ids); 0 = the whole vocabulary")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only smoke-tests the script (tiny section)")
     args = ap.parse_args()
-    global DEVICE
+    global DEVICE, TOKEN_MAP
     DEVICE = args.device
+    if args.draft_vocab:
+        TOKEN_MAP = str(Path(args.out).with_suffix(".token_map.json"))
+        write_token_map(range(args.draft_vocab), TOKEN_MAP)
     args.batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
     gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
     res = {"gpu": gpu, "torch": torch.__version__, "args": vars(args)}

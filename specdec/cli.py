@@ -17,6 +17,7 @@ COMMAND_MODULES = (
     "draft_service.cli",
     "specdec.eval.cli",
     "specdec.tokenizer.cli",
+    "specdec.models.cli",
 )
 
 

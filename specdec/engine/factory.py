@@ -14,6 +14,7 @@ from specdec.engine.draft_engine import DraftEngine, SpecConfig
 from specdec.engine.target_engine import TargetEngine
 from specdec.errors import ConfigError
 from specdec.models.loader import load_draft, load_target, resolve_dtype
+from specdec.models.token_map import read_token_map
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ class EngineOptions:
     dummy_weights: bool = False
     simulate_accept_len: float = 0.0  # target only; benchmarking: accepted lengths are simulated
     cuda_graphs: bool = True  # used on CUDA with the flashinfer backend; --disable-cuda-graph turns them off
+    token_map: str = ""  # draft only: a token-map file, the EAGLE-1 head's draft vocabulary (models/token_map.py)
 
     def validate(self) -> EngineOptions:
         if not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -83,6 +85,10 @@ def build_draft(path: str, target_path: str, spec: SpecConfig, opts: EngineOptio
     spec.validate()
     dtype = resolve_dtype(opts.dtype, opts.device)
     model = load_draft(path, target_path, dtype, opts.device, dummy=opts.dummy_weights)
+    if opts.token_map:
+        model.restrict_vocab(read_token_map(opts.token_map, model.cfg.vocab_size))
+        log.info("draft vocabulary: %d of the target's %d tokens (%s)", model.cfg.draft_vocab_size,
+                 model.cfg.vocab_size, opts.token_map)
     cfg = model.cfg
     itemsize = torch.tensor([], dtype=dtype).element_size()
     per_page = 2 * opts.page_size * cfg.num_kv_heads * cfg.head_dim * itemsize

@@ -33,11 +33,14 @@ def register(subparsers) -> None:
     p.add_argument("--attention-backend", default="torch")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print only the JSON object (default prints it indented)")
+    p.add_argument("--token-map", metavar="FILE", help="EAGLE-1 heads: the draft's vocabulary (see serve-draft)")
     add_spec_args(p)
     p.set_defaults(handler=run)
 
 
 def run(args) -> int:
+    from dataclasses import replace
+
     from specdec.engine.factory import EngineOptions, build_draft, build_target
     from specdec.eval.accept_eval import EvalSettings, read_prompts, run_accept_eval, spec_from_args
     from specdec.tokenizer import load_tokenizer
@@ -45,6 +48,7 @@ def run(args) -> int:
     opts = EngineOptions(device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
                          max_batch_size=max(1, args.batch_size))
     target = build_target(args.target, opts)
+    opts = replace(opts, token_map=args.token_map or "")
     draft = build_draft(args.draft, args.target, spec_from_args(args), opts, target.max_context)
     tok = load_tokenizer(args.target)
     prompts = [tok.encode(p)[-args.max_prompt_tokens :] for p in read_prompts(args.prompts, args.limit)]

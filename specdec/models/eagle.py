@@ -1,7 +1,7 @@
 """EAGLE draft heads (EAGLE-1 and EAGLE-3). Both map (token ids, features) -> hidden; logits are separate.
 
 EAGLE-1 (`LlamaForCausalLMEagle`): x = fc(cat(embed(token), feature)); one decoder layer without input norm;
-no final norm; logits through the target's lm_head. The feature is the target's final normed hidden state at
+no final norm; logits through the target's lm_head (or the rows of a token map: `restrict_vocab`). The feature is the target's final normed hidden state at
 the previous position, or at later draft steps the head's own output.
 
 EAGLE-3 (`LlamaForCausalLMEagle3`): g = fc(cat(aux features)) (3H -> H) for target features, or the head's own
@@ -11,11 +11,14 @@ residual stream carries g; logits = lm_head(norm(out)) over a reduced draft voca
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
 from specdec.attention.batch import AttentionBatch
 from specdec.config import ModelConfig
+from specdec.errors import ConfigError
 from specdec.models.layers import MLP, Attention, Linear, RMSNorm, RotaryEmbedding
 
 
@@ -59,6 +62,7 @@ class EagleDraft(nn.Module):
             self.fc = Linear(2 * h, h, bias=cfg.eagle1_fc_bias)
             self.layers = nn.ModuleList([Eagle1Layer(cfg)])
             self.lm_head = Linear(h, cfg.vocab_size, bias=False)
+            self.register_buffer("d2t", None)  # set by `restrict_vocab` (a token map)
         else:
             self.fc = Linear(len(cfg.aux_layer_inputs or (0, 0, 0)) * h, h, bias=False)
             self.midlayer = Eagle3MidLayer(cfg)
@@ -95,6 +99,21 @@ class EagleDraft(nn.Module):
         return self.lm_head(self.norm(hidden)).float()
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        if self.cfg.kind == "eagle1":
+        if self.d2t is None:
             return draft_ids
         return draft_ids + self.d2t[draft_ids]
+
+    def restrict_vocab(self, token_ids: list[int]) -> None:
+        """Keep only `token_ids` (target ids, an EAGLE-1 head's token map: `specdec.models.token_map`) as the draft
+        vocabulary: the lm_head keeps their rows (a copy: the target's own lm_head is left whole), and draft id i
+        stands for target id token_ids[i]."""
+        if self.cfg.kind != "eagle1" or self.d2t is not None:
+            raise ConfigError("--token-map applies to an EAGLE-1 head; an EAGLE-3 head has its own draft vocabulary")
+        weight = self.lm_head.weight
+        ids = torch.tensor(token_ids, dtype=torch.int64, device=weight.device)
+        head = Linear(self.cfg.hidden_size, len(token_ids), bias=False, device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            head.weight.copy_(weight[ids])
+        self.lm_head = head.requires_grad_(False)
+        self.d2t = ids - torch.arange(len(token_ids), device=weight.device)
+        self.cfg = replace(self.cfg, draft_vocab_size=len(token_ids))

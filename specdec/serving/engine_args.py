@@ -69,5 +69,5 @@ def engine_options(args: argparse.Namespace):
         device=args.device, dtype=args.dtype, attention_backend=args.attention_backend, page_size=args.page_size,
         num_pages=args.num_pages, max_batch_size=args.max_batch_size, max_context=args.max_context,
         dummy_weights=args.load_format == "dummy", simulate_accept_len=getattr(args, "simulate_accept_len", 0.0),
-        cuda_graphs=not args.disable_cuda_graph,
+        cuda_graphs=not args.disable_cuda_graph, token_map=getattr(args, "token_map", None) or "",
     ).validate()
