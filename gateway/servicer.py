@@ -129,6 +129,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 finish = Finish(FINISH_STOP) if text.stopped else chunk.finish
                 if finish is not None:
                     delta += text.flush()
+                    finish = Finish(FINISH_STOP) if text.stopped else finish  # a stop string held till the end
                 if delta and first_text_at is None:
                     first_text_at = time.monotonic()
                 ids = chunk.token_ids[: text.used]  # a stop string ends the ids at the token that completed it

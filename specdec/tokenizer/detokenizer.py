@@ -33,10 +33,18 @@ class IncrementalDetokenizer:
         return self._emit(self._utf8.decode(self._tokenizer.decode_bytes(ids)), final=False)
 
     def flush(self) -> str:
-        """End of stream: the rest of the text (a cut-off character becomes U+FFFD), without a stop string."""
+        """End of stream: the rest of the text, cut before a stop string it holds (one that a longer stop string
+        starting earlier kept pending), then a cut-off character as U+FFFD. That U+FFFD stands for bytes that never
+        became a character, so it completes no stop string: a stop string ending in U+FFFD (copied from an earlier
+        output) once cut the text at the stream's end while the request reported its length limit (QA)."""
         if self.stopped:
             return ""
-        return self._emit(self._utf8.decode(b"", final=True), final=True)
+        tail = self._utf8.decode(b"", final=True)
+        emitted = self._emit("", final=True)
+        if not self.stopped:
+            self.text += tail
+            emitted += tail
+        return emitted
 
     def _emit(self, new_text: str, final: bool) -> str:
         window = self._held + new_text

@@ -76,6 +76,27 @@ def test_gateway_max_new_tokens_ends_with_length(fake_model, model_dir):
     assert final.finish_reason == LENGTH and final.completion_tokens == 4 and ids == fake_model.script[:4]
 
 
+def test_gateway_a_character_cut_by_the_length_limit_completes_no_stop_string(fake_model, model_dir,
+                                                                               tiny_tokenizer):
+    """The limit cuts the emoji after its first byte token: the text ends in U+FFFD, and a stop string ending in
+    U+FFFD (copied from such an output) does not cut it nor turn LENGTH into STOP (QA: it cut 12 characters while
+    the stream said LENGTH and counted every token)."""
+    first = next(k for k, i in enumerate(fake_model.script) if tiny_tokenizer.token_bytes(i) == b"\xf0\x9f")
+    limit = first + 1
+    shown = tiny_tokenizer.decode(fake_model.script[:limit])
+    assert shown.endswith("\ufffd")
+
+    async def body():
+        async with fake_stack(fake_model, model_dir) as (_, _, stub):
+            req = request(max_new_tokens=limit)
+            req.stop.extend([shown[-3:], "\ufffd"])
+            return await collect(stub.Generate(req))
+
+    text, ids, final, _ = run(body())
+    assert text == shown and final.finish_reason == LENGTH
+    assert ids == fake_model.script[:limit] and final.completion_tokens == limit
+
+
 def test_gateway_stop_string_spanning_tokens_cuts_text_and_cancels_downstream(fake_model, model_dir, tiny_tokenizer):
     stop = "(n - 2"  # spans several tokens
     assert len(tiny_tokenizer.encode(stop)) > 1

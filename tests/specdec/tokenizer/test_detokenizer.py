@@ -93,3 +93,15 @@ def test_any_chunking_equals_decode_cut_at_first_stop(tiny_code, text, cuts, sto
     first = min((whole.find(s) for s in stops if s in whole), default=len(whole))
     assert detok.text == whole[:first]
     assert detok.stopped == any(s in whole for s in stops)
+
+
+def test_a_cut_off_character_at_the_end_completes_no_stop_string(tiny_code):
+    """The U+FFFD of bytes cut off at the stream's end is no character of the text: a stop string ending in one
+    (copied from an earlier output) neither cuts the text nor ends the request (QA: the text was cut while the
+    request reported its length limit). One held back till the end still cuts."""
+    ids = tiny_code.encode("ok 你")[:-1]
+    for stops in (["\ufffd"], [" \ufffd"], ["ok \ufffd"]):
+        detok, pieces = _stream(tiny_code, [[i] for i in ids], stops)
+        assert detok.text == "ok \ufffd" and not detok.stopped, stops
+    detok, _ = _stream(tiny_code, [tiny_code.encode("a<b")], ["b", "<b<", "\ufffd"])
+    assert detok.text == "a<" and detok.stopped
