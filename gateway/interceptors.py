@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import time
 from typing import Any
@@ -65,6 +66,18 @@ def incoming_request_id(request: Any, context: grpc.aio.ServicerContext) -> str 
     return getattr(request, "request_id", "") or request_id_from(context)
 
 
+# the request id a call goes by once the servicer named it (one it generated), for the call's access-log line: a
+# stream that ends without its final stats (cancelled) logged `request_id: null` while the draft's line had the id
+_NAMED_ID: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("specdec_named_request_id", default=None)
+
+
+def name_request_id(request_id: str) -> None:
+    """Tell the access log which request id this call goes by (from inside the handler)."""
+    named = _NAMED_ID.get()
+    if named is not None:
+        named[:] = [request_id]
+
+
 # ------------------------------------------------------------------------------------------- logging
 
 
@@ -91,6 +104,8 @@ class AccessLogInterceptor(BehaviorInterceptor):
             # the call's trace, for its line: a stream the client cancelled is closed from outside the call's
             # context (its line lacked the trace id, 3 of 9 cancelled streams in QA)
             call_context = otel_context.get_current()
+            named: list[str] = []
+            _NAMED_ID.set(named)  # (this call's own context: the handler runs in it)
             with bind_request_id(incoming_request_id(request, context)):
                 try:
                     async with contextlib.aclosing(behavior(request, context)) as responses:
@@ -103,9 +118,10 @@ class AccessLogInterceptor(BehaviorInterceptor):
                     exc = error
                     raise
                 finally:
-                    # a request id the gateway generated comes back in the final stats
-                    with (attached(call_context),
-                          bind_request_id(incoming_request_id(request, context) or getattr(final, "request_id", None))):
+                    # a request id the gateway generated: named by the servicer, and in the final stats
+                    rid = incoming_request_id(request, context) or (named or [None])[0] or getattr(
+                        final, "request_id", None)
+                    with attached(call_context), bind_request_id(rid):
                         _log_call(method, status_of(exc, context), started, count, final, _details(context))
 
         return logged

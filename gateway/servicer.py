@@ -17,6 +17,7 @@ from gateway.auth import client_identity
 from gateway.config import GatewayLimits
 from gateway.downstream import Finish
 from gateway.fallback import FINISH_STOP, FallbackGeneration, GenerationPlan
+from gateway.interceptors import name_request_id
 from gateway.limits import (
     StreamSlots,
     check_input_chars,
@@ -58,6 +59,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         # downstream calls), else a generated one
         request_id = check_request_id(request.request_id or request_id_from(context) or "") or uuid.uuid4().hex
         trace.get_current_span().set_attribute("specdec.request_id", request_id)  # the one it goes by, generated too
+        name_request_id(request_id)
         with bind_request_id(request_id):
             plan, stop = await self._plan(request, request_id)
             with self._slots.hold(client_identity(context, self._clients_by_key)):

@@ -294,6 +294,28 @@ def test_the_access_log_carries_the_request_id_the_gateway_generated(fake_model,
     assert len(final.request_id) == 32 and record.request_id == final.request_id
 
 
+def test_a_cancelled_streams_access_line_carries_the_generated_request_id(fake_model, model_dir, caplog):
+    """A stream the client cancels never gets its final stats; its line still names the id the gateway generated,
+    the one the draft's and the target's lines carry (QA: `request_id: null`)."""
+    caplog.handler.addFilter(ContextFilter())
+    caplog.set_level(logging.INFO, logger="gateway.access")
+
+    async def body():
+        async with fake_stack(fake_model, model_dir) as (pairs, _, stub):
+            pairs[0].draft.hang_after_chunks = 1
+            call = stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(
+                prompt="def fib(n):", sampling=common_pb2.SamplingParams(max_new_tokens=100)))
+            await call.read()
+            call.cancel()
+            await asyncio.sleep(0.3)
+            return pairs[0].draft.seen.requests
+
+    downstream = run(body())
+    (record,) = [r for r in caplog.records if r.name == "gateway.access"]
+    assert record.grpc_status == "CANCELLED" and record.request_id == downstream[0][0]
+    assert len(record.request_id) == 32
+
+
 def test_the_access_log_says_why_a_request_was_refused(fake_model, model_dir, caplog):
     """A refused call's line carries its status message (`grpc_message`): with tracing off or sampled out it was
     only in the client's reply (QA)."""
