@@ -29,7 +29,8 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
         help="run the gateway (text API) in front of draft/target pairs",
         description="Run the gateway: tokenizes, routes to draft/target pairs and streams text back.",
     )
-    p.add_argument("--model", default=str(DEFAULT_TARGET_DIR), help="target model dir (tokenizer, chat template)")
+    p.add_argument("--model", default=str(DEFAULT_TARGET_DIR),
+                   help="target model dir (tokenizer, chat template); default: the bundled tiny target")
     p.add_argument(
         "--pair",
         action="append",

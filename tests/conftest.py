@@ -23,8 +23,8 @@ def tiny_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def dev_prompts() -> list[str]:
-    """Held-out prompts: ../shared/prompts/dev.jsonl when present (CI), else openings of this project's own
-    functions (a fresh clone: real Python code, enough of it for every test's slice)."""
+    """Held-out prompts: prompts/dev.jsonl (a copy of ../shared/prompts/dev.jsonl), else openings of this project's
+    own functions (real Python code, enough of it for every test's slice)."""
     if SHARED_PROMPTS.is_file():
         return [json.loads(line)["prompt"] for line in SHARED_PROMPTS.read_text().splitlines() if line.strip()]
     return _own_function_openings()

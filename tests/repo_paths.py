@@ -4,4 +4,4 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "models" / "tiny-code"
-SHARED_PROMPTS = REPO.parent / "shared" / "prompts" / "dev.jsonl"
+SHARED_PROMPTS = REPO / "prompts" / "dev.jsonl"  # a copy of ../shared/prompts/dev.jsonl (held-out networkx prompts)

@@ -16,6 +16,7 @@ from specdec.engine.draft_engine import DraftEngine, SpecConfig
 from specdec.engine.generate import generate
 from specdec.engine.requests import GenerationResult
 from specdec.engine.target_engine import TargetEngine
+from specdec.errors import ConfigError
 from specdec.sampling_params import SamplingParams
 
 NEAR_TIE = 1e-4
@@ -32,13 +33,21 @@ class EvalSettings:
 
 
 def read_prompts(path: str, limit: int | None) -> list[str]:
+    """The "prompt" of each JSONL line (ConfigError naming the file and line when it cannot be read)."""
     prompts = []
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                prompts.append(json.loads(line)["prompt"])
-            if limit and len(prompts) >= limit:
-                break
+    try:
+        with open(path) as f:
+            for number, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        prompts.append(json.loads(line)["prompt"])
+                    except (ValueError, KeyError, TypeError) as exc:
+                        raise ConfigError(f"--prompts {path}, line {number}: expected a JSON object with a "
+                                          f"\"prompt\" ({type(exc).__name__}: {exc})") from exc
+                if limit and len(prompts) >= limit:
+                    break
+    except OSError as exc:
+        raise ConfigError(f"--prompts {path}: cannot read it ({exc.strerror or exc})") from exc
     return prompts
 
 

@@ -39,6 +39,16 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    from specdec.errors import SpecdecError
+
+    try:
+        return _run(args)
+    except SpecdecError as exc:  # a bad flag or file: one line, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
     from dataclasses import replace
 
     from specdec.engine.factory import EngineOptions, build_draft, build_target

@@ -68,7 +68,7 @@ def add_tls_args(parser: argparse.ArgumentParser, prefix: str = "", who: str = "
     """Add `--{prefix}tls-cert`, `--{prefix}tls-key`, `--{prefix}tls-ca` (prefix="target-" for a client)."""
     group = parser.add_argument_group(f"TLS ({who})")
     group.add_argument(f"--{prefix}tls-cert", metavar="PEM", help="certificate chain (enables TLS)")
-    group.add_argument(f"--{prefix}tls-key", metavar="PEM", help="private key of --tls-cert")
+    group.add_argument(f"--{prefix}tls-key", metavar="PEM", help=f"private key of --{prefix}tls-cert")
     group.add_argument(
         f"--{prefix}tls-ca",
         metavar="PEM",

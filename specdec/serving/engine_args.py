@@ -15,6 +15,7 @@ def add_engine_args(parser: argparse.ArgumentParser, default_port: int, gpu_plai
     g.add_argument("--max-queue-wait-seconds", type=float, default=30.0,
                    help="how long a request may wait for KV pages before RESOURCE_EXHAUSTED (0 = refuse at "
                         "once), default 30")
+    default_steps = "4" if gpu_plain_steps == 4 else f"{gpu_plain_steps} on a GPU, 4 on a CPU"
     e = parser.add_argument_group("engine")
     e.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N, default cpu")
     e.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -35,7 +36,7 @@ def add_engine_args(parser: argparse.ArgumentParser, default_port: int, gpu_plai
     e.add_argument("--plain-steps", type=int, default=None,
                    help="tokens per request a plain decoding step commits (target: Generate; draft: the steps "
                         "--speculation auto decodes plainly), 1-64: one host sync, and through the draft one Verify "
-                        f"call, per that many tokens; default {gpu_plain_steps} on a GPU, 4 on a CPU; 1 = a token "
+                        f"call, per that many tokens; default {default_steps}; 1 = a token "
                         "per step (tokens stream one by one, new requests join and aborts land after every token)")
     parser.set_defaults(gpu_plain_steps=gpu_plain_steps)
 
