@@ -122,6 +122,7 @@ def test_default_runs_on_cpu_with_the_bundled_model():
     assert flag(draft, "two-batch-overlap") is None, "on CPU the services share the cores: no overlap"
     assert flag(draft, "attention-backend") is None and flag(target, "attention-backend") is None  # torch on CPU
     assert flag(draft, "feature-wire") == "native"
+    assert flag(draft, "token-map") is None  # the whole vocabulary
     assert flag(draft, "speculation") == "auto"
     assert flag(draft, "plain-steps") is None and flag(target, "plain-steps") is None  # the services' defaults
     assert flag(target, "model") == "/opt/specdec/models/tiny-code/target"
@@ -211,6 +212,9 @@ def test_gpu_pair_gives_draft_and_target_their_own_gpu():
     assert flag(container(pair, "draft"), "topk") == "1"
     assert flag(container(pair, "draft"), "two-batch-overlap") == "32", "own GPUs: micro-batches take turns"
     assert flag(container(pair, "draft"), "model") == "/models/EAGLE3-LLaMA3.1-Instruct-8B"
+    mapped = one(render("gpu-pair", "--set", "models.tokenMapFile=maps/llama3-32k.json"), "StatefulSet",
+                 f"{FULL}-pair")
+    assert flag(container(mapped, "draft"), "token-map") == "/models/maps/llama3-32k.json"
     spec = pod_spec(pair)
     assert spec["runtimeClassName"] == "nvidia"
     models = next(v for v in spec["volumes"] if v["name"] == "models")

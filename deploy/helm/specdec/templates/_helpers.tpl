@@ -319,6 +319,9 @@ lifecycle:
     - --two-batch-overlap={{ $v.draft.twoBatchOverlap }}
     {{- end }}
     - --feature-wire={{ $v.draft.featureWire }}
+    {{- with $v.models.tokenMapFile }}
+    - --token-map={{ include "specdec.modelRoot" $.root }}/{{ . }}
+    {{- end }}
     - --prompt-feature-mb={{ $v.draft.promptFeatureMb }}
     - --admission-gather-ms={{ $v.draft.admissionGatherMs }}
     - --plain-calls-in-flight={{ $v.draft.plainCallsInFlight }}
