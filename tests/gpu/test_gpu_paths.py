@@ -87,18 +87,26 @@ def test_flashinfer_plain_decode_follows_the_model(graphs):
     assert sum(g > 0 for g in gaps) <= 2, gaps  # near-ties are rare; a systematic error would flip many
 
 
-@pytest.mark.parametrize("kind", ["draft", "draft-eagle3"])
+@pytest.mark.parametrize("kind", ["draft", "draft-eagle3", "draft+map"])
 @pytest.mark.parametrize("backend,dtype,near_tie,topk", [
     ("torch", "float32", 1e-4, 2), ("flashinfer", "bfloat16", 0.1, 2), ("flashinfer", "bfloat16", 0.1, 1)])
-def test_greedy_speculative_equals_plain_on_gpu(kind, backend, dtype, near_tie, topk, dev_prompts, tiny_tokenizer):
+def test_greedy_speculative_equals_plain_on_gpu(kind, backend, dtype, near_tie, topk, dev_prompts, tiny_tokenizer,
+                                                tmp_path):
+    """Both heads, and the EAGLE-1 head restricted to a token map (`--token-map`: the EAGLE-3 head's vocabulary),
+    its graphs mapping draft ids to target ids on the device."""
     from repo_paths import TINY
 
     from specdec.engine.draft_engine import SpecConfig
     from specdec.engine.factory import EngineOptions, build_draft
     from specdec.eval.accept_eval import EvalSettings, run_accept_eval
+    from specdec.models.token_map import eagle3_draft_vocab, write_token_map
 
     target = _engine(backend, dtype)
-    opts = EngineOptions(device="cuda", dtype=dtype, attention_backend=backend, num_pages=512)
+    token_map = ""
+    if kind == "draft+map":
+        kind, token_map = "draft", str(tmp_path / "map.json")
+        write_token_map(eagle3_draft_vocab(TINY / "draft-eagle3"), token_map)
+    opts = EngineOptions(device="cuda", dtype=dtype, attention_backend=backend, num_pages=512, token_map=token_map)
     spec = SpecConfig(5, 2, 8) if topk == 2 else SpecConfig(5, 1, 5)  # topk 1 + flashinfer: draft CUDA graphs
     draft = build_draft(str(TINY / kind), str(TINY / "target"), spec, opts, target.max_context)
     assert (draft.graphs is not None) == (backend == "flashinfer")  # chains and trees captured
@@ -107,7 +115,7 @@ def test_greedy_speculative_equals_plain_on_gpu(kind, backend, dtype, near_tie, 
     print(kind, backend, dtype, {k: v for k, v in out.items() if k != "settings"})
     # bf16 kernels differ between a tree verify and a one-token decode; only (bf16-sized) near-ties may flip
     assert out["lossless_mismatches"] == 0, out["mismatch_positions"]
-    assert out["tau"] > 3.0
+    assert out["tau"] > (2.8 if token_map else 3.0)  # (the map: 3.30 against 3.61 on 30 prompts, CPU chain of 5)
 
 
 @pytest.mark.parametrize("num_requests", [1, 3])
