@@ -73,8 +73,11 @@ def is_near_tie(target: TargetEngine, prompt: list[int], prefix: list[int], tol:
 
 
 def run_accept_eval(
-    target: TargetEngine, draft: DraftEngine, prompt_ids: list[list[int]], settings: EvalSettings
+    target: TargetEngine, draft: DraftEngine, prompt_ids: list[list[int]], settings: EvalSettings,
+    tie_reference: TargetEngine | None = None,
 ) -> dict:
+    """`tie_reference`: the engine whose logits judge a near-tie (default `target`): a bf16 target's own top-two gap
+    is rounded to its logits' precision (1/8 at 16), so a GPU test judges with a float32 one."""
     params = [
         SamplingParams(temperature=settings.temperature, max_new_tokens=settings.max_new_tokens,
                        seed=None if settings.temperature == 0 else settings.seed + i)
@@ -100,7 +103,7 @@ def run_accept_eval(
                 continue
             entry = {"prompt": i, "position": pos}
             near = pos < min(len(s.tokens), len(p.tokens)) and is_near_tie(
-                target, prompt_ids[i], p.tokens[:pos], settings.near_tie)
+                tie_reference or target, prompt_ids[i], p.tokens[:pos], settings.near_tie)
             (near_ties if near else mismatches).append(entry)
     # steps that ended a request were cut at max_new_tokens/EOS; without them tau is the pure acceptance rate
     mid = [n for r in spec for n in r.accept_lengths[:-1]]
