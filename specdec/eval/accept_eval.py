@@ -66,10 +66,10 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def is_near_tie(target: TargetEngine, prompt: list[int], prefix: list[int], tol: float = NEAR_TIE) -> bool:
-    logits = target.prompt_logits(prompt + prefix)[-1]
-    top2 = logits.topk(2).values
-    return bool((top2[0] - top2[1]).abs().item() < tol)
+def top_two_gap(target: TargetEngine, prompt: list[int], prefix: list[int]) -> float:
+    """The gap between the target's two largest logits after `prompt + prefix`."""
+    top2 = target.prompt_logits(prompt + prefix)[-1].topk(2).values
+    return float((top2[0] - top2[1]).abs().item())
 
 
 def run_accept_eval(
@@ -102,9 +102,9 @@ def run_accept_eval(
             if pos is None:
                 continue
             entry = {"prompt": i, "position": pos}
-            near = pos < min(len(s.tokens), len(p.tokens)) and is_near_tie(
-                tie_reference or target, prompt_ids[i], p.tokens[:pos], settings.near_tie)
-            (near_ties if near else mismatches).append(entry)
+            if pos < min(len(s.tokens), len(p.tokens)):
+                entry["gap"] = round(top_two_gap(tie_reference or target, prompt_ids[i], p.tokens[:pos]), 4)
+            (near_ties if entry.get("gap", settings.near_tie) < settings.near_tie else mismatches).append(entry)
     # steps that ended a request were cut at max_new_tokens/EOS; without them tau is the pure acceptance rate
     mid = [n for r in spec for n in r.accept_lengths[:-1]]
     spec_tokens = sum(len(r.tokens) for r in spec)

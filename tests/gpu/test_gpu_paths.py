@@ -89,7 +89,7 @@ def test_flashinfer_plain_decode_follows_the_model(graphs):
 
 @pytest.mark.parametrize("kind", ["draft", "draft-eagle3", "draft+map"])
 @pytest.mark.parametrize("backend,dtype,near_tie,topk", [
-    ("torch", "float32", 1e-4, 2), ("flashinfer", "bfloat16", 0.1, 2), ("flashinfer", "bfloat16", 0.1, 1)])
+    ("torch", "float32", 1e-4, 2), ("flashinfer", "bfloat16", 0.15, 2), ("flashinfer", "bfloat16", 0.15, 1)])
 def test_greedy_speculative_equals_plain_on_gpu(kind, backend, dtype, near_tie, topk, dev_prompts, tiny_tokenizer,
                                                 tmp_path):
     """Both heads, and the EAGLE-1 head restricted to a token map (`--token-map`: the EAGLE-3 head's vocabulary),
@@ -111,12 +111,13 @@ def test_greedy_speculative_equals_plain_on_gpu(kind, backend, dtype, near_tie, 
     draft = build_draft(str(TINY / kind), str(TINY / "target"), spec, opts, target.max_context)
     assert (draft.graphs is not None) == (backend == "flashinfer")  # chains and trees captured
     prompts = [tiny_tokenizer.encode(p)[-256:] for p in dev_prompts[:16]]
-    # near-ties judged in float32: a bf16 target's own top-two gap is rounded to 1/8 at logits near 16, and with the
-    # held-out prompts one flip read a gap over 0.1 that way (twenty-fifth pass)
+    # near-ties judged in float32 (a bf16 target's own top-two gap is rounded to 1/8 at logits near 16) and at bf16's
+    # scale, 0.15 as in `test_flashinfer_plain_decode_follows_the_model`: with the held-out prompts one flip had a
+    # float32 gap of 0.104 (twenty-fifth pass; 0.1 had held on the project's own code as prompts)
     reference = _engine("torch", "float32") if dtype != "float32" else None
     out = run_accept_eval(target, draft, prompts, EvalSettings(max_new_tokens=64, batch_size=8, near_tie=near_tie),
                           tie_reference=reference)
-    print(kind, backend, dtype, {k: v for k, v in out.items() if k != "settings"})
+    print(kind, token_map != "", backend, dtype, topk, {k: v for k, v in out.items() if k != "settings"})
     # bf16 kernels differ between a tree verify and a one-token decode; only (bf16-sized) near-ties may flip
     assert out["lossless_mismatches"] == 0, out["mismatch_positions"]
     assert out["tau"] > (2.8 if token_map else 3.0)  # (the map: 3.30 against 3.61 on 30 prompts, CPU chain of 5)
