@@ -86,7 +86,7 @@ class SpeculationPolicy:
     plain_margin: float = 0.01  # the same, for plain decoding to replace a speculative budget (see `_best`)
     # a re-measurement of a rival lasts until it has recorded a steady sample (the first landing after a switch
     # only warms up), at most this many choices: a landing at a request's end or beside an admission is not
-    # sampled, and a fixed two choices then measured nothing (CPU, three drafts on one target: 5 of 9 probes)
+    # sampled, and a fixed two choices then measured nothing (CPU, two drafts on one target: 6 of 20 re-measurements)
     probe_choices: int = 4
     far_rival: float = 0.8  # a budget not next to the choice in the menu is re-measured only within this of its rate
     # a call of fewer requests than this fraction of its bucket's recent peak batch size is not sampled (a run's
