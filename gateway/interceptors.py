@@ -118,9 +118,8 @@ class AccessLogInterceptor(BehaviorInterceptor):
                     exc = error
                     raise
                 finally:
-                    # a request id the gateway generated: named by the servicer, and in the final stats
-                    rid = incoming_request_id(request, context) or (named or [None])[0] or getattr(
-                        final, "request_id", None)
+                    # a request id the gateway generated: the servicer named it before any response
+                    rid = incoming_request_id(request, context) or next(iter(named), None)
                     with attached(call_context), bind_request_id(rid):
                         _log_call(method, status_of(exc, context), started, count, final, _details(context))
 

@@ -128,10 +128,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         async with contextlib.aclosing(generation.run()) as chunks:
             async for chunk in chunks:
                 delta = text.push(chunk.token_ids)
+                if text.stopped or chunk.finish is not None:
+                    delta += text.flush()  # (nothing after a stop; it may find a stop string held till the end)
                 finish = Finish(FINISH_STOP) if text.stopped else chunk.finish
-                if finish is not None:
-                    delta += text.flush()
-                    finish = Finish(FINISH_STOP) if text.stopped else finish  # a stop string held till the end
                 if delta and first_text_at is None:
                     first_text_at = time.monotonic()
                 ids = chunk.token_ids[: text.used]  # a stop string ends the ids at the token that completed it

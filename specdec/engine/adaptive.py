@@ -292,12 +292,12 @@ class SpeculationPolicy:
             self.intervals[b] = min(2 * interval, self.max_explore_every) if held else self.explore_every
 
     def _clip(self, key: tuple[int, int], step_s: float) -> float:
-        """A steady sample's seconds per request-step, at most `max_step_ratio` times the average. A sample that
-        short of the average (under 1 / `max_step_ratio` of it) right after a clipped one takes back what the clip
-        cut off: landings of pipelined calls
-        come in pairs when the draft, not the target, is behind (the second call was done while the first landed:
-        238 ms then 3 ms, CPU shared by three drafts), and clipping the long one alone read plain decoding at 1.3x
-        its real rate (up to 10x under heavier load), where a one-off stall is followed by a normal sample."""
+        """A steady sample's seconds per request-step, at most `max_step_ratio` times the average. A sample under
+        1 / `max_step_ratio` of the average right after a clipped one takes back what the clip cut off: landings of
+        pipelined calls come in pairs when the draft, not the target, is behind (the second call was done while the
+        first landed: 238 ms then 3 ms, one CPU shared by two drafts' load), and clipping the long one alone read
+        plain decoding at 2.6x its real rate on average (`bench/policy_replay.py`); a one-off stall is followed by a
+        normal sample and stays clipped."""
         average = self.seconds[key]
         cap = self.max_step_ratio * average
         if step_s * self.max_step_ratio < average:

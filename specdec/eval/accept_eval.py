@@ -102,9 +102,11 @@ def run_accept_eval(
             if pos is None:
                 continue
             entry = {"prompt": i, "position": pos}
+            near = False  # a length difference is never a tie
             if pos < min(len(s.tokens), len(p.tokens)):
                 entry["gap"] = round(top_two_gap(tie_reference or target, prompt_ids[i], p.tokens[:pos]), 4)
-            (near_ties if entry.get("gap", settings.near_tie) < settings.near_tie else mismatches).append(entry)
+                near = entry["gap"] < settings.near_tie
+            (near_ties if near else mismatches).append(entry)
     # steps that ended a request were cut at max_new_tokens/EOS; without them tau is the pure acceptance rate
     mid = [n for r in spec for n in r.accept_lengths[:-1]]
     spec_tokens = sum(len(r.tokens) for r in spec)

@@ -49,19 +49,17 @@ def run(args) -> int:
 
 
 def _run(args) -> int:
-    from dataclasses import replace
-
     from specdec.engine.factory import EngineOptions, build_draft, build_target
     from specdec.eval.accept_eval import EvalSettings, read_prompts, run_accept_eval, spec_from_args
     from specdec.tokenizer import load_tokenizer
 
+    texts = read_prompts(args.prompts, args.limit)  # a bad file fails before the models load
     opts = EngineOptions(device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
-                         max_batch_size=max(1, args.batch_size))
+                         max_batch_size=max(1, args.batch_size), token_map=args.token_map or "")
     target = build_target(args.target, opts)
-    opts = replace(opts, token_map=args.token_map or "")
     draft = build_draft(args.draft, args.target, spec_from_args(args), opts, target.max_context)
     tok = load_tokenizer(args.target)
-    prompts = [tok.encode(p)[-args.max_prompt_tokens :] for p in read_prompts(args.prompts, args.limit)]
+    prompts = [tok.encode(p)[-args.max_prompt_tokens :] for p in texts]
     settings = EvalSettings(args.max_new_tokens, args.max_prompt_tokens, args.temperature, args.batch_size,
                             args.seed)
     result = run_accept_eval(target, draft, prompts, settings)

@@ -1,8 +1,8 @@
 """EAGLE draft heads (EAGLE-1 and EAGLE-3). Both map (token ids, features) -> hidden; logits are separate.
 
 EAGLE-1 (`LlamaForCausalLMEagle`): x = fc(cat(embed(token), feature)); one decoder layer without input norm;
-no final norm; logits through the target's lm_head (or the rows of a token map: `restrict_vocab`). The feature is the target's final normed hidden state at
-the previous position, or at later draft steps the head's own output.
+no final norm; logits through the target's lm_head (or the rows of a token map: `restrict_vocab`). The feature is
+the target's final normed hidden state at the previous position, or at later draft steps the head's own output.
 
 EAGLE-3 (`LlamaForCausalLMEagle3`): g = fc(cat(aux features)) (3H -> H) for target features, or the head's own
 pre-norm output at later steps; attention reads cat(input_layernorm(embed), hidden_norm(g)) (2H wide), the
