@@ -21,6 +21,8 @@ import argparse
 import asyncio
 import concurrent.futures as cf
 import multiprocessing as mp
+import os
+import queue
 import socket
 import statistics
 import struct
@@ -38,7 +40,7 @@ from specdec.rpc.options import channel_options, server_options  # noqa: E402
 
 REPLY = bytes(6000)
 CALLS_WARMUP = 10
-KINDS = ("aio-uvloop", "aio-uvloop-thread-hop", "sync")
+KINDS = ("aio-uvloop", "aio-uvloop-thread-hop", "sync", "aio-uvloop-unix", "aio-uvloop-stream")
 
 
 def _serve(kind: str, work_s: float, port_out) -> None:
@@ -53,14 +55,19 @@ def _serve(kind: str, work_s: float, port_out) -> None:
     async def handler(request, context):
         return await asyncio.get_running_loop().run_in_executor(pool, work) if "hop" in kind else work()
 
+    async def stream_handler(requests, context):
+        async for _ in requests:
+            yield work()
+
     def add(server, fn) -> None:
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-            "bench.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(fn)}),))
+            "bench.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(fn),
+                           "Stream": grpc.stream_stream_rpc_method_handler(stream_handler)}),))
 
     if kind == "sync":
         server = grpc.server(cf.ThreadPoolExecutor(4), options=server_options())
         add(server, work)
-        port_out.put(server.add_insecure_port("127.0.0.1:0"))
+        port_out.put(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
         server.start()
         server.wait_for_termination()
         return
@@ -69,7 +76,12 @@ def _serve(kind: str, work_s: float, port_out) -> None:
     async def main():
         server = grpc.aio.server(options=server_options())
         add(server, handler)
-        port_out.put(server.add_insecure_port("127.0.0.1:0"))
+        if kind.endswith("unix"):
+            path = f"/tmp/idle_rtt_{os.getpid()}.sock"
+            server.add_insecure_port(f"unix:{path}")
+            port_out.put(f"unix:{path}")
+        else:
+            port_out.put(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
         await server.start()
         await server.wait_for_termination()
 
@@ -83,8 +95,8 @@ def measure(kind: str, work_ms: float, calls: int) -> float:
     proc = mp.Process(target=_serve, args=(kind, work_ms / 1e3, port_out), daemon=True)
     proc.start()
     try:
-        channel = grpc.insecure_channel(f"127.0.0.1:{port_out.get(timeout=30)}", options=channel_options())
-        echo = channel.unary_unary("/bench.Echo/Echo")
+        channel = grpc.insecure_channel(port_out.get(timeout=30), options=channel_options())
+        echo = _stream_echo(channel) if kind.endswith("stream") else channel.unary_unary("/bench.Echo/Echo")
         for _ in range(CALLS_WARMUP):
             echo(b"x")
         rests = []
@@ -96,6 +108,18 @@ def measure(kind: str, work_ms: float, calls: int) -> float:
         return 1e3 * statistics.median(rests)
     finally:
         proc.terminate()
+
+
+def _stream_echo(channel):
+    """A call per message over one bidirectional stream (requests fed from a queue, as a blocking client would)."""
+    requests: queue.Queue = queue.Queue()
+    replies = channel.stream_stream("/bench.Echo/Stream")(iter(requests.get, None))
+
+    def echo(message: bytes) -> bytes:
+        requests.put(message)
+        return next(replies)
+
+    return echo
 
 
 def _socket_serve(work_s: float, port_out) -> None:

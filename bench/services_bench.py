@@ -304,6 +304,8 @@ def warm_up(addr: str, speculative: bool, prompts, new_tokens: int) -> None:
 
 
 def run(args) -> list[Row]:
+    if args.colocated:
+        return run_colocated(args)
     probe = Probe()
     probe.install()
     conc = sorted(set(args.concurrency))
@@ -336,6 +338,38 @@ def run(args) -> list[Row]:
                 draft.stop()
     finally:
         target.stop()
+    return rows
+
+
+def run_colocated(args) -> list[Row]:
+    """`--colocated`: each draft service runs its target in its own process (`serve-draft --target in-process`,
+    with --target-flags appended to its flags); plain decoding is that process's own `TargetService.Generate`.
+    The target columns stay 0: its verify is a call inside the draft's step (the verify RTT column)."""
+    probe = Probe()
+    probe.install()
+    conc = sorted(set(args.concurrency))
+    prompts = load_prompts(args.prompts, max(conc), args.prompt_tokens)
+    flags = engine_flags(max(conc), args.prompt_tokens, args.new_tokens) + args.engine_flags.split()
+    rows = []
+    for name in args.settings:
+        setting = SETTINGS[name]
+        draft_flags = flags + ["--device", args.draft_device] + args.target_flags.split() + args.draft_flags.split()
+        draft = start_draft("in-process", setting, draft_flags, args.draft_process)
+        sched = None if args.draft_process else probe.schedulers[-1]
+        snapshot = functools.partial(probe.snapshot, sched, None, draft)
+        try:
+            warm_up(draft.addr, False, prompts, args.new_tokens)
+            warm_up(draft.addr, True, prompts, args.new_tokens)
+            for n in conc:
+                if n > args.max_concurrency.get(name, n):
+                    continue
+                plain = measure_plain(snapshot, draft.addr, prompts[:n], args.new_tokens, args.repeats)
+                rows.append(measure_spec(snapshot, draft.addr, prompts[:n], args.new_tokens, name, plain,
+                                         args.repeats))
+                log_row(rows[-1], args.json)
+                log_policy(draft)
+        finally:
+            draft.stop()
     return rows
 
 
@@ -396,6 +430,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--draft-process", action="store_true",
                    help="run each draft service as its own process too (its step split is scraped from its metrics)")
     p.add_argument("--draft-device", default="cpu", help="the draft service's --device (cuda:1: its own GPU)")
+    p.add_argument("--colocated", action="store_true",
+                   help="no target service: each draft runs its target in its own process (--target in-process, "
+                        "--target-flags appended to its flags, e.g. '--simulate-accept-len 5'); plain = that "
+                        "process's TargetService.Generate")
     p.add_argument("--engine-flags", default="",
                    help="more engine flags for both services, e.g. '--attention-backend flashinfer --dtype bfloat16'")
     p.add_argument("--target-flags", default="", help="flags for the target only (last wins), e.g. "

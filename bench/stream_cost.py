@@ -99,7 +99,7 @@ def measure(n: int, step_s: float, steps: int, hold: float = 0.5) -> dict:
 
     sched = FakeScheduler(step_s * hold, step_s * (1 - hold), steps)
     loop = EngineLoop(sched, "draft-engine")
-    servicer = DraftServicer("fake", "none")
+    servicer = DraftServicer("fake")
     servicer.loop, servicer.max_context, servicer.vocab_size = loop, 1 << 20, 1 << 20
     started, port, stop = threading.Event(), [0], []
 

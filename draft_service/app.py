@@ -9,6 +9,8 @@ import os
 import threading
 import time
 
+from draft_service.colocated import IN_PROCESS, ColocatedTargetService, load_target
+from draft_service.colocated import check_args as check_in_process_args
 from draft_service.servicer import DraftServicer
 from draft_service.target_client import TargetClient
 from specdec.config import ModelConfig
@@ -57,11 +59,16 @@ def _load(args, opts, spec: SpecConfig, off: bool, stop: threading.Event):
     """`off` (`--speculation off`): plain decoding through Verify, no features asked and none accepted. Runs on a
     worker thread; `stop` (set when the start is cancelled) ends it between its stages."""
     target_cfg = ModelConfig.from_hf(args.target_model)
-    client = TargetClient(args.target, TlsConfig.from_args(args, prefix="target-"), device=opts.device,
-                          feature_wire=FP8_ROWS if getattr(args, "feature_wire", "native") == "fp8" else "",
-                          features=not off)
-    log.info("connecting to target at %s", args.target)
-    info = _connect(client, args.target_wait_seconds, stop)
+    if args.target == IN_PROCESS:
+        log.info("loading the target %s in this process", args.target_model)
+        client = load_target(args, opts)
+        info = client.model_info()
+    else:
+        client = TargetClient(args.target, TlsConfig.from_args(args, prefix="target-"), device=opts.device,
+                              feature_wire=FP8_ROWS if getattr(args, "feature_wire", "native") == "fp8" else "",
+                              features=not off)
+        log.info("connecting to target at %s", args.target)
+        info = _connect(client, args.target_wait_seconds, stop)
     if (info.vocab_size, info.hidden_size, info.num_layers) != \
             (target_cfg.vocab_size, target_cfg.hidden_size, target_cfg.num_layers):
         raise ConfigError(f"target at {args.target} serves {info.model} (vocab {info.vocab_size}, hidden "
@@ -108,8 +115,12 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
         raise ConfigError(f"--plain-calls-in-flight {args.plain_calls_in_flight}: a call count >= 1 (1 = one at a "
                           "time)")
     spec = SpecConfig(args.num_steps, args.topk, args.num_draft_tokens).validate()
-    servicer = DraftServicer(args.model, args.target)
+    servicer = DraftServicer(args.model)
     state = {}
+    colocated = None  # --target in-process: this server serves TargetService over the draft's own target engine
+    if args.target == IN_PROCESS:
+        check_in_process_args(args)
+        colocated = ColocatedTargetService(args)
 
     async def load(metrics) -> str:
         stop = threading.Event()
@@ -131,6 +142,9 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
                           step_spans=StepSpanSampler.from_config(TelemetryConfig.from_env()), policy=policy,
                           overlap=TwoBatchOverlap(0 if off else args.two_batch_overlap, engine.device,
                                                   args.plain_calls_in_flight))
+        if colocated is not None:
+            colocated.start(client, opts.max_batch_size)
+            state["colocated"] = colocated
         loop = EngineLoop(sched, "draft-engine", engine.device)
         loop.on_leave = client.cancel_prefill  # a client leaving during its admission: its Prefill is dropped
         phases = StepPhases(sched.timings)
@@ -143,7 +157,7 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
             await loop.call(calibrate, sched, policy, info.vocab_size)
         servicer.engine, servicer.loop, servicer.metrics = engine, loop, metrics
         servicer.num_running = lambda: len(sched.running)
-        servicer.max_context, servicer.vocab_size = max_context, info.vocab_size
+        servicer.max_context, servicer.vocab_size, servicer.target_name = max_context, info.vocab_size, info.model
         state.update(loop=loop, client=client)
         return (f"model {args.model} ({engine.model.cfg.architecture}, steps {spec.num_steps} topk {spec.topk} "
                 f"draft tokens {spec.num_draft_tokens}, speculation {args.speculation}) for target {info.model} "
@@ -154,13 +168,22 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
             await asyncio.to_thread(state["loop"].stop)
             state["client"].close()
             write_history(state["loop"].scheduler.policy)
+        if "colocated" in state:  # after the draft's loop: its thread may be in a target call until then
+            await asyncio.to_thread(state["colocated"].stop)
 
+    servicers = [lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, s)]
+    parent_required: tuple[str, ...] = (f"/{HEALTH_NAME}/GetModelInfo",)
+    hosted = {}
+    if colocated is not None:
+        servicers.append(colocated.add_to)
+        parent_required += colocated.per_step_methods
+        hosted = dict(more_health_names=(colocated.health_name,), still_served=frozenset(colocated.per_step_methods),
+                      busy=colocated.busy)
     await run_service(ServiceSpec(
-        name="draft", health_name=HEALTH_NAME,
-        servicers=[lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, s)],
+        name="draft", health_name=HEALTH_NAME, servicers=servicers,
         load=load, close=close, host=args.host, port=args.port, tls=TlsConfig.from_args(args),
         metrics_port=args.metrics_port, drain_s=args.drain_seconds, model_name=model_label(args.model),
-        trace_parent_required=(f"/{HEALTH_NAME}/GetModelInfo",),
+        trace_parent_required=parent_required, **hosted,
     ), shutdown, ready)
 
 

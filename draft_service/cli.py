@@ -24,7 +24,10 @@ def register(subparsers) -> None:
     p.add_argument("--model", help="EAGLE-1 or EAGLE-3 head directory")
     p.add_argument("--target-model", required=True,
                    help="the target's checkpoint directory (the head reads embed_tokens / lm_head from it)")
-    p.add_argument("--target", required=True, help="target service address HOST:PORT")
+    p.add_argument("--target", required=True,
+                   help="target service address HOST:PORT, or in-process: load --target-model in this process (same "
+                        "device and engine flags; --num-pages sizes both KV pools) and serve TargetService on this "
+                        "server too, so no step pays a Verify round trip (draft and target on one GPU)")
     p.add_argument("--target-wait-seconds", type=float, default=600.0,
                    help="how long to wait at start-up for the target to be ready, default 600")
     add_engine_args(p, DEFAULT_PORT, gpu_plain_steps=DRAFT_GPU_PLAIN_STEPS)

@@ -24,8 +24,9 @@ log = logging.getLogger(__name__)
 
 @map_servicer_errors
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
-    def __init__(self, model_name: str, target_addr: str):
-        self.model_name, self.target_addr = model_name, target_addr
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.target_name = ""  # the target's GetModelInfo.model, once connected (was its address; the proto says name)
         self.engine: DraftEngine | None = None
         self.num_running = lambda: 0  # requests in the running batch (set with the scheduler)
         self.loop: EngineLoop | None = None
@@ -130,7 +131,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         page_size, pages_total, pages_free = self.engine.kv.stats()
         return draft_pb2.DraftServiceGetModelInfoResponse(
             model=self.model_name, architecture=cfg.architecture, draft_vocab_size=cfg.draft_vocab_size,
-            target=self.target_addr,
+            target=self.target_name,
             spec=common_pb2.SpecParams(num_steps=spec.num_steps, topk=spec.topk,
                                        num_draft_tokens=spec.num_draft_tokens),
             kv=common_pb2.KVStats(page_size=page_size, pages_total=pages_total, pages_free=pages_free),

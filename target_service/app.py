@@ -23,6 +23,9 @@ HEALTH_NAME = "specdec.v1.TargetService"
 # what the target sets: gauges, verify batch sizes, step phases (no request latencies: the draft has those; no
 # speculation counters: the draft counts them)
 METRIC_FAMILIES = frozenset({"running", "waiting", "kv", "batch", "phases"})
+# a draft's calls for the requests it holds here (one short Verify a step): traced only under the draft's trace, and
+# still served while draining (the drafts finish those requests; new Prefills and Generates are refused)
+PER_STEP_METHODS = tuple(f"/{HEALTH_NAME}/{m}" for m in ("Verify", "Release", "GetModelInfo"))
 
 
 async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
@@ -33,16 +36,11 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
 
     async def load(metrics) -> str:
         engine = await asyncio.to_thread(build_target, args.model, opts)
-        loop = EngineLoop(Scheduler(engine, None, engine.max_context, opts.max_batch_size,
-                                    max_queue_wait_s=args.max_queue_wait_seconds, plain_steps=steps),
-                          "target-engine",
-                          engine.device)
+        loop = engine_loop(engine, opts.max_batch_size, args.max_queue_wait_seconds, steps,
+                           args.request_idle_seconds)
         kv = engine.kv  # gauges read at scrape time: Verify and Prefill run between steps, not in them
         metrics.track(kv_pages=lambda: (kv.num_total_pages - kv.num_free_pages, kv.num_free_pages),
                       running=lambda: len(engine.requests), waiting=lambda: len(loop.scheduler.waiting))
-        if args.request_idle_seconds > 0:
-            loop.chore_every_s = min(5.0, args.request_idle_seconds / 4)
-            loop.chore = IdleRelease(engine, args.request_idle_seconds, loop.chore_every_s)
         loop.start()
         servicer.engine, servicer.loop, servicer.metrics = engine, loop, metrics
         state["loop"], state["engine"] = loop, engine
@@ -54,17 +52,33 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
 
     spec = ServiceSpec(
         name="target", health_name=HEALTH_NAME,
-        servicers=[lambda s: add_servicer(target_pb2.DESCRIPTOR.services_by_name["TargetService"], servicer, s)],
+        servicers=[lambda s: add_target_servicer(servicer, s)],
         load=load, close=close, host=args.host, port=args.port, tls=TlsConfig.from_args(args),
         metrics_port=args.metrics_port, drain_s=args.drain_seconds,
-        trace_parent_required=tuple(f"/{HEALTH_NAME}/{m}" for m in ("Verify", "Release", "GetModelInfo")),
+        trace_parent_required=PER_STEP_METHODS,
         model_name=model_label(args.model), metric_families=METRIC_FAMILIES,  # args.model: --config NAME if given
-        # a drain lets the drafts finish the requests they hold here (one short Verify a step: no call stays open
-        # for the drain to wait on); new Prefills and Generates are refused
-        still_served=frozenset(f"/{HEALTH_NAME}/{m}" for m in ("Verify", "Release", "GetModelInfo")),
+        still_served=frozenset(PER_STEP_METHODS),
         busy=lambda: "engine" in state and bool(state["engine"].requests),
     )
     await run_service(spec, shutdown, ready)
+
+
+def add_target_servicer(servicer: TargetServicer, server) -> None:
+    add_servicer(target_pb2.DESCRIPTOR.services_by_name["TargetService"], servicer, server)
+
+
+def engine_loop(engine, max_batch_size: int, max_queue_wait_s: float, plain_steps: int, request_idle_s: float,
+                lock=None) -> EngineLoop:
+    """The target's engine thread (not started): calls from the servicer, plain `Generate` steps, and the release
+    of requests no call has named for `request_idle_s` (0: never). `lock`: shared with another thread that drives
+    the same engine (`EngineLoop`)."""
+    loop = EngineLoop(Scheduler(engine, None, engine.max_context, max_batch_size, max_queue_wait_s=max_queue_wait_s,
+                                plain_steps=plain_steps),
+                      "target-engine", engine.device, lock=lock)
+    if request_idle_s > 0:
+        loop.chore_every_s = min(5.0, request_idle_s / 4)
+        loop.chore = IdleRelease(engine, request_idle_s, loop.chore_every_s)
+    return loop
 
 
 class IdleRelease:

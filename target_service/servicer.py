@@ -228,14 +228,19 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         sampling.validate(self.engine.cfg.vocab_size)
 
     async def GetModelInfo(self, request, context):
-        cfg = self.engine.cfg
-        page_size, total, free = self.engine.kv.stats()
-        return target_pb2.TargetServiceGetModelInfoResponse(
-            model=self.model_name, architecture=cfg.architecture, vocab_size=cfg.vocab_size,
-            hidden_size=cfg.hidden_size, num_layers=cfg.num_layers, max_context_len=self.engine.max_context,
-            eos_token_ids=list(cfg.eos_token_ids), dtype=str(self.engine.kv.k.dtype).replace("torch.", ""),
-            device=str(self.engine.device),
-            kv=common_pb2.KVStats(page_size=page_size, pages_total=total, pages_free=free),
-            num_running=len(self.engine.requests),
-            max_draft_tokens=self.engine.max_draft_tokens,
-        )
+        return model_info(self.engine, self.model_name)
+
+
+def model_info(engine: TargetEngine, model_name: str) -> target_pb2.TargetServiceGetModelInfoResponse:
+    """What GetModelInfo answers (also what a draft with an in-process target reads: `draft_service.colocated`)."""
+    cfg = engine.cfg
+    page_size, total, free = engine.kv.stats()
+    return target_pb2.TargetServiceGetModelInfoResponse(
+        model=model_name, architecture=cfg.architecture, vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size, num_layers=cfg.num_layers, max_context_len=engine.max_context,
+        eos_token_ids=list(cfg.eos_token_ids), dtype=str(engine.kv.k.dtype).replace("torch.", ""),
+        device=str(engine.device),
+        kv=common_pb2.KVStats(page_size=page_size, pages_total=total, pages_free=free),
+        num_running=len(engine.requests),
+        max_draft_tokens=engine.max_draft_tokens,
+    )

@@ -60,10 +60,11 @@ if TYPE_CHECKING:
 
 
 class TakingTurns:
-    """A target whose calls run one at a time (for a target that is not thread-safe)."""
+    """A target whose calls run one at a time (for a target that is not thread-safe); `lock`: one shared with
+    whatever else drives the same target (default: a lock of its own)."""
 
-    def __init__(self, target):
-        self._target, self._lock = target, threading.Lock()
+    def __init__(self, target, lock: threading.Lock | None = None):
+        self._target, self._lock = target, lock if lock is not None else threading.Lock()
 
     def __getattr__(self, name):  # attributes other than the calls (max_context, batches_prefill, ...)
         return getattr(self._target, name)

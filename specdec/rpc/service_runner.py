@@ -43,6 +43,7 @@ class ServiceSpec:
     # while draining: methods still served and whether work its clients come back for is left (`ServerHandle.stop`)
     still_served: frozenset[str] = frozenset()
     busy: Callable[[], bool] | None = None
+    more_health_names: tuple[str, ...] = ()  # other services this server hosts (a draft's in-process target)
 
 
 async def run_service(spec: ServiceSpec, shutdown: asyncio.Event, ready: Callable[[int], None] | None = None) -> None:
@@ -52,7 +53,8 @@ async def run_service(spec: ServiceSpec, shutdown: asyncio.Event, ready: Callabl
     metrics = ServiceMetrics(spec.name, model_name=spec.model_name, families=spec.metric_families)
     # before the gRPC server: a port that cannot be had ends the start with nothing to stop (logs its address)
     start_metrics_server(spec.metrics_port, metrics.registry, spec.host)
-    handle = await start_server(spec.servicers, [spec.health_name], spec.host, spec.port, spec.tls,
+    handle = await start_server(spec.servicers, [spec.health_name, *spec.more_health_names], spec.host, spec.port,
+                                spec.tls,
                                 interceptors=[gate, *server_interceptors(provider, spec.trace_parent_required)],
                                 still_served=spec.still_served)
     try:

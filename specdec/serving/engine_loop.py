@@ -9,6 +9,7 @@ health checks and new requests are served while a step runs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -46,10 +47,14 @@ class _Stream:
 
 
 class EngineLoop:
-    def __init__(self, scheduler: Scheduler | None, name: str = "engine", device=None):
+    def __init__(self, scheduler: Scheduler | None, name: str = "engine", device=None,
+                 lock: threading.Lock | None = None):
         self.scheduler = scheduler
         self.name = name
         self.device = resolve_device(device) if device is not None else None  # the engine's GPU, if any
+        # held while this thread works on the engine (calls, chore, step): an engine that another thread also
+        # drives takes turns with it (a draft service's in-process target, `draft_service.colocated`)
+        self._engine_lock = lock if lock is not None else contextlib.nullcontext()
         self._calls: list[_Call] = []
         self._streams: dict[str, _Stream] = {}
         # id -> `_add_stream`'s arguments (request_id, prompt_ids, sampling, stream, trace_context, tree_cap) of the
@@ -203,12 +208,13 @@ class EngineLoop:
                 if self.scheduler is not None:
                     self.scheduler.close()
                 return
-            self._run_calls(calls)
-            if self.chore is not None and time.monotonic() >= chore_at:
-                self._resolve_chore()
-                chore_at = time.monotonic() + self.chore_every_s
-            if self.scheduler is not None and self.scheduler.has_work:
-                self._step()
+            with self._engine_lock:
+                self._run_calls(calls)
+                if self.chore is not None and time.monotonic() >= chore_at:
+                    self._resolve_chore()
+                    chore_at = time.monotonic() + self.chore_every_s
+                if self.scheduler is not None and self.scheduler.has_work:
+                    self._step()
 
     def _resolve_chore(self) -> None:
         try:

@@ -1,0 +1,101 @@
+"""`serve-draft --target in-process`: the target model in the draft service's own process.
+
+With draft and target on one GPU, every speculative step paid a Verify round trip between two processes: gRPC after
+an idle wait, the hand-offs to and from the target's engine thread and the features' copies through host memory,
+~2.8 ms of a ~10 ms batch-1 step of an 8B shape on the lent H200 (docs/benchmarks.md). In-process the draft's
+scheduler calls the target engine itself, on its own thread, and the features stay on the GPU.
+
+The same server also serves `TargetService` over that engine (its own engine thread, as `serve-target` runs it), so
+a gateway pair names this one address for both parts: its plain fallback, `no_speculation` requests and other
+drafts' Verify calls reach the same engine. The two threads take turns on the engine under one lock
+(`EngineLoop(lock=...)`, `TakingTurns`); the target thread holds it only while it has calls or steps to run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+
+from specdec.engine.factory import build_target
+from specdec.engine.overlap import TakingTurns
+from specdec.engine.plain_steps import PLAIN_STEPS
+from specdec.errors import ConfigError
+from specdec.rpc.tls import TlsConfig
+from specdec.telemetry import model_label
+from target_service.app import HEALTH_NAME as TARGET_HEALTH_NAME
+from target_service.app import PER_STEP_METHODS, add_target_servicer, engine_loop
+from target_service.cli import DEFAULT_REQUEST_IDLE_S
+from target_service.servicer import TargetServicer, model_info
+
+IN_PROCESS = "in-process"  # the value of --target that asks for it
+
+
+class LocalTarget(TakingTurns):
+    """The draft's target engine in this process: its calls (prefill, verify, release) run on the calling thread,
+    under the lock the in-process `TargetService`'s engine thread also holds; otherwise what `TargetClient` is to
+    the draft (`model_info`, `feature_dim`, ...), without a wire."""
+
+    concurrent_calls = False
+    feature_wire = ""  # the features stay on the device
+    addr = IN_PROCESS
+
+    def __init__(self, engine, model_name: str):
+        self.lock = threading.Lock()
+        super().__init__(engine, self.lock)
+        self.engine, self.model_name = engine, model_name
+        self.feature_dim = 0  # set by the draft's start-up, as on `TargetClient`
+
+    def model_info(self):
+        with self.lock:
+            return model_info(self.engine, self.model_name)
+
+    def cancel_prefill(self, request_id: str) -> None:
+        """Nothing to drop: an in-process prefill is a forward on this thread, not a call in flight."""
+
+    def close(self) -> None:
+        pass
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Flags that only mean something for a target across the wire are refused with `--target in-process`."""
+    if TlsConfig.from_args(args, prefix="target-") is not None:
+        raise ConfigError("--target in-process: the target runs in this process; drop the --target-tls-* flags")
+    if getattr(args, "feature_wire", "native") != "native":
+        raise ConfigError("--target in-process: the features stay on the device; drop --feature-wire")
+
+
+def load_target(args: argparse.Namespace, opts) -> LocalTarget:
+    """The target engine from `--target-model` (a checkpoint directory, or a preset name with `--load-format
+    dummy`), with this service's engine flags (device, dtype, attention backend, KV pages, CUDA graphs, ...)."""
+    engine = build_target(args.target_model, opts)
+    return LocalTarget(engine, model_label(args.target_model))
+
+
+class ColocatedTargetService:
+    """`TargetService` over a `LocalTarget`'s engine, on the draft's server: registered before the server starts,
+    serving once `start` has its engine."""
+
+    health_name = TARGET_HEALTH_NAME
+    per_step_methods = PER_STEP_METHODS
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.servicer = TargetServicer(None, None, model_label(args.target_model))
+        self.target: LocalTarget | None = None
+
+    def add_to(self, server) -> None:
+        add_target_servicer(self.servicer, server)
+
+    def start(self, target: LocalTarget, max_batch_size: int) -> None:
+        loop = engine_loop(target.engine, max_batch_size, self.args.max_queue_wait_seconds, PLAIN_STEPS,
+                           DEFAULT_REQUEST_IDLE_S, lock=target.lock)
+        loop.start()
+        self.servicer.engine, self.servicer.loop, self.target = target.engine, loop, target
+
+    def busy(self) -> bool:
+        """Requests the target holds (its drafts come back for them while draining)."""
+        return self.target is not None and bool(self.target.engine.requests)
+
+    def stop(self) -> None:
+        if self.servicer.loop is not None:
+            self.servicer.loop.stop()

@@ -1,0 +1,168 @@
+"""`serve-draft --target in-process`: the draft service runs its target in its own process and serves
+TargetService over that engine on the same server (draft_service/colocated.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from repo_paths import TINY
+from services_stack import ServiceThread, start_draft
+
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+
+TEXTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n\ndef walk(path):\n"]
+
+
+def _prompts() -> list[list[int]]:
+    from specdec.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(TINY / "target")
+    return [tok.encode(t) for t in TEXTS] + [list(range(40, 100))]
+
+
+PROMPTS = _prompts()
+
+
+def _colocated(*extra: str) -> ServiceThread:
+    return start_draft("in-process", *extra)
+
+
+async def _draft_generate(addr: str, rid: str, prompt: list[int], n: int, **sampling) -> list[int]:
+    params = common_pb2.SamplingParams(max_new_tokens=n, ignore_eos=True, **sampling)
+    async with grpc.aio.insecure_channel(addr) as ch:
+        call = draft_pb2_grpc.DraftServiceStub(ch).Generate(
+            draft_pb2.DraftServiceGenerateRequest(request_id=rid, prompt_ids=prompt, sampling=params))
+        return [t async for m in call for t in m.token_ids]
+
+
+async def _plain_generate(addr: str, rid: str, prompt: list[int], n: int) -> list[int]:
+    params = common_pb2.SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+    async with grpc.aio.insecure_channel(addr) as ch:
+        call = target_pb2_grpc.TargetServiceStub(ch).Generate(
+            target_pb2.TargetServiceGenerateRequest(request_id=rid, prompt_ids=prompt, sampling=params))
+        return [t async for m in call for t in m.token_ids]
+
+
+async def _pools_whole(addr: str) -> tuple[bool, bool]:
+    """(target pool whole and no request held, draft pool whole and none running), read over the wire."""
+    async with grpc.aio.insecure_channel(addr) as ch:
+        t = await target_pb2_grpc.TargetServiceStub(ch).GetModelInfo(target_pb2.TargetServiceGetModelInfoRequest())
+        d = await draft_pb2_grpc.DraftServiceStub(ch).GetModelInfo(draft_pb2.DraftServiceGetModelInfoRequest())
+    return (t.kv.pages_free == t.kv.pages_total and t.num_running == 0,
+            d.kv.pages_free == d.kv.pages_total and d.num_running == 0)
+
+
+async def _until_whole(addr: str, timeout_s: float = 5.0) -> tuple[bool, bool]:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        whole = await _pools_whole(addr)
+        if all(whole) or loop.time() > deadline:
+            return whole
+        await asyncio.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def colocated():
+    svc = _colocated()
+    yield svc
+    svc.stop()
+
+
+def test_one_server_serves_both_and_speculation_is_the_targets_greedy_text(colocated):
+    """Both services SERVING on the one port; the draft's speculative greedy tokens equal the same engine's plain
+    decoding through its TargetService, for several prompts at once."""
+    with grpc.insecure_channel(colocated.addr) as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        for name in ("", "specdec.v1.DraftService", "specdec.v1.TargetService"):
+            assert health.Check(health_pb2.HealthCheckRequest(service=name)).status == \
+                health_pb2.HealthCheckResponse.SERVING
+        info = draft_pb2_grpc.DraftServiceStub(ch).GetModelInfo(draft_pb2.DraftServiceGetModelInfoRequest())
+        assert info.target == "target"
+
+    async def run():
+        spec = await asyncio.gather(*[_draft_generate(colocated.addr, f"s{i}", p, 48, temperature=0.0)
+                                      for i, p in enumerate(PROMPTS)])
+        plain = await asyncio.gather(*[_plain_generate(colocated.addr, f"p{i}", p, 48)
+                                       for i, p in enumerate(PROMPTS)])
+        return spec, plain, await _until_whole(colocated.addr)
+
+    spec, plain, whole = asyncio.run(run())
+    assert spec == plain and all(len(t) == 48 for t in spec)
+    assert whole == (True, True)
+
+
+def test_a_remote_draft_shares_the_in_process_target(colocated):
+    """A second draft service verifying through the colocated server's TargetService, while the colocated draft runs
+    its own requests on the same engine (the two engine threads take turns): every output is the target's greedy
+    text, and afterwards both pools are whole."""
+    remote = start_draft(colocated.addr)
+    try:
+        async def run():
+            jobs = [_draft_generate(colocated.addr, f"own{i}", p, 40, temperature=0.0) for i, p in enumerate(PROMPTS)]
+            jobs += [_draft_generate(remote.addr, f"far{i}", p, 40, temperature=0.0) for i, p in enumerate(PROMPTS)]
+            outs = await asyncio.gather(*jobs)
+            plain = await asyncio.gather(*[_plain_generate(colocated.addr, f"ref{i}", p, 40)
+                                           for i, p in enumerate(PROMPTS)])
+            return outs, plain, await _until_whole(colocated.addr)
+
+        outs, plain, whole = asyncio.run(run())
+        assert outs == plain + plain
+        assert whole == (True, True)
+    finally:
+        remote.stop()
+
+
+def test_a_cancelled_stream_frees_both_pools(colocated):
+    async def run():
+        task = asyncio.ensure_future(_draft_generate(colocated.addr, "gone", PROMPTS[2], 2000, temperature=0.0))
+        await asyncio.sleep(0.5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return await _until_whole(colocated.addr)
+
+    assert asyncio.run(run()) == (True, True)
+
+
+def test_sampled_requests_and_bad_input_on_the_colocated_server(colocated):
+    """A sampled request runs (its tokens in the vocabulary); bad input gets INVALID_ARGUMENT from either service
+    and the server keeps serving."""
+    async def run():
+        sampled = await _draft_generate(colocated.addr, "t", PROMPTS[0], 24, temperature=0.8, seed=3)
+        codes = []
+        async with grpc.aio.insecure_channel(colocated.addr) as ch:
+            for call in (
+                draft_pb2_grpc.DraftServiceStub(ch).Generate(draft_pb2.DraftServiceGenerateRequest(
+                    request_id="bad", prompt_ids=[10**6], sampling=common_pb2.SamplingParams(max_new_tokens=4))),
+                target_pb2_grpc.TargetServiceStub(ch).Generate(target_pb2.TargetServiceGenerateRequest(
+                    request_id="bad2", prompt_ids=[], sampling=common_pb2.SamplingParams(max_new_tokens=4))),
+            ):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    async for _ in call:
+                        pass
+                codes.append(err.value.code())
+            try:
+                await target_pb2_grpc.TargetServiceStub(ch).Verify(target_pb2.VerifyRequest(trees=[
+                    target_pb2.TreeProposal(request_id="nobody", draft_tokens=[5], parents=[-1])]))
+            except grpc.aio.AioRpcError as exc:
+                codes.append(exc.code())
+        after = await _draft_generate(colocated.addr, "after", PROMPTS[1], 8, temperature=0.0)
+        return sampled, codes, after, await _until_whole(colocated.addr)
+
+    sampled, codes, after, whole = asyncio.run(run())
+    assert len(sampled) == 24 and all(0 <= t < 8192 for t in sampled)
+    assert codes == [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND]
+    assert len(after) == 8 and whole == (True, True)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--feature-wire", "fp8"], "drop --feature-wire"),
+    (["--target-tls-ca", str(TINY / "target" / "config.json")], "drop the --target-tls-\\* flags"),
+])
+def test_flags_for_a_remote_target_are_refused(flags, message):
+    with pytest.raises(RuntimeError, match=message):
+        _colocated(*flags)
