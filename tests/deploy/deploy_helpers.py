@@ -23,7 +23,7 @@ NAMESPACE = "llm"
 # targets, and the oldest the chart supports (Chart.yaml kubeVersion).
 KUBE_VERSIONS = ("1.35.0", "1.30.0")
 # Values files rendered in CI: "default" is the chart with no values file.
-VALUES_CASES = ("default", "cpu", "gpu-pair", "split", "tls", "tracing")
+VALUES_CASES = ("default", "cpu", "gpu-pair", "split", "tls", "tracing", "colocated")
 # The containers that run a specdec service (the helm test Pod's is "generate").
 SPECDEC_CONTAINERS = frozenset({"gateway", "draft", "target"})
 

@@ -226,6 +226,31 @@ def test_gpu_pair_gives_draft_and_target_their_own_gpu():
     assert [p.split(".")[0] for p in pairs] == [f"{FULL}-pair-0", f"{FULL}-pair-1"]
 
 
+def test_colocated_runs_one_container_that_serves_both_on_one_gpu():
+    """pairing=colocated: each pair Pod runs `serve-draft --target in-process` alone (one GPU), the gateway names
+    its one port for both parts, the Service, metrics Services and NetworkPolicy expose only that container's ports,
+    the target's KV values size its pools, and flags for a remote target are left out."""
+    docs = render("colocated", "--set", "tls.enabled=true", "--set", "tls.secretName=certs")
+    pair = one(docs, "StatefulSet", f"{FULL}-pair")
+    (draft,) = pod_spec(pair)["containers"]
+    args = draft["args"]
+    assert draft["name"] == "draft" and args[0] == "serve-draft" and "--target=in-process" in args
+    assert {"--num-pages=16384", "--max-batch-size=64"} <= set(args)
+    assert not [a for a in args if a.startswith(("--target-tls", "--feature-wire", "--two-batch-overlap"))]
+    assert draft["resources"]["limits"]["nvidia.com/gpu"] == 1
+    gateway_args = pod_spec(one(docs, "Deployment", f"{FULL}-gateway"))["containers"][0]["args"]
+    pairs = [a.split("=", 1)[1] for a in gateway_args if a.startswith("--pair=")]
+    assert len(pairs) == 2 and all(p.split("=")[0] == p.split("=")[1] and p.endswith(":50051") for p in pairs)
+    assert [p["name"] for p in one(docs, "Service", f"{FULL}-pair")["spec"]["ports"]] == ["grpc-draft"]
+    metrics = sorted(s["metadata"]["labels"]["specdec/metrics"] for s in find(docs, "Service")
+                     if s["metadata"]["name"].endswith("-metrics"))
+    assert metrics == ["draft", "gateway"]
+    policy = one(docs, "NetworkPolicy", f"{FULL}-pair")
+    assert [r["ports"][0]["port"] for r in policy["spec"]["ingress"]][:1] == [50051]
+    bad = run_helm(*template_args("colocated", "--set", "draft.featureWire=fp8"), check=False)
+    assert bad.returncode != 0 and "draft.featureWire must be native" in bad.stderr
+
+
 def test_split_scales_drafts_and_targets_together_and_pairs_them_by_index():
     docs = render("split")
     draft_sts = one(docs, "StatefulSet", f"{FULL}-draft")
@@ -294,7 +319,7 @@ def test_every_service_has_grpc_probes_for_its_health_name(case):
                 assert "--tls-ca=/etc/specdec/tls/ca.crt" in cmd
             else:
                 assert probe["grpc"] == {"port": port, "service": name}, (role, kind)
-    assert seen == SPECDEC_CONTAINERS
+    assert seen == (SPECDEC_CONTAINERS - {"target"} if case == "colocated" else SPECDEC_CONTAINERS)
 
 
 def test_startup_probe_leaves_time_for_model_load_and_graph_capture():
@@ -532,7 +557,8 @@ def test_gateway_autoscaling_and_disruption_budget():
     assert pdb["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "gateway"
 
 
-@pytest.mark.parametrize("case, components", [("default", ["pair"]), ("split", ["draft", "target"])])
+@pytest.mark.parametrize("case, components", [("default", ["pair"]), ("split", ["draft", "target"]),
+                                              ("colocated", ["pair"])])
 def test_pairs_have_disruption_budgets_selecting_their_pods(case, components):
     """A node drain takes one pair Pod at a time (each loads for minutes); the budgets select the StatefulSets'
     Pods, and `maxUnavailable` must be a count or a percentage."""

@@ -79,7 +79,8 @@ app.kubernetes.io/part-of: specdec
 - --pair={{ include "specdec.draftService" $root }}-{{ $i }}.{{ $d }}:{{ $root.Values.draft.port }}={{ include "specdec.targetService" $root }}-{{ $i }}.{{ $t }}:{{ $root.Values.target.port }}
 {{- else }}
 {{- $host := printf "%s-%d.%s" (include "specdec.pairService" $root) $i (include "specdec.podDomain" (dict "root" $root "service" (include "specdec.pairService" $root))) }}
-- --pair={{ $host }}:{{ $root.Values.draft.port }}={{ $host }}:{{ $root.Values.target.port }}
+{{- $targetPort := ternary $root.Values.draft.port $root.Values.target.port (eq $root.Values.pairing "colocated") }}
+- --pair={{ $host }}:{{ $root.Values.draft.port }}={{ $host }}:{{ $targetPort }}
 {{- end }}
 {{- end }}
 {{- end -}}
@@ -290,9 +291,11 @@ lifecycle:
 
 {{/* ---------- the draft and target containers (shared by pair and split modes) ---------- */}}
 
-{{/* call with (dict "root" $ "targetAddr" "localhost:50052" "extraEnv" LIST) */}}
+{{/* call with (dict "root" $ "targetAddr" "localhost:50052" "extraEnv" LIST); targetAddr "in-process" (pairing
+     colocated): the container runs the target too, sized by the target's KV values, and serves TargetService */}}
 {{- define "specdec.draftContainer" -}}
 {{- $v := .root.Values -}}
+{{- $colocated := eq .targetAddr "in-process" -}}
 {{- $img := include "specdec.modelImage" .root | fromYaml -}}
 - name: draft
   image: {{ include "specdec.imageRef" (dict "root" .root "image" $img) | quote }}
@@ -315,10 +318,16 @@ lifecycle:
     {{- if and (eq $v.device "cuda") (not $v.draft.cudaGraph) }}
     - --disable-cuda-graph
     {{- end }}
-    {{- if eq $v.device "cuda" }}
+    {{- if $colocated }}
+    {{- with include "specdec.optionalFlag" (dict "flag" "page-size" "value" $v.target.pageSize) | trim }}{{ . | nindent 4 }}{{- end }}
+    {{- with include "specdec.optionalFlag" (dict "flag" "num-pages" "value" $v.target.numPages) | trim }}{{ . | nindent 4 }}{{- end }}
+    {{- with include "specdec.optionalFlag" (dict "flag" "max-batch-size" "value" $v.target.maxBatchSize) | trim }}{{ . | nindent 4 }}{{- end }}
+    {{- else if eq $v.device "cuda" }}
     - --two-batch-overlap={{ $v.draft.twoBatchOverlap }}
     {{- end }}
+    {{- if not $colocated }}
     - --feature-wire={{ $v.draft.featureWire }}
+    {{- end }}
     {{- with $v.models.tokenMapFile }}
     - --token-map={{ include "specdec.modelRoot" $.root }}/{{ . }}
     {{- end }}
@@ -330,7 +339,9 @@ lifecycle:
     - --log-format={{ $v.logFormat }}
     - --drain-seconds={{ $v.drainSeconds }}
     {{- with include "specdec.tlsArgs" (dict "root" .root "prefix" "") | trim }}{{ . | nindent 4 }}{{- end }}
+    {{- if not $colocated }}
     {{- with include "specdec.tlsArgs" (dict "root" .root "prefix" "target-") | trim }}{{ . | nindent 4 }}{{- end }}
+    {{- end }}
     {{- with $v.draft.extraArgs }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
@@ -459,6 +470,9 @@ volumes:
 {{/* ---------- checks that the schema cannot express ---------- */}}
 {{- define "specdec.validate" -}}
 {{- $v := .Values -}}
+{{- if and (eq $v.pairing "colocated") (ne $v.draft.featureWire "native") -}}
+{{- fail "pairing=colocated keeps the features on the GPU: draft.featureWire must be native" -}}
+{{- end -}}
 {{- if and $v.tls.enabled (not $v.tls.secretName) -}}
 {{- fail "tls.enabled=true needs tls.secretName (a kubernetes.io/tls Secret with tls.crt, tls.key[, ca.crt])" -}}
 {{- end -}}
