@@ -31,6 +31,8 @@ class DrainGate(grpc.aio.ServerInterceptor):
         self.in_flight = 0  # calls accepted and not yet ended (health checks not counted)
         self._idle = asyncio.Event()
         self._idle.set()
+        self._running: set[asyncio.Task] = set()  # the tasks of the counted calls
+        self._ended: str | None = None  # `end_running`'s message, once the grace has run out
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -48,13 +50,27 @@ class DrainGate(grpc.aio.ServerInterceptor):
             return False
         return True
 
+    def end_running(self, message: str) -> None:
+        """The grace has run out: end every counted call with UNAVAILABLE and `message` (a client reads why and
+        retries elsewhere; a stopping grpc server would cancel them with its own "Cancelling all calls")."""
+        self._ended = message
+        for task in list(self._running):
+            task.cancel()
+
     @contextlib.asynccontextmanager
     async def _counting(self, request, context):
         self.in_flight += 1
         self._idle.clear()
+        task = asyncio.current_task()
+        self._running.add(task)
         try:
             yield
+        except asyncio.CancelledError:
+            if self._ended is None:  # the client left, or its deadline passed
+                raise
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self._ended)
         finally:
+            self._running.discard(task)
             self.in_flight -= 1
             if self.in_flight == 0:
                 self._idle.set()

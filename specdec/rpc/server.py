@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 AddServicer = Callable[[grpc.aio.Server], None]
 BUSY_POLL_S = 0.05  # how often a drain asks whether the service still holds work (`ServerHandle.stop`)
+END_WAIT_S = 1.0  # how long the calls ended at a drain's end get to send their UNAVAILABLE before the server stops
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name  # grpc.health.v1.Health
 
 
@@ -81,7 +82,10 @@ class ServerHandle:
         left = lambda: grace_s - (time.monotonic() - t0)  # noqa: E731
         while busy is not None and busy() and left() > 0:
             await asyncio.sleep(min(BUSY_POLL_S, max(left(), 0.0)))
-        await self.gate.wait_idle(left())
+        if not await self.gate.wait_idle(left()):
+            self.gate.end_running(f"the server is shutting down: its drain period ({grace_s:g} s) ended before "
+                                  "this call did; retry on another replica")
+            await self.gate.wait_idle(END_WAIT_S)
         await self.server.stop(max(left(), 0.0))
 
     async def wait_for_termination(self) -> None:

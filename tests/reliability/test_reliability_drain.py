@@ -61,6 +61,7 @@ class Stream:
     def __init__(self, call, finished):
         self.call, self.finished = call, finished
         self.tokens, self.done, self.code, self.ended_at = 0, False, grpc.StatusCode.OK, None
+        self.details = ""
         self.first = threading.Event()
         self.thread = threading.Thread(target=self._read)
         self.thread.start()
@@ -72,7 +73,7 @@ class Stream:
                 self.done = self.done or self.finished(msg)
                 self.first.set()
         except grpc.RpcError as exc:
-            self.code = exc.code()
+            self.code, self.details = exc.code(), exc.details()
         self.ended_at = time.monotonic()
         self.first.set()
 
@@ -111,6 +112,8 @@ def drain(proc: ServiceProcess, service: str, start_stream, new_request) -> tupl
     assert "stopped" in proc.log() and "nanobind" not in proc.log()  # a clean end, without Triton's leak report
     assert short.done and short.code == grpc.StatusCode.OK  # fits in the grace period: finishes
     assert long.done or long.code != grpc.StatusCode.OK  # does not fit: a finish or a clear status, never silence
+    if not long.done:  # the service's own words, not grpc's "Cancelling all calls"
+        assert long.code == grpc.StatusCode.UNAVAILABLE and "drain period" in long.details, long.details
     assert long.ended_at - t0 < GRACE_S + 5
     print(f"drain {service}: short finished, long {'finished' if long.done else long.code.name} after "
           f"{long.tokens} tokens, exit 0 after {exited:.1f} s")

@@ -234,7 +234,9 @@ def test_a_call_arriving_during_the_grace_period_gets_unavailable_and_the_drain_
             assert not stopping.done()
             await stopping
             assert 1.4 < time.monotonic() - t0 < 5
-            assert await hanging.code() != grpc.StatusCode.OK  # ended by the stop, with a status
+            # ended by the stop with a status a client can act on (was grpc's CANCELLED "Cancelling all calls")
+            assert await hanging.code() == grpc.StatusCode.UNAVAILABLE
+            assert "drain period (1.5 s) ended before this call did" in await hanging.details()
             assert servicer.stream_closed.is_set() and handle.gate.in_flight == 0
 
         async with fake_server() as (handle, _), make_channel(f"127.0.0.1:{handle.bound_port}") as ch:
