@@ -9,7 +9,7 @@ import os
 import threading
 import time
 
-from draft_service.colocated import IN_PROCESS, ColocatedTargetService, load_target
+from draft_service.colocated import IN_PROCESS, ColocatedTargetService, draft_options, load_target
 from draft_service.colocated import check_args as check_in_process_args
 from draft_service.servicer import DraftServicer
 from draft_service.target_client import TargetClient
@@ -63,6 +63,7 @@ def _load(args, opts, spec: SpecConfig, off: bool, stop: threading.Event):
         log.info("loading the target %s in this process", args.target_model)
         client = load_target(args, opts)
         info = client.model_info()
+        opts = draft_options(opts, client)
     else:
         client = TargetClient(args.target, TlsConfig.from_args(args, prefix="target-"), device=opts.device,
                               feature_wire=FP8_ROWS if getattr(args, "feature_wire", "native") == "fp8" else "",

@@ -15,19 +15,20 @@ from __future__ import annotations
 
 import argparse
 import threading
+from dataclasses import replace
 
 from specdec.engine.factory import build_target
 from specdec.engine.overlap import TakingTurns
 from specdec.engine.plain_steps import PLAIN_STEPS
 from specdec.errors import ConfigError
 from specdec.rpc.tls import TlsConfig
-from specdec.telemetry import model_label
 from target_service.app import HEALTH_NAME as TARGET_HEALTH_NAME
 from target_service.app import PER_STEP_METHODS, add_target_servicer, engine_loop
 from target_service.cli import DEFAULT_REQUEST_IDLE_S
 from target_service.servicer import TargetServicer, model_info
 
 IN_PROCESS = "in-process"  # the value of --target that asks for it
+TARGET_KV_FRACTION = 0.75  # of the GPU memory free after the target's weights (a target alone: GPU_KV_FRACTION)
 
 
 class LocalTarget(TakingTurns):
@@ -66,9 +67,20 @@ def check_args(args: argparse.Namespace) -> None:
 
 def load_target(args: argparse.Namespace, opts) -> LocalTarget:
     """The target engine from `--target-model` (a checkpoint directory, or a preset name with `--load-format
-    dummy`), with this service's engine flags (device, dtype, attention backend, KV pages, CUDA graphs, ...)."""
+    dummy`), with this service's engine flags (device, dtype, attention backend, KV pages, CUDA graphs, ...).
+    Without --num-pages on a GPU its pool takes `TARGET_KV_FRACTION` of the memory left after its weights, not the
+    whole `GPU_KV_FRACTION` a target alone takes: the draft's weights, its pool (`draft_options`) and both engines'
+    CUDA graphs come after it on the same GPU."""
+    if not opts.num_pages:
+        opts = replace(opts, kv_fraction=TARGET_KV_FRACTION)
     engine = build_target(args.target_model, opts)
-    return LocalTarget(engine, model_label(args.target_model))
+    return LocalTarget(engine, args.target_model)  # the name `serve-target --model` would report
+
+
+def draft_options(opts, target: LocalTarget):
+    """The draft engine's options beside its in-process target: without --num-pages, as many KV pages as the
+    target's pool has (every request holds pages in both; a pool sized from the memory left would take it all)."""
+    return opts if opts.num_pages else replace(opts, num_pages=target.engine.kv.num_total_pages)
 
 
 class ColocatedTargetService:
@@ -80,7 +92,7 @@ class ColocatedTargetService:
 
     def __init__(self, args: argparse.Namespace):
         self.args = args
-        self.servicer = TargetServicer(None, None, model_label(args.target_model))
+        self.servicer = TargetServicer(None, None, args.target_model)
         self.target: LocalTarget | None = None
 
     def add_to(self, server) -> None:

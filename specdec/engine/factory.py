@@ -35,6 +35,7 @@ class EngineOptions:
     simulate_accept_len: float = 0.0  # target only; benchmarking: accepted lengths are simulated
     cuda_graphs: bool = True  # used on CUDA with the flashinfer backend; --disable-cuda-graph turns them off
     token_map: str = ""  # draft only: a token-map file, the EAGLE-1 head's draft vocabulary (models/token_map.py)
+    kv_fraction: float = 0.0  # without num_pages on a GPU: the share of free memory the pool takes (0: GPU_KV_FRACTION)
 
     def validate(self) -> EngineOptions:
         if not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -54,7 +55,7 @@ def _num_pages(opts: EngineOptions, bytes_per_page: int, max_context: int) -> in
     wanted = opts.max_batch_size * (math.ceil(max_context / opts.page_size) + 2)
     if opts.device.startswith("cuda"):
         free, _ = torch.cuda.mem_get_info(torch.device(opts.device))
-        return max(1, min(wanted * 4, int(free * GPU_KV_FRACTION) // bytes_per_page))
+        return max(1, min(wanted * 4, int(free * (opts.kv_fraction or GPU_KV_FRACTION)) // bytes_per_page))
     return max(1, min(wanted, CPU_KV_BUDGET_BYTES // bytes_per_page))
 
 

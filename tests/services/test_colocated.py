@@ -81,7 +81,10 @@ def test_one_server_serves_both_and_speculation_is_the_targets_greedy_text(coloc
             assert health.Check(health_pb2.HealthCheckRequest(service=name)).status == \
                 health_pb2.HealthCheckResponse.SERVING
         info = draft_pb2_grpc.DraftServiceStub(ch).GetModelInfo(draft_pb2.DraftServiceGetModelInfoRequest())
-        assert info.target == "target"
+        tinfo = target_pb2_grpc.TargetServiceStub(ch).GetModelInfo(target_pb2.TargetServiceGetModelInfoRequest())
+        # the names `serve-target --model` gives; without --num-pages the draft's pool has the target's page count
+        assert info.target == tinfo.model == str(TINY / "target")
+        assert info.kv.pages_total == tinfo.kv.pages_total
 
     async def run():
         spec = await asyncio.gather(*[_draft_generate(colocated.addr, f"s{i}", p, 48, temperature=0.0)
