@@ -144,7 +144,7 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
                           overlap=TwoBatchOverlap(0 if off else args.two_batch_overlap, engine.device,
                                                   args.plain_calls_in_flight))
         if colocated is not None:
-            colocated.start(client, opts.max_batch_size)
+            colocated.start(client, opts.max_batch_size, metrics)
             state["colocated"] = colocated
         loop = EngineLoop(sched, "draft-engine", engine.device)
         loop.on_leave = client.cancel_prefill  # a client leaving during its admission: its Prefill is dropped

@@ -22,7 +22,9 @@ from specdec.engine.overlap import TakingTurns
 from specdec.engine.plain_steps import PLAIN_STEPS
 from specdec.errors import ConfigError
 from specdec.rpc.tls import TlsConfig
+from specdec.telemetry import ServiceMetrics, model_label
 from target_service.app import HEALTH_NAME as TARGET_HEALTH_NAME
+from target_service.app import METRIC_FAMILIES as TARGET_METRIC_FAMILIES
 from target_service.app import PER_STEP_METHODS, add_target_servicer, engine_loop
 from target_service.cli import DEFAULT_REQUEST_IDLE_S
 from target_service.servicer import TargetServicer, model_info
@@ -98,11 +100,19 @@ class ColocatedTargetService:
     def add_to(self, server) -> None:
         add_target_servicer(self.servicer, server)
 
-    def start(self, target: LocalTarget, max_batch_size: int) -> None:
-        loop = engine_loop(target.engine, max_batch_size, self.args.max_queue_wait_seconds, PLAIN_STEPS,
+    def start(self, target: LocalTarget, max_batch_size: int, draft_metrics) -> None:
+        """Start its engine thread; its metrics are `serve-target`'s, beside the draft's on the same /metrics
+        (`service="target"`)."""
+        engine = target.engine
+        loop = engine_loop(engine, max_batch_size, self.args.max_queue_wait_seconds, PLAIN_STEPS,
                            DEFAULT_REQUEST_IDLE_S, lock=target.lock)
+        metrics = ServiceMetrics("target", model_name=model_label(self.args.target_model),
+                                 families=TARGET_METRIC_FAMILIES, sibling_of=draft_metrics)
+        kv = engine.kv
+        metrics.track(kv_pages=lambda: (kv.num_total_pages - kv.num_free_pages, kv.num_free_pages),
+                      running=lambda: len(engine.requests), waiting=lambda: len(loop.scheduler.waiting))
         loop.start()
-        self.servicer.engine, self.servicer.loop, self.target = target.engine, loop, target
+        self.servicer.engine, self.servicer.loop, self.servicer.metrics, self.target = engine, loop, metrics, target
 
     def busy(self) -> bool:
         """Requests the target holds (its drafts come back for them while draining)."""

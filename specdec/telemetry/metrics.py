@@ -150,18 +150,27 @@ class ServiceMetrics:
     """
 
     def __init__(self, service: str, model_name: str = "", registry: CollectorRegistry | None = None,
-                 families: Collection[str] = ALL_FAMILIES) -> None:
+                 families: Collection[str] = ALL_FAMILIES, sibling_of: ServiceMetrics | None = None) -> None:
+        """`sibling_of`: another service's metrics in the same process (a draft's in-process target): the same
+        registry and families, these series told apart by their `service` label."""
         unknown = set(families) - ALL_FAMILIES
         if unknown:
             raise ValueError(f"unknown metric family groups {sorted(unknown)}; known: {sorted(ALL_FAMILIES)}")
+        if sibling_of is not None:
+            registry = sibling_of.registry
         self.registry = registry if registry is not None else CollectorRegistry()
         self.families = frozenset(families)
+        # name -> the family (unlabelled), shared with siblings: a registry takes each name once
+        self._made: dict[str, Any] = sibling_of._made if sibling_of is not None else {}
         base = (service, model_name)
 
         def make(group: str, kind: type, name: str, doc: str, extra: Sequence[str] = (), **kwargs: Any) -> Any:
             if group not in self.families:
                 return _Unregistered(service, group)
-            metric = kind(PREFIX + name, doc, (*BASE_LABELS, *extra), registry=self.registry, **kwargs)
+            metric = self._made.get(name)
+            if metric is None:
+                metric = self._made[name] = kind(PREFIX + name, doc, (*BASE_LABELS, *extra), registry=self.registry,
+                                                 **kwargs)
             return metric if extra else metric.labels(*base)
 
         self._base = base

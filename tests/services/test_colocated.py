@@ -169,3 +169,26 @@ def test_sampled_requests_and_bad_input_on_the_colocated_server(colocated):
 def test_flags_for_a_remote_target_are_refused(flags, message):
     with pytest.raises(RuntimeError, match=message):
         _colocated(*flags)
+
+
+def test_metrics_show_the_in_process_target_beside_the_draft():
+    """One /metrics with both services' series: the target's KV pool and running requests under service="target"
+    (serve-target's families), the draft's under service="draft"."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    svc = _colocated("--metrics-port", str(port), "--num-pages", "300")
+    try:
+        asyncio.run(_plain_generate(svc.addr, "m", PROMPTS[0], 8))
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    finally:
+        svc.stop()
+    series = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("specdec:") and " " in line}
+    target = f'model_name="{TINY.joinpath("target").name}",service="target"'
+    assert series[f"specdec:kv_pages_free{{{target}}}"] == 300
+    assert series[f"specdec:num_requests_running{{{target}}}"] == 0
+    assert series['specdec:kv_pages_free{model_name="draft",service="draft"}'] == 300
