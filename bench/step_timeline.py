@@ -36,55 +36,19 @@ import json
 import os
 import statistics
 import sys
-import threading
 import time
-from concurrent import futures
-from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "bench"))
 
-import grpc  # noqa: E402
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc  # noqa: E402
+from otlp_receiver import OtlpReceiver, Span  # noqa: E402
 from services_bench import SETTINGS, engine_flags, load_prompts, run_batch, start_draft, start_target  # noqa: E402
 
 SERVER, CLIENT = 2, 3  # OTLP's SpanKind numbers
 PARTS = ("propose", "draft to send", "request", "to engine", "forward", "to reply", "reply", "after reply",
          "to extend", "extend", "between steps", "step")
-
-
-@dataclass
-class Span:
-    name: str
-    kind: int
-    span_id: bytes
-    parent_id: bytes
-    start: int  # ns, host clock
-    end: int
-
-
-class SpanStore(trace_service_pb2_grpc.TraceServiceServicer):
-    """An OTLP/gRPC trace receiver on loopback that keeps every span it gets."""
-
-    def __init__(self) -> None:
-        self.spans: list[Span] = []
-        self._lock = threading.Lock()
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self._server)
-        self.port = self._server.add_insecure_port("127.0.0.1:0")
-        self._server.start()
-
-    def Export(self, request, context):  # noqa: N802 (the proto's name)
-        got = [Span(s.name, s.kind, s.span_id, s.parent_span_id, s.start_time_unix_nano, s.end_time_unix_nano)
-               for r in request.resource_spans for scope in r.scope_spans for s in scope.spans]
-        with self._lock:
-            self.spans += got
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-    def stop(self) -> None:
-        self._server.stop(grace=None)
 
 
 def steps_of(spans: list[Span]) -> list[dict[str, float]]:
@@ -142,7 +106,7 @@ def summary(steps: list[dict[str, float]]) -> dict[str, dict[str, float]]:
 
 
 def run(args) -> dict:
-    store = SpanStore()
+    store = OtlpReceiver(keep=True)
     os.environ.update(OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{store.port}",
                       OTEL_TRACES_SAMPLER="parentbased_always_on", SPECDEC_STEP_SPAN_RATIO="1.0",
                       OTEL_BSP_MAX_QUEUE_SIZE="65536")

@@ -27,16 +27,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from concurrent import futures
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 import grpc  # noqa: E402
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc  # noqa: E402
+from otlp_receiver import OtlpReceiver  # noqa: E402
 
 from gateway.local_stack import HEALTH_NAMES, StackConfig, _is_serving  # noqa: E402
 from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc  # noqa: E402
@@ -52,28 +50,7 @@ TRACING_ENV = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOIN
                "OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG", "OTEL_SDK_DISABLED", "SPECDEC_STEP_SPAN_RATIO")
 
 
-class SpanCounter(trace_service_pb2_grpc.TraceServiceServicer):
-    """A minimal OTLP/gRPC trace receiver on loopback that counts what it gets (a stand-in for a collector)."""
-
-    def __init__(self) -> None:
-        self.num_spans = 0
-        self._lock = threading.Lock()
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self._server)
-        self.port = self._server.add_insecure_port("127.0.0.1:0")
-        self._server.start()
-
-    def Export(self, request, context):  # noqa: N802 (the proto's name)
-        n = sum(len(s.spans) for r in request.resource_spans for s in r.scope_spans)
-        with self._lock:
-            self.num_spans += n
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-    def stop(self) -> None:
-        self._server.stop(grace=None)
-
-
-def mode_env(mode: str, receiver: SpanCounter) -> dict[str, str]:
+def mode_env(mode: str, receiver: OtlpReceiver) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in TRACING_ENV}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
     if mode != "off":
@@ -151,7 +128,7 @@ async def one_round(addr: str, concurrency: int, new_tokens: int, tag: str) -> t
     return wall, sum(f.completion_tokens for f in finals), statistics.mean(f.tau for f in finals)
 
 
-def measure(mode: str, args, receiver: SpanCounter) -> list[dict]:
+def measure(mode: str, args, receiver: OtlpReceiver) -> list[dict]:
     config = StackConfig.free_ports(device=args.device, speculation="always")
     spans_before = receiver.num_spans
     with tempfile.TemporaryDirectory(prefix="specdec-tracing-cost-") as log_dir:
@@ -186,7 +163,7 @@ def main() -> None:
     args = p.parse_args()
     modes = args.modes.split(",")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the stack in flight
-    receiver = SpanCounter()
+    receiver = OtlpReceiver()
     rows: list[dict] = []
     try:
         for rep in range(args.repeats):
