@@ -77,6 +77,9 @@ def _register_up(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--draft", default=str(DEFAULT_DRAFT_DIR), help="draft (EAGLE head) dir; 'none' for no draft")
     p.add_argument("--device", default="cpu", help="device for target and draft, e.g. cpu, cuda:0 (default cpu)")
     p.add_argument("--host", default="127.0.0.1", help="address the services listen on (default 127.0.0.1)")
+    p.add_argument("--colocated", action="store_true",
+                   help="run the target inside the draft's process (serve-draft --target in-process: no Verify round "
+                        "trip a step; two processes, the draft's port serves both)")
     for service, port in DEFAULT_PORTS.items():
         p.add_argument(f"--{service}-port", type=int, default=port, help=f"{service} port (default {port})")
     p.set_defaults(handler=_up)

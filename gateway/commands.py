@@ -29,6 +29,7 @@ def run_up(args: argparse.Namespace) -> int:
         gateway_port=args.gateway_port,
         draft_port=args.draft_port,
         target_port=args.target_port,
+        colocated=args.colocated,
     )
     stack = LocalStack(config)
     with sigterm_as_interrupt():

@@ -30,7 +30,7 @@ from typing import IO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.errors import NotReady
+from specdec.errors import ConfigError, NotReady
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BUNDLED_MODELS = REPO_ROOT / "models" / "tiny-code"
@@ -68,6 +68,7 @@ class StackConfig:
     draft_port: int = DEFAULT_PORTS["draft"]
     target_port: int = DEFAULT_PORTS["target"]
     speculation: str = "auto"  # the draft's --speculation (auto: per step, whichever is measured faster)
+    colocated: bool = False  # the draft runs the target in its own process (`--target in-process`): no target process
 
     @classmethod
     def free_ports(cls, **kwargs) -> StackConfig:
@@ -89,17 +90,21 @@ class StackConfig:
         specdec = [sys.executable, "-m", "specdec"]
         target_addr, draft_addr = self.addr("target"), self.addr("draft")
         device = ["--device", self.device, *self.attention_flags()]
-        commands = {
-            "target": [
+        commands = {}
+        if self.colocated:  # the draft's server answers for the target too
+            if self.draft_dir is None:
+                raise ConfigError("--colocated runs the target inside the draft's process: it needs a draft")
+            target_addr = draft_addr
+        else:
+            commands["target"] = [
                 *specdec, "serve-target", "--model", self.target_dir, *device,
                 "--host", self.host, "--port", str(self.target_port),
-            ],
-        }  # fmt: skip
+            ]  # fmt: skip
         if self.draft_dir is not None:
             commands["draft"] = [
                 *specdec, "serve-draft", "--model", self.draft_dir, "--target-model", self.target_dir,
-                "--target", target_addr, *device, "--host", self.host, "--port", str(self.draft_port),
-                "--speculation", self.speculation,
+                "--target", "in-process" if self.colocated else target_addr, *device, "--host", self.host,
+                "--port", str(self.draft_port), "--speculation", self.speculation,
             ]  # fmt: skip
         pair = f"{draft_addr if self.draft_dir is not None else ''}={target_addr}"
         commands["gateway"] = [

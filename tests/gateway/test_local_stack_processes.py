@@ -117,3 +117,31 @@ def test_sigterm_to_generate_stops_the_stack_it_started():
         os.kill(pid, signal.SIGKILL)
     assert not left, f"{len(left)} services outlived `specdec generate`"
     assert gen.returncode == 130 and "interrupted" in err, err[-3000:]
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the services' processes through /proc")
+def test_up_colocated_runs_two_processes_and_serves_both_paths():
+    """`specdec up --colocated`: the draft runs the target in its own process (no serve-target), the gateway's pair
+    names the draft's port for both parts: speculative and `no_speculation` requests give the same greedy text."""
+    cfg = StackConfig.free_ports()
+    cmd = [sys.executable, "-m", "specdec", "up", "--colocated", "--gateway-port", str(cfg.gateway_port),
+           "--draft-port", str(cfg.draft_port), "--target-port", str(cfg.target_port)]
+    up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_for(lambda: _is_serving(cfg.addr("gateway"), HEALTH_NAMES["gateway"]), 240, "the stack serves")
+        services = [cmdline(pid) for pid in children_of(up.pid)]
+        assert len(services) == 2 and not [c for c in services if "serve-target" in c], services
+        assert [c for c in services if "serve-draft" in c and "--target in-process" in c], services
+        with GatewayClient(cfg.addr("gateway"), timeout_s=60) as client:
+            spec, stats = client.complete("def fibonacci(n):", max_new_tokens=24)
+            plain, plain_stats = client.complete("def fibonacci(n):", max_new_tokens=24, no_speculation=True)
+        assert stats.speculative and not plain_stats.speculative and spec == plain
+    finally:
+        up.terminate()
+        try:
+            out, err = up.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(up.pid, signal.SIGKILL)
+            out, err = up.communicate(timeout=30)
+    assert up.returncode == 0, err[-3000:]
+    assert not pids_running(f"--port {cfg.draft_port}")

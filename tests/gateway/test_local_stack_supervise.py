@@ -157,3 +157,17 @@ def test_stopping_gives_each_service_longer_than_its_drain():
     import inspect
 
     assert inspect.signature(LocalStack.stop).parameters["grace_s"].default > 30.0
+
+
+def test_a_colocated_stack_has_no_target_process_and_needs_a_draft():
+    from specdec.errors import ConfigError
+
+    cfg = StackConfig(colocated=True)
+    commands = cfg.commands()
+    assert list(commands) == ["draft", "gateway"]
+    draft = commands["draft"]
+    assert draft[draft.index("--target") + 1] == "in-process"
+    gateway = commands["gateway"]
+    assert gateway[gateway.index("--pair") + 1] == f"{cfg.addr('draft')}={cfg.addr('draft')}"
+    with pytest.raises(ConfigError, match="needs a draft"):
+        StackConfig(colocated=True, draft_dir=None).commands()
