@@ -12,13 +12,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 
 import grpc
 import grpc.aio
 
-from specdec.rpc.handlers import around, behaviour_of, rebuilt
+from specdec.rpc.handlers import behaviour_of, rebuilt
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
+
+
+class _Call:
+    """A counted call: its task, and whether that task is in the handler's own code (not sending a response)."""
+
+    __slots__ = ("task", "in_handler")
+
+    def __init__(self) -> None:
+        self.task = asyncio.current_task()
+        self.in_handler = True
 
 
 class DrainGate(grpc.aio.ServerInterceptor):
@@ -31,7 +42,7 @@ class DrainGate(grpc.aio.ServerInterceptor):
         self.in_flight = 0  # calls accepted and not yet ended (health checks not counted)
         self._idle = asyncio.Event()
         self._idle.set()
-        self._running: set[asyncio.Task] = set()  # the tasks of the counted calls
+        self._calls: set[_Call] = set()
         self._ended: str | None = None  # `end_running`'s message, once the grace has run out
 
     async def intercept_service(self, continuation, handler_call_details):
@@ -40,7 +51,7 @@ class DrainGate(grpc.aio.ServerInterceptor):
             return handler
         if self.draining and handler_call_details.method not in self.still_served:
             return rebuilt(handler, _refuse_stream if handler.response_streaming else _refuse)
-        return rebuilt(handler, around(behaviour_of(handler), self._counting))
+        return rebuilt(handler, self._counted(behaviour_of(handler)))
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """True once no counted call is running; False if `timeout_s` ran out first."""
@@ -52,28 +63,63 @@ class DrainGate(grpc.aio.ServerInterceptor):
 
     def end_running(self, message: str) -> None:
         """The grace has run out: end every counted call with UNAVAILABLE and `message` (a client reads why and
-        retries elsewhere; a stopping grpc server would cancel them with its own "Cancelling all calls")."""
+        retries elsewhere; a stopping grpc server would cancel them with its own "Cancelling all calls"). A call in
+        its handler's code is cancelled there; a stream sending a response ends before it reads the next one (a
+        cancel at the send would reach grpc's code, which closes the stream without a status of ours)."""
         self._ended = message
-        for task in list(self._running):
-            task.cancel()
+        for call in list(self._calls):
+            if call.in_handler:
+                call.task.cancel()
 
-    @contextlib.asynccontextmanager
-    async def _counting(self, request, context):
+    def _counted(self, behaviour):
+        """`behaviour`, counted while it runs, of the same kind (see `specdec.rpc.handlers.around`)."""
+        if inspect.isasyncgenfunction(behaviour):
+            async def stream(request, context):
+                with self._counting() as call:
+                    async with self._ending(context), contextlib.aclosing(behaviour(request, context)) as responses:
+                        while True:
+                            if self._ended is not None:
+                                await context.abort(grpc.StatusCode.UNAVAILABLE, self._ended)
+                            call.in_handler = True
+                            try:
+                                response = await anext(responses)
+                            except StopAsyncIteration:
+                                return
+                            finally:
+                                call.in_handler = False
+                            yield response
+            return stream
+
+        async def unary(request, context):
+            with self._counting():
+                async with self._ending(context):
+                    result = behaviour(request, context)
+                    return await result if inspect.isawaitable(result) else result
+        return unary
+
+    @contextlib.contextmanager
+    def _counting(self):
+        call = _Call()
         self.in_flight += 1
         self._idle.clear()
-        task = asyncio.current_task()
-        self._running.add(task)
+        self._calls.add(call)
+        try:
+            yield call
+        finally:
+            self._calls.discard(call)
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self._idle.set()
+
+    @contextlib.asynccontextmanager
+    async def _ending(self, context):
+        """A cancel from `end_running` becomes the call's UNAVAILABLE with the drain's message."""
         try:
             yield
         except asyncio.CancelledError:
             if self._ended is None:  # the client left, or its deadline passed
                 raise
             await context.abort(grpc.StatusCode.UNAVAILABLE, self._ended)
-        finally:
-            self._running.discard(task)
-            self.in_flight -= 1
-            if self.in_flight == 0:
-                self._idle.set()
 
 
 async def _refuse(request, context) -> None:

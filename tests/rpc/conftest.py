@@ -58,6 +58,8 @@ class FakeTarget(target_pb2_grpc.TargetServiceServicer):
 
     async def Generate(self, request, context):
         try:
+            while request.request_id == "flood":  # chunks as fast as they go: the task is mostly in grpc's send
+                yield target_pb2.TargetServiceGenerateResponse(token_ids=[0])
             for i in range(3):
                 yield target_pb2.TargetServiceGenerateResponse(token_ids=[i])
                 if request.request_id == "midstream" and i == 1:

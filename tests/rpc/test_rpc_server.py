@@ -191,6 +191,29 @@ async def _serving_with_stream(fake_server, request_id: str):
         yield handle, servicer, ch, stub, stream
 
 
+def test_a_stream_sending_when_the_drain_ends_gets_the_drains_status(fake_server):
+    """A stream that is mostly in grpc's send (a chunk as fast as the client reads) when the grace runs out still
+    ends with the drain's UNAVAILABLE and message: a cancel at the send would have left it grpc's "Cancelling all
+    calls"."""
+
+    async def body():
+        for _ in range(3):
+            async with _serving_with_stream(fake_server, "flood") as (handle, _, ch, stub, flood):
+                stopping = asyncio.ensure_future(handle.stop(grace_s=0.3))
+                chunks = 0
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    while True:
+                        chunk = await flood.read()
+                        assert chunk is not grpc.aio.EOF
+                        chunks += 1
+                await stopping
+                assert chunks > 10
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+                assert "drain period (0.3 s) ended" in err.value.details()
+
+    run(body())
+
+
 def test_a_draining_server_refuses_new_calls_with_unavailable_and_finishes_running_ones(fake_server):
     """From the moment `stop` begins (before the health flip and the server's own stop, both of which await):
     new unary and streaming calls get UNAVAILABLE, health checks still answer, a stream accepted before runs on."""
