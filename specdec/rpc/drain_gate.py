@@ -22,13 +22,23 @@ from specdec.rpc.handlers import behaviour_of, rebuilt
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
 
+# id(context) -> the drain's message, for the calls `end_running` ends (`ended_by_drain`)
+_ENDED: dict[int, str] = {}
+
+
+def ended_by_drain(context) -> bool:
+    """Whether a drain's end is what stopped this call (for the status the access log and spans record)."""
+    return id(context) in _ENDED
+
+
 class _Call:
-    """A counted call: its task, and whether that task is in the handler's own code (not sending a response)."""
+    """A counted call: its context, its task, and whether that task is in the handler's own code (not sending a
+    response)."""
 
-    __slots__ = ("task", "in_handler")
+    __slots__ = ("context", "task", "in_handler")
 
-    def __init__(self) -> None:
-        self.task = asyncio.current_task()
+    def __init__(self, context) -> None:
+        self.context, self.task = context, asyncio.current_task()
         self.in_handler = True
 
 
@@ -68,6 +78,7 @@ class DrainGate(grpc.aio.ServerInterceptor):
         cancel at the send would reach grpc's code, which closes the stream without a status of ours)."""
         self._ended = message
         for call in list(self._calls):
+            _ENDED[id(call.context)] = message
             if call.in_handler:
                 call.task.cancel()
 
@@ -75,7 +86,7 @@ class DrainGate(grpc.aio.ServerInterceptor):
         """`behaviour`, counted while it runs, of the same kind (see `specdec.rpc.handlers.around`)."""
         if inspect.isasyncgenfunction(behaviour):
             async def stream(request, context):
-                with self._counting() as call:
+                with self._counting(context) as call:
                     async with self._ending(context), contextlib.aclosing(behaviour(request, context)) as responses:
                         while True:
                             if self._ended is not None:
@@ -91,15 +102,15 @@ class DrainGate(grpc.aio.ServerInterceptor):
             return stream
 
         async def unary(request, context):
-            with self._counting():
+            with self._counting(context):
                 async with self._ending(context):
                     result = behaviour(request, context)
                     return await result if inspect.isawaitable(result) else result
         return unary
 
     @contextlib.contextmanager
-    def _counting(self):
-        call = _Call()
+    def _counting(self, context):
+        call = _Call(context)
         self.in_flight += 1
         self._idle.clear()
         self._calls.add(call)
@@ -107,6 +118,7 @@ class DrainGate(grpc.aio.ServerInterceptor):
             yield call
         finally:
             self._calls.discard(call)
+            _ENDED.pop(id(context), None)
             self.in_flight -= 1
             if self.in_flight == 0:
                 self._idle.set()

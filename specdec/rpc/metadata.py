@@ -9,6 +9,8 @@ from __future__ import annotations
 import grpc
 import grpc.aio
 
+from specdec.rpc.drain_gate import ended_by_drain
+
 REQUEST_ID_KEY = "x-request-id"
 
 
@@ -40,9 +42,12 @@ DEADLINE_SLACK_S = 0.25
 
 
 def left_status(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
-    """The status of a call whose handler was cancelled: DEADLINE_EXCEEDED when its deadline had passed or was
-    about to (within DEADLINE_SLACK_S: grpc cancels the handler then too, and so does the client's own timer),
-    else CANCELLED (the client left)."""
+    """The status of a call whose handler was cancelled: UNAVAILABLE when a drain's end stopped it (the status its
+    client gets: `specdec.rpc.drain_gate`), DEADLINE_EXCEEDED when its deadline had passed or was about to (within
+    DEADLINE_SLACK_S: grpc cancels the handler then too, and so does the client's own timer), else CANCELLED (the
+    client left)."""
+    if ended_by_drain(context):
+        return grpc.StatusCode.UNAVAILABLE
     remaining = context.time_remaining()
     return grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= DEADLINE_SLACK_S else \
         grpc.StatusCode.CANCELLED

@@ -7,6 +7,7 @@ Order matters: the gateway is drained first, then the draft, then the target the
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -135,8 +136,10 @@ def test_reliability_drain_gateway(procs):
     def new_request():
         list(stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(prompt="x"), timeout=10))
 
-    short, _, _ = drain(gateway, GATEWAY_HEALTH, start, new_request)
+    short, long, _ = drain(gateway, GATEWAY_HEALTH, start, new_request)
     assert short.tokens == 40
+    if not long.done:  # its access line records the status its client got (it said CANCELLED: QA)
+        assert re.search(r"Generate UNAVAILABLE in [0-9.]+ s", gateway.log()), gateway.log()[-3000:]
     channel.close()
 
 
