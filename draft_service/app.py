@@ -10,7 +10,7 @@ import threading
 import time
 
 from draft_service.colocated import IN_PROCESS, ColocatedTargetService, draft_options, load_target
-from draft_service.colocated import check_args as check_in_process_args
+from draft_service.colocated import check_args as check_target_args
 from draft_service.servicer import DraftServicer
 from draft_service.target_client import TargetClient
 from specdec.config import ModelConfig
@@ -118,10 +118,9 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
     spec = SpecConfig(args.num_steps, args.topk, args.num_draft_tokens).validate()
     servicer = DraftServicer(args.model)
     state = {}
-    colocated = None  # --target in-process: this server serves TargetService over the draft's own target engine
-    if args.target == IN_PROCESS:
-        check_in_process_args(args)
-        colocated = ColocatedTargetService(args)
+    check_target_args(args)
+    # --target in-process: this server serves TargetService over the draft's own target engine
+    colocated = ColocatedTargetService(args) if args.target == IN_PROCESS else None
 
     async def load(metrics) -> str:
         stop = threading.Event()

@@ -30,6 +30,9 @@ def register(subparsers) -> None:
                         "server too, so no step pays a Verify round trip (draft and target on one GPU)")
     p.add_argument("--target-wait-seconds", type=float, default=600.0,
                    help="how long to wait at start-up for the target to be ready, default 600")
+    p.add_argument("--request-idle-seconds", type=float, default=None,
+                   help="with --target in-process: its TargetService releases a request that no call has named for "
+                        "this long (other drafts' requests; as serve-target's flag, default 120, 0 = never)")
     add_engine_args(p, DEFAULT_PORT, gpu_plain_steps=DRAFT_GPU_PLAIN_STEPS)
     add_spec_args(p)
     p.add_argument("--speculation", choices=["auto", "always", "off"], default="auto",

@@ -60,7 +60,13 @@ class LocalTarget(TakingTurns):
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Flags that only mean something for a target across the wire are refused with `--target in-process`."""
+    """Flags that only mean something for a target across the wire are refused with `--target in-process`, and
+    the in-process target's own flag without it."""
+    if args.target != IN_PROCESS:
+        if getattr(args, "request_idle_seconds", None) is not None:
+            raise ConfigError("--request-idle-seconds is the in-process target's (--target in-process); a target "
+                              "service takes it itself")
+        return
     if TlsConfig.from_args(args, prefix="target-") is not None:
         raise ConfigError("--target in-process: the target runs in this process; drop the --target-tls-* flags")
     if getattr(args, "feature_wire", "native") != "native":
@@ -104,8 +110,9 @@ class ColocatedTargetService:
         """Start its engine thread; its metrics are `serve-target`'s, beside the draft's on the same /metrics
         (`service="target"`)."""
         engine = target.engine
+        idle_s = self.args.request_idle_seconds
         loop = engine_loop(engine, max_batch_size, self.args.max_queue_wait_seconds, PLAIN_STEPS,
-                           DEFAULT_REQUEST_IDLE_S, lock=target.lock)
+                           DEFAULT_REQUEST_IDLE_S if idle_s is None else idle_s, lock=target.lock)
         metrics = ServiceMetrics("target", model_name=model_label(self.args.target_model),
                                  families=TARGET_METRIC_FAMILIES, sibling_of=draft_metrics)
         kv = engine.kv

@@ -171,6 +171,26 @@ def test_flags_for_a_remote_target_are_refused(flags, message):
         _colocated(*flags)
 
 
+def test_the_in_process_target_releases_requests_no_call_names():
+    """`--request-idle-seconds` reaches the in-process TargetService's sweep (a request a remote draft prefilled and
+    left is released); with a remote target the flag is refused (that target takes it itself)."""
+    svc = _colocated("--request-idle-seconds", "0.5")
+    try:
+        async def run():
+            async with grpc.aio.insecure_channel(svc.addr) as ch:
+                stub = target_pb2_grpc.TargetServiceStub(ch)
+                await stub.Prefill(target_pb2.PrefillRequest(request_id="left", prompt_ids=PROMPTS[0]))
+                held = (await stub.GetModelInfo(target_pb2.TargetServiceGetModelInfoRequest())).num_running
+            return held, await _until_whole(svc.addr, timeout_s=10.0)
+
+        held, whole = asyncio.run(run())
+    finally:
+        svc.stop()
+    assert held == 1 and whole == (True, True)
+    with pytest.raises(RuntimeError, match="--request-idle-seconds is the in-process target's"):
+        start_draft("127.0.0.1:1", "--request-idle-seconds", "5")
+
+
 def test_metrics_show_the_in_process_target_beside_the_draft():
     """One /metrics with both services' series: the target's KV pool and running requests under service="target"
     (serve-target's families), the draft's under service="draft"."""

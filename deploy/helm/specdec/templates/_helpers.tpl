@@ -322,6 +322,7 @@ lifecycle:
     {{- with include "specdec.optionalFlag" (dict "flag" "page-size" "value" $v.target.pageSize) | trim }}{{ . | nindent 4 }}{{- end }}
     {{- with include "specdec.optionalFlag" (dict "flag" "num-pages" "value" $v.target.numPages) | trim }}{{ . | nindent 4 }}{{- end }}
     {{- with include "specdec.optionalFlag" (dict "flag" "max-batch-size" "value" $v.target.maxBatchSize) | trim }}{{ . | nindent 4 }}{{- end }}
+    - --request-idle-seconds={{ $v.target.requestIdleSeconds }}
     {{- else if eq $v.device "cuda" }}
     - --two-batch-overlap={{ $v.draft.twoBatchOverlap }}
     {{- end }}
