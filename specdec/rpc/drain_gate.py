@@ -17,13 +17,13 @@ import inspect
 import grpc
 import grpc.aio
 
-from specdec.rpc.handlers import behaviour_of, rebuilt
+from specdec.rpc.handlers import around, behaviour_of, rebuilt
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
 
-# id(context) -> the drain's message, for the calls `end_running` ends (`ended_by_drain`)
-_ENDED: dict[int, str] = {}
+# the ids of the contexts of the calls `end_running` ended and that still run (`ended_by_drain`)
+_ENDED: set[int] = set()
 
 
 def ended_by_drain(context) -> bool:
@@ -49,11 +49,14 @@ class DrainGate(grpc.aio.ServerInterceptor):
     def __init__(self, still_served: frozenset[str] = frozenset()) -> None:
         self.still_served = still_served
         self.draining = False
-        self.in_flight = 0  # calls accepted and not yet ended (health checks not counted)
         self._idle = asyncio.Event()
         self._idle.set()
-        self._calls: set[_Call] = set()
+        self._calls: set[_Call] = set()  # the calls accepted and not yet ended (health checks not counted)
         self._ended: str | None = None  # `end_running`'s message, once the grace has run out
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._calls)
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -78,60 +81,49 @@ class DrainGate(grpc.aio.ServerInterceptor):
         cancel at the send would reach grpc's code, which closes the stream without a status of ours)."""
         self._ended = message
         for call in list(self._calls):
-            _ENDED[id(call.context)] = message
+            _ENDED.add(id(call.context))
             if call.in_handler:
                 call.task.cancel()
 
     def _counted(self, behaviour):
-        """`behaviour`, counted while it runs, of the same kind (see `specdec.rpc.handlers.around`)."""
-        if inspect.isasyncgenfunction(behaviour):
-            async def stream(request, context):
-                with self._counting(context) as call:
-                    async with self._ending(context), contextlib.aclosing(behaviour(request, context)) as responses:
-                        while True:
-                            if self._ended is not None:
-                                await context.abort(grpc.StatusCode.UNAVAILABLE, self._ended)
-                            call.in_handler = True
-                            try:
-                                response = await anext(responses)
-                            except StopAsyncIteration:
-                                return
-                            finally:
-                                call.in_handler = False
-                            yield response
-            return stream
+        """`behaviour`, counted while it runs (`_running`), of the same kind. A stream's task is in grpc's code while
+        it sends a response: `in_handler` tells `end_running` whether a cancel would reach the handler."""
+        if not inspect.isasyncgenfunction(behaviour):
+            return around(behaviour, lambda request, context: self._running(context))
 
-        async def unary(request, context):
-            with self._counting(context):
-                async with self._ending(context):
-                    result = behaviour(request, context)
-                    return await result if inspect.isawaitable(result) else result
-        return unary
-
-    @contextlib.contextmanager
-    def _counting(self, context):
-        call = _Call(context)
-        self.in_flight += 1
-        self._idle.clear()
-        self._calls.add(call)
-        try:
-            yield call
-        finally:
-            self._calls.discard(call)
-            _ENDED.pop(id(context), None)
-            self.in_flight -= 1
-            if self.in_flight == 0:
-                self._idle.set()
+        async def stream(request, context):
+            async with self._running(context) as call, contextlib.aclosing(behaviour(request, context)) as responses:
+                while True:
+                    if self._ended is not None:
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, self._ended)
+                    call.in_handler = True
+                    try:
+                        response = await anext(responses)
+                    except StopAsyncIteration:
+                        return
+                    finally:
+                        call.in_handler = False
+                    yield response
+        return stream
 
     @contextlib.asynccontextmanager
-    async def _ending(self, context):
-        """A cancel from `end_running` becomes the call's UNAVAILABLE with the drain's message."""
+    async def _running(self, context):
+        """A call counted while it runs; a cancel from `end_running` becomes its UNAVAILABLE with the drain's
+        message."""
+        call = _Call(context)
+        self._calls.add(call)
+        self._idle.clear()
         try:
-            yield
+            yield call
         except asyncio.CancelledError:
             if self._ended is None:  # the client left, or its deadline passed
                 raise
             await context.abort(grpc.StatusCode.UNAVAILABLE, self._ended)
+        finally:
+            self._calls.discard(call)
+            _ENDED.discard(id(context))
+            if not self._calls:
+                self._idle.set()
 
 
 async def _refuse(request, context) -> None:
