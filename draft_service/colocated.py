@@ -101,7 +101,6 @@ class ColocatedTargetService:
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.servicer = TargetServicer(None, None, args.target_model)
-        self.target: LocalTarget | None = None
 
     def add_to(self, server) -> None:
         add_target_servicer(self.servicer, server)
@@ -109,21 +108,17 @@ class ColocatedTargetService:
     def start(self, target: LocalTarget, max_batch_size: int, draft_metrics) -> None:
         """Start its engine thread; its metrics are `serve-target`'s, beside the draft's on the same /metrics
         (`service="target"`)."""
-        engine = target.engine
         idle_s = self.args.request_idle_seconds
-        loop = engine_loop(engine, max_batch_size, self.args.max_queue_wait_seconds, PLAIN_STEPS,
-                           DEFAULT_REQUEST_IDLE_S if idle_s is None else idle_s, lock=target.lock)
         metrics = ServiceMetrics("target", model_name=model_label(self.args.target_model),
                                  families=TARGET_METRIC_FAMILIES, sibling_of=draft_metrics)
-        kv = engine.kv
-        metrics.track(kv_pages=lambda: (kv.num_total_pages - kv.num_free_pages, kv.num_free_pages),
-                      running=lambda: len(engine.requests), waiting=lambda: len(loop.scheduler.waiting))
+        loop = engine_loop(target.engine, max_batch_size, self.args.max_queue_wait_seconds, PLAIN_STEPS,
+                           DEFAULT_REQUEST_IDLE_S if idle_s is None else idle_s, metrics, lock=target.lock)
         loop.start()
-        self.servicer.engine, self.servicer.loop, self.servicer.metrics, self.target = engine, loop, metrics, target
+        self.servicer.engine, self.servicer.loop, self.servicer.metrics = target.engine, loop, metrics
 
     def busy(self) -> bool:
         """Requests the target holds (its drafts come back for them while draining)."""
-        return self.target is not None and bool(self.target.engine.requests)
+        return self.servicer.engine is not None and bool(self.servicer.engine.requests)
 
     def stop(self) -> None:
         if self.servicer.loop is not None:

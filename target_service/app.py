@@ -37,10 +37,7 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
     async def load(metrics) -> str:
         engine = await asyncio.to_thread(build_target, args.model, opts)
         loop = engine_loop(engine, opts.max_batch_size, args.max_queue_wait_seconds, steps,
-                           args.request_idle_seconds)
-        kv = engine.kv  # gauges read at scrape time: Verify and Prefill run between steps, not in them
-        metrics.track(kv_pages=lambda: (kv.num_total_pages - kv.num_free_pages, kv.num_free_pages),
-                      running=lambda: len(engine.requests), waiting=lambda: len(loop.scheduler.waiting))
+                           args.request_idle_seconds, metrics)
         loop.start()
         servicer.engine, servicer.loop, servicer.metrics = engine, loop, metrics
         state["loop"], state["engine"] = loop, engine
@@ -68,13 +65,16 @@ def add_target_servicer(servicer: TargetServicer, server) -> None:
 
 
 def engine_loop(engine, max_batch_size: int, max_queue_wait_s: float, plain_steps: int, request_idle_s: float,
-                lock=None) -> EngineLoop:
+                metrics, lock=None) -> EngineLoop:
     """The target's engine thread (not started): calls from the servicer, plain `Generate` steps, and the release
-    of requests no call has named for `request_idle_s` (0: never). `lock`: shared with another thread that drives
-    the same engine (`EngineLoop`)."""
+    of requests no call has named for `request_idle_s` (0: never); its gauges on `metrics`. `lock`: shared with
+    another thread that drives the same engine (`EngineLoop`)."""
     loop = EngineLoop(Scheduler(engine, None, engine.max_context, max_batch_size, max_queue_wait_s=max_queue_wait_s,
                                 plain_steps=plain_steps),
                       "target-engine", engine.device, lock=lock)
+    kv = engine.kv  # gauges read at scrape time: Verify and Prefill run between steps, not in them
+    metrics.track(kv_pages=lambda: (kv.num_total_pages - kv.num_free_pages, kv.num_free_pages),
+                  running=lambda: len(engine.requests), waiting=lambda: len(loop.scheduler.waiting))
     if request_idle_s > 0:
         loop.chore_every_s = min(5.0, request_idle_s / 4)
         loop.chore = IdleRelease(engine, request_idle_s, loop.chore_every_s)
