@@ -14,10 +14,10 @@ drafts' Verify calls reach the same engine. The two threads take turns on the en
 from __future__ import annotations
 
 import argparse
-import threading
 from dataclasses import replace
 
 from specdec.engine.factory import build_target
+from specdec.engine.fair_lock import FairLock
 from specdec.engine.overlap import TakingTurns
 from specdec.engine.plain_steps import PLAIN_STEPS
 from specdec.errors import ConfigError
@@ -43,7 +43,7 @@ class LocalTarget(TakingTurns):
     addr = IN_PROCESS
 
     def __init__(self, engine, model_name: str):
-        self.lock = threading.Lock()
+        self.lock = FairLock()  # in turn with the TargetService's engine loop, which takes it again at once
         super().__init__(engine, self.lock)
         self.engine, self.model_name = engine, model_name
         self.feature_dim = 0  # set by the draft's start-up, as on `TargetClient`

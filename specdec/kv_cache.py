@@ -77,12 +77,19 @@ class PagedKVCache:
         """Start a request that may grow to `max_tokens` tokens; OutOfPages if that cannot be promised now."""
         if rid in self.tables:
             raise DuplicateRequest(f"request {rid!r} already holds KV pages")
-        pages = -(-max_tokens // self.page_size)
+        pages = self.pages_for(max_tokens)
         if self.reserved + pages > self.num_total_pages:
             raise OutOfPages(f"{pool_name} full: request needs {pages} pages, "
                              f"{self.num_total_pages - self.reserved} unreserved")
         self.reserved += pages
         self.tables[rid] = PageTable(reserved_pages=pages)
+
+    def pages_for(self, max_tokens: int) -> int:
+        return -(-max_tokens // self.page_size)
+
+    def could_ever_hold(self, max_tokens: int) -> bool:
+        """Would a request of `max_tokens` fit in this pool were it empty of requests?"""
+        return self.pages_for(max_tokens) <= self.num_total_pages - len(self.aside)
 
     def release(self, rid: str) -> None:
         table = self.tables.pop(rid, None)

@@ -109,7 +109,7 @@ class Admission:
             self.draft.add(state.request_id, len(state.prompt_ids) + state.sampling.max_new_tokens)
         return PrefillInput(state.request_id, state.prompt_ids, state.sampling, self.feature_layers,
                             self.draft is not None, trace_context=state.trace_context,
-                            feature_rows=self._prompt_feature_rows(state))
+                            feature_rows=self._prompt_feature_rows(state), queue_for_pages=self.max_queue_wait_s > 0)
 
     def _prompt_feature_rows(self, state: RunState) -> int:
         """How many of the prompt's last tokens bring their features (0: all of them). 1 where the policy decodes

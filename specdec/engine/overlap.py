@@ -47,6 +47,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -63,7 +64,7 @@ class TakingTurns:
     """A target whose calls run one at a time (for a target that is not thread-safe); `lock`: one shared with
     whatever else drives the same target (default: a lock of its own)."""
 
-    def __init__(self, target, lock: threading.Lock | None = None):
+    def __init__(self, target, lock: AbstractContextManager | None = None):
         self._target, self._lock = target, lock if lock is not None else threading.Lock()
 
     def __getattr__(self, name):  # attributes other than the calls (max_context, batches_prefill, ...)

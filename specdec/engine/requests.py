@@ -33,6 +33,7 @@ class PrefillInput:
     trace_context: Any = field(default=None, compare=False, repr=False)
     feature_wire: str = ""  # how a remote draft wants the features sent ("" or tensor_codec.FP8_ROWS)
     feature_rows: int = 0  # > 0: the features of the last that many prompt tokens only
+    queue_for_pages: bool = False  # refused for lack of KV pages, the caller asks again: keep its place (page_queue)
 
 
 @dataclass

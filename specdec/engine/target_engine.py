@@ -9,6 +9,7 @@ import itertools
 import random
 import time
 from collections import OrderedDict
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +18,7 @@ from specdec.attention import AttentionBatch, SeqAttention, make_backend, triton
 from specdec.attention.graph_backend import GraphCaptureError
 from specdec.engine.device import engine_call, resolve_device
 from specdec.engine.finish import cut_at_finish, length_room
+from specdec.engine.page_queue import PageQueue
 from specdec.engine.plain_steps import (
     check_plain_steps,
     last_feature_rows,
@@ -32,7 +34,7 @@ from specdec.engine.requests import (
     VerifyOutput,
     kept_feature_rows,
 )
-from specdec.errors import DuplicateRequest, InvalidInput, OutOfOrder, UnknownRequest
+from specdec.errors import DuplicateRequest, InvalidInput, OutOfOrder, OutOfPages, UnknownRequest
 from specdec.host_copy import host_tensor, to_device
 from specdec.kv_cache import PagedKVCache
 from specdec.models.llama import LlamaForCausalLM
@@ -83,6 +85,7 @@ class TargetEngine:
         self.model, self.cfg, self.device = model, cfg, resolve_device(device)
         dtype = next(model.parameters()).dtype
         self.kv = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages, page_size, dtype, device)
+        self.page_queue = PageQueue()  # requests refused for lack of pages, in turn across every caller
         self.backend = make_backend(attention_backend, self.kv, cfg.num_heads, triton_decode.MAX_QUERIES,
                                     triton_trees=True)
         self.max_context = min(max_context or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -122,7 +125,7 @@ class TargetEngine:
         """Worst case: every generated token plus one full tree of temporary slots."""
         return min(prompt_len + params.max_new_tokens, self.max_context) + self.max_draft_tokens + 1
 
-    def _admit(self, inp: PrefillInput) -> TargetRequest:
+    def _admit(self, inp: PrefillInput, besides: Collection[str] = ()) -> TargetRequest:
         if inp.request_id in self.requests:
             raise DuplicateRequest(f"request {inp.request_id!r} is already running")
         self.validate_prompt(inp.prompt_ids)
@@ -132,12 +135,29 @@ class TargetEngine:
             raise InvalidInput(f"feature layer {bad[0]} outside [0, {self.cfg.num_layers}]")
         if inp.feature_rows < 0:
             raise InvalidInput(f"feature_rows {inp.feature_rows} is negative (0: every prompt token's features)")
-        self.kv.add(inp.request_id, self._max_tokens(len(inp.prompt_ids), inp.sampling))
+        self._reserve(inp, self._max_tokens(len(inp.prompt_ids), inp.sampling), besides)
         self.finished.pop(inp.request_id, None)
         req = TargetRequest(inp.sampling, make_generator(inp.sampling), tuple(inp.feature_layers),
                             len(inp.prompt_ids), 0, -1, 0, inp.feature_wire, inp.return_features)
         self.requests[inp.request_id] = req
         return req
+
+    def _reserve(self, inp: PrefillInput, max_tokens: int, besides: Collection[str] = ()) -> None:
+        """The request's KV pages, in its turn (`page_queue`): refused (OutOfPages) while an earlier request
+        waits for pages, whichever caller sent it, or while the pool cannot hold it. Refused, it keeps a place
+        in the queue if its caller will ask again (`queue_for_pages`) and some pool could hold it (one that never
+        fits would hold up the others for its whole wait). `besides`: requests admitted with it in one call,
+        which do not count as waiting before it."""
+        rid = inp.request_id
+        ahead = self.page_queue.ahead(rid, besides)
+        try:
+            if ahead:
+                raise OutOfPages(f"KV pool full: {ahead} earlier request{'s' * (ahead > 1)} wait for pages")
+            self.kv.add(rid, max_tokens)
+        except OutOfPages:
+            if inp.queue_for_pages and self.kv.could_ever_hold(max_tokens):
+                self.page_queue.wait(rid)
+            raise
 
     def release(self, request_id: str) -> None:
         if self.requests.pop(request_id, None) is None:
@@ -163,18 +183,31 @@ class TargetEngine:
     # ---- steps --------------------------------------------------------------------------------------------
     @engine_call
     def prefill(self, inputs: list[PrefillInput]) -> list[PrefillOutput]:
-        """All or nothing: if any input is refused or the forward fails, none of them stays admitted."""
+        """All or nothing: if any input is refused or the forward fails, none of them stays admitted.
+
+        A refused group is asked for again one request at a time (`Admission`, the target's Prefill RPCs): the
+        requests it put in the page queue leave it, so they queue in that order; those waiting before keep their
+        place. A single request keeps its place only when it was refused for lack of pages."""
         admitted: list[PrefillInput] = []
+        taken: set[str] = set()
+        fresh = [inp.request_id for inp in inputs if inp.request_id not in self.page_queue]
         try:
             for inp in inputs:
-                self._admit(inp)
+                self._admit(inp, taken)
                 admitted.append(inp)
-            return self._prefill_admitted(inputs)
-        except Exception:
+                taken.add(inp.request_id)
+            outputs = self._prefill_admitted(inputs)
+        except Exception as exc:
             for inp in admitted:
                 if inp.request_id in self.requests:
                     self.release(inp.request_id)
+            if len(inputs) > 1:
+                self.page_queue.leave(fresh)
+            elif not isinstance(exc, OutOfPages):
+                self.page_queue.leave([inputs[0].request_id])
             raise
+        self.page_queue.leave(inp.request_id for inp in inputs)
+        return outputs
 
     def _prefill_admitted(self, inputs: list[PrefillInput]) -> list[PrefillOutput]:
         ids, pos, seqs, slots = [], [], [], []

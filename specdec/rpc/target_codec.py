@@ -46,7 +46,7 @@ def prefill_to_proto(inp: PrefillInput) -> target_pb2.PrefillRequest:
     return target_pb2.PrefillRequest(
         request_id=inp.request_id, prompt_ids=inp.prompt_ids, sampling=sampling_to_proto(inp.sampling),
         feature_layer_ids=list(inp.feature_layers), return_features=inp.return_features,
-        feature_dtype=inp.feature_wire, feature_rows=inp.feature_rows,
+        feature_dtype=inp.feature_wire, feature_rows=inp.feature_rows, queue_for_pages=inp.queue_for_pages,
     )
 
 
@@ -56,7 +56,7 @@ def prefill_from_proto(msg: target_pb2.PrefillRequest) -> PrefillInput:
         raise InvalidInput(f"feature_dtype {msg.feature_dtype!r} is not one of {list(FEATURE_DTYPES)}")
     return PrefillInput(check_request_id(msg.request_id), list(msg.prompt_ids), sampling,
                         tuple(msg.feature_layer_ids), msg.return_features, feature_wire=msg.feature_dtype,
-                        feature_rows=msg.feature_rows)
+                        feature_rows=msg.feature_rows, queue_for_pages=msg.queue_for_pages)
 
 
 def prefill_output_to_proto(out: PrefillOutput) -> target_pb2.PrefillResponse:

@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +49,7 @@ class _Stream:
 
 class EngineLoop:
     def __init__(self, scheduler: Scheduler | None, name: str = "engine", device=None,
-                 lock: threading.Lock | None = None):
+                 lock: AbstractContextManager | None = None):
         self.scheduler = scheduler
         self.name = name
         self.device = resolve_device(device) if device is not None else None  # the engine's GPU, if any

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/target.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xc7\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x19\n\x11\x66\x65\x61ture_layer_ids\x18\x04 \x03(\x05\x12\x17\n\x0freturn_features\x18\x05 \x01(\x08\x12\x15\n\rfeature_dtype\x18\x06 \x01(\t\x12\x14\n\x0c\x66\x65\x61ture_rows\x18\x07 \x01(\x05\"\x91\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x05\x12$\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x12.specdec.v1.Tensor\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.specdec.v1.FinishReason\"`\n\x0cTreeProposal\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x03(\x05\x12\x0f\n\x07parents\x18\x03 \x03(\x05\x12\x15\n\rnum_generated\x18\x04 \x01(\x05\"c\n\rVerifyRequest\x12\'\n\x05trees\x18\x01 \x03(\x0b\x32\x18.specdec.v1.TreeProposal\x12\x13\n\x0bplain_steps\x18\x02 \x01(\x05\x12\x14\n\x0c\x66\x65\x61ture_rows\x18\x03 \x01(\x05\"\x9a\x01\n\x0cVerifyResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x1b\n\x13num_accepted_drafts\x18\x03 \x01(\x05\x12\x18\n\x10num_feature_rows\x18\x04 \x01(\x05\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.specdec.v1.FinishReason\"a\n\x0eVerifyResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.specdec.v1.VerifyResult\x12$\n\x08\x66\x65\x61tures\x18\x02 \x01(\x0b\x32\x12.specdec.v1.Tensor\"%\n\x0eReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\'\n\x0fReleaseResponse\x12\x14\n\x0cnum_released\x18\x01 \x01(\x05\"t\n\x1cTargetServiceGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\"\x95\x01\n\x1dTargetServiceGenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\x05\"\"\n TargetServiceGetModelInfoRequest\"\xa4\x02\n!TargetServiceGetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x04 \x01(\x05\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12\x17\n\x0fmax_context_len\x18\x06 \x01(\x05\x12\x15\n\reos_token_ids\x18\x07 \x03(\x05\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x1f\n\x02kv\x18\n \x01(\x0b\x32\x13.specdec.v1.KVStats\x12\x13\n\x0bnum_running\x18\x0b \x01(\x05\x12\x18\n\x10max_draft_tokens\x18\x0c \x01(\x05\x32\xa8\x03\n\rTargetService\x12\x42\n\x07Prefill\x12\x1a.specdec.v1.PrefillRequest\x1a\x1b.specdec.v1.PrefillResponse\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponse\x12\x61\n\x08Generate\x12(.specdec.v1.TargetServiceGenerateRequest\x1a).specdec.v1.TargetServiceGenerateResponse0\x01\x12k\n\x0cGetModelInfo\x12,.specdec.v1.TargetServiceGetModelInfoRequest\x1a-.specdec.v1.TargetServiceGetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/target.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xe0\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x19\n\x11\x66\x65\x61ture_layer_ids\x18\x04 \x03(\x05\x12\x17\n\x0freturn_features\x18\x05 \x01(\x08\x12\x15\n\rfeature_dtype\x18\x06 \x01(\t\x12\x14\n\x0c\x66\x65\x61ture_rows\x18\x07 \x01(\x05\x12\x17\n\x0fqueue_for_pages\x18\x08 \x01(\x08\"\x91\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x05\x12$\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x12.specdec.v1.Tensor\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.specdec.v1.FinishReason\"`\n\x0cTreeProposal\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x03(\x05\x12\x0f\n\x07parents\x18\x03 \x03(\x05\x12\x15\n\rnum_generated\x18\x04 \x01(\x05\"c\n\rVerifyRequest\x12\'\n\x05trees\x18\x01 \x03(\x0b\x32\x18.specdec.v1.TreeProposal\x12\x13\n\x0bplain_steps\x18\x02 \x01(\x05\x12\x14\n\x0c\x66\x65\x61ture_rows\x18\x03 \x01(\x05\"\x9a\x01\n\x0cVerifyResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x1b\n\x13num_accepted_drafts\x18\x03 \x01(\x05\x12\x18\n\x10num_feature_rows\x18\x04 \x01(\x05\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.specdec.v1.FinishReason\"a\n\x0eVerifyResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.specdec.v1.VerifyResult\x12$\n\x08\x66\x65\x61tures\x18\x02 \x01(\x0b\x32\x12.specdec.v1.Tensor\"%\n\x0eReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\'\n\x0fReleaseResponse\x12\x14\n\x0cnum_released\x18\x01 \x01(\x05\"t\n\x1cTargetServiceGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\"\x95\x01\n\x1dTargetServiceGenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\x05\"\"\n TargetServiceGetModelInfoRequest\"\xa4\x02\n!TargetServiceGetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x04 \x01(\x05\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12\x17\n\x0fmax_context_len\x18\x06 \x01(\x05\x12\x15\n\reos_token_ids\x18\x07 \x03(\x05\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x1f\n\x02kv\x18\n \x01(\x0b\x32\x13.specdec.v1.KVStats\x12\x13\n\x0bnum_running\x18\x0b \x01(\x05\x12\x18\n\x10max_draft_tokens\x18\x0c \x01(\x05\x32\xa8\x03\n\rTargetService\x12\x42\n\x07Prefill\x12\x1a.specdec.v1.PrefillRequest\x1a\x1b.specdec.v1.PrefillResponse\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponse\x12\x61\n\x08Generate\x12(.specdec.v1.TargetServiceGenerateRequest\x1a).specdec.v1.TargetServiceGenerateResponse0\x01\x12k\n\x0cGetModelInfo\x12,.specdec.v1.TargetServiceGetModelInfoRequest\x1a-.specdec.v1.TargetServiceGetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,29 +33,29 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.target_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=65
-  _globals['_PREFILLREQUEST']._serialized_end=264
-  _globals['_PREFILLRESPONSE']._serialized_start=267
-  _globals['_PREFILLRESPONSE']._serialized_end=412
-  _globals['_TREEPROPOSAL']._serialized_start=414
-  _globals['_TREEPROPOSAL']._serialized_end=510
-  _globals['_VERIFYREQUEST']._serialized_start=512
-  _globals['_VERIFYREQUEST']._serialized_end=611
-  _globals['_VERIFYRESULT']._serialized_start=614
-  _globals['_VERIFYRESULT']._serialized_end=768
-  _globals['_VERIFYRESPONSE']._serialized_start=770
-  _globals['_VERIFYRESPONSE']._serialized_end=867
-  _globals['_RELEASEREQUEST']._serialized_start=869
-  _globals['_RELEASEREQUEST']._serialized_end=906
-  _globals['_RELEASERESPONSE']._serialized_start=908
-  _globals['_RELEASERESPONSE']._serialized_end=947
-  _globals['_TARGETSERVICEGENERATEREQUEST']._serialized_start=949
-  _globals['_TARGETSERVICEGENERATEREQUEST']._serialized_end=1065
-  _globals['_TARGETSERVICEGENERATERESPONSE']._serialized_start=1068
-  _globals['_TARGETSERVICEGENERATERESPONSE']._serialized_end=1217
-  _globals['_TARGETSERVICEGETMODELINFOREQUEST']._serialized_start=1219
-  _globals['_TARGETSERVICEGETMODELINFOREQUEST']._serialized_end=1253
-  _globals['_TARGETSERVICEGETMODELINFORESPONSE']._serialized_start=1256
-  _globals['_TARGETSERVICEGETMODELINFORESPONSE']._serialized_end=1548
-  _globals['_TARGETSERVICE']._serialized_start=1551
-  _globals['_TARGETSERVICE']._serialized_end=1975
+  _globals['_PREFILLREQUEST']._serialized_end=289
+  _globals['_PREFILLRESPONSE']._serialized_start=292
+  _globals['_PREFILLRESPONSE']._serialized_end=437
+  _globals['_TREEPROPOSAL']._serialized_start=439
+  _globals['_TREEPROPOSAL']._serialized_end=535
+  _globals['_VERIFYREQUEST']._serialized_start=537
+  _globals['_VERIFYREQUEST']._serialized_end=636
+  _globals['_VERIFYRESULT']._serialized_start=639
+  _globals['_VERIFYRESULT']._serialized_end=793
+  _globals['_VERIFYRESPONSE']._serialized_start=795
+  _globals['_VERIFYRESPONSE']._serialized_end=892
+  _globals['_RELEASEREQUEST']._serialized_start=894
+  _globals['_RELEASEREQUEST']._serialized_end=931
+  _globals['_RELEASERESPONSE']._serialized_start=933
+  _globals['_RELEASERESPONSE']._serialized_end=972
+  _globals['_TARGETSERVICEGENERATEREQUEST']._serialized_start=974
+  _globals['_TARGETSERVICEGENERATEREQUEST']._serialized_end=1090
+  _globals['_TARGETSERVICEGENERATERESPONSE']._serialized_start=1093
+  _globals['_TARGETSERVICEGENERATERESPONSE']._serialized_end=1242
+  _globals['_TARGETSERVICEGETMODELINFOREQUEST']._serialized_start=1244
+  _globals['_TARGETSERVICEGETMODELINFOREQUEST']._serialized_end=1278
+  _globals['_TARGETSERVICEGETMODELINFORESPONSE']._serialized_start=1281
+  _globals['_TARGETSERVICEGETMODELINFORESPONSE']._serialized_end=1573
+  _globals['_TARGETSERVICE']._serialized_start=1576
+  _globals['_TARGETSERVICE']._serialized_end=2000
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "sampling", "feature_layer_ids", "return_features", "feature_dtype", "feature_rows")
+    __slots__ = ("request_id", "prompt_ids", "sampling", "feature_layer_ids", "return_features", "feature_dtype", "feature_rows", "queue_for_pages")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class PrefillRequest(_message.Message):
     RETURN_FEATURES_FIELD_NUMBER: _ClassVar[int]
     FEATURE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     FEATURE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_FOR_PAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -23,7 +24,8 @@ class PrefillRequest(_message.Message):
     return_features: bool
     feature_dtype: str
     feature_rows: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., feature_layer_ids: _Optional[_Iterable[int]] = ..., return_features: _Optional[bool] = ..., feature_dtype: _Optional[str] = ..., feature_rows: _Optional[int] = ...) -> None: ...
+    queue_for_pages: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., feature_layer_ids: _Optional[_Iterable[int]] = ..., return_features: _Optional[bool] = ..., feature_dtype: _Optional[str] = ..., feature_rows: _Optional[int] = ..., queue_for_pages: _Optional[bool] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("request_id", "first_token", "features", "finish_reason")

@@ -117,3 +117,35 @@ def test_reliability_admission_target_plain_generate_waits_too(stack):
     assert len(tokens) == 200
     ch1.close()
     assert wait_whole(target_kv, target.addr) == (30, 30, 0)
+
+
+def test_reliability_admission_pages_go_in_turn_across_callers(stack):
+    """A draft's request refused for lack of pages comes before a plain Generate that arrives later on the target
+    (two queues on one pool: whichever retried first used to take the pages; QA saw 0-1 of 4 draft requests
+    admitted against 4 busy Generate clients). The pool holds one such request at a time."""
+    target, waits, _ = stack
+    holder, ch1 = draft_stream(waits.addr, "hold-5", 200)
+    it = iter(holder)
+    next(it)
+    waiter, ch2 = draft_stream(waits.addr, "wait-5", 200)
+    seen = {}
+    t = threading.Thread(target=lambda: seen.update(zip(("draft", "draft_first"), collect(waiter), strict=True)))
+    t.start()
+    time.sleep(0.5)  # the draft's request is refused now (and asks again every 10 ms)
+
+    def plain():
+        with grpc.insecure_channel(target.addr) as ch:
+            stub = target_pb2_grpc.TargetServiceStub(ch)
+            req = target_pb2.TargetServiceGenerateRequest(request_id="plain-5", prompt_ids=PROMPT_IDS,
+                                                          sampling=sampling(200))
+            seen["plain"], seen["plain_first"] = collect(stub.Generate(req, timeout=60))
+
+    p = threading.Thread(target=plain)
+    p.start()
+    for _ in it:
+        pass
+    t.join(60), p.join(60)
+    assert len(seen["draft"]) == 200 and len(seen["plain"]) == 200
+    assert seen["draft_first"] < seen["plain_first"]  # in turn: the draft's request first
+    ch1.close(), ch2.close()
+    assert wait_whole(target_kv, target.addr) == (30, 30, 0)

@@ -212,3 +212,33 @@ def test_metrics_show_the_in_process_target_beside_the_draft():
     assert series[f"specdec:kv_pages_free{{{target}}}"] == 300
     assert series[f"specdec:num_requests_running{{{target}}}"] == 0
     assert series['specdec:kv_pages_free{model_name="draft",service="draft"}'] == 300
+
+
+def test_draft_requests_get_pages_in_turn_beside_busy_plain_clients():
+    """Four clients keep the in-process target's plain Generate busy on a pool that holds four requests while four
+    speculative requests arrive: each of those is admitted in its turn (the target's page queue, shared by both
+    callers) well within its 6 s wait limit. QA saw 0-1 of 4 admitted before, the rest RESOURCE_EXHAUSTED."""
+    svc = _colocated("--num-pages", "40", "--max-queue-wait-seconds", "6")
+    try:
+        async def run():
+            stop = asyncio.Event()
+
+            async def busy(i: int) -> int:
+                n = 0
+                while not stop.is_set():
+                    await _plain_generate(svc.addr, f"busy-{i}-{n}", PROMPTS[i % 3], 60)
+                    n += 1
+                return n
+
+            clients = [asyncio.create_task(busy(i)) for i in range(4)]
+            await asyncio.sleep(1.0)  # the pool is full of plain requests
+            drafts = await asyncio.gather(*(_draft_generate(svc.addr, f"spec-{i}", PROMPTS[i], 60) for i in range(4)),
+                                          return_exceptions=True)
+            stop.set()
+            return drafts, await asyncio.gather(*clients), await _until_whole(svc.addr, timeout_s=10.0)
+
+        drafts, plain_counts, whole = asyncio.run(run())
+    finally:
+        svc.stop()
+    assert [d if isinstance(d, Exception) else len(d) for d in drafts] == [60] * 4
+    assert min(plain_counts) >= 1 and whole == (True, True)

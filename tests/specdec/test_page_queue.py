@@ -1,0 +1,142 @@
+"""The target's KV pages go to requests in the order they were first refused, whichever caller sends them (its own
+Generate scheduler, a draft's Prefill, the draft in its process): a request that comes later is refused while an
+earlier one waits, even where it would fit; a waiting request nobody asks for again loses its place."""
+
+from __future__ import annotations
+
+import pytest
+from repo_paths import TINY
+
+from specdec.engine.factory import EngineOptions, build_target
+from specdec.engine.page_queue import PageQueue
+from specdec.engine.requests import PrefillInput
+from specdec.errors import InvalidInput, OutOfPages
+from specdec.sampling_params import SamplingParams
+
+# 10 prompt + 20 new tokens + a tree of 64 drafts + 1 = 95 token slots: 6 pages of 16; the pool holds two requests
+POOL_PAGES = 12
+PROMPT = list(range(3, 13))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return build_target(str(TINY / "target"), EngineOptions(num_pages=POOL_PAGES, max_batch_size=8))
+
+
+@pytest.fixture
+def clock(engine):
+    clock = Clock()
+    engine.page_queue = PageQueue(clock=clock)
+    yield clock
+    for rid in list(engine.requests):
+        engine.release(rid)
+
+
+def ask(engine, *rids: str, new_tokens: int = 20, queue: bool = True):
+    """What a caller that waits for pages sends (`queue`: it will ask again when refused)."""
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    return engine.prefill([PrefillInput(rid, PROMPT, params, (), queue_for_pages=queue) for rid in rids])
+
+
+def refused(engine, *rids: str, new_tokens: int = 20, queue: bool = True) -> str:
+    with pytest.raises(OutOfPages) as err:
+        ask(engine, *rids, new_tokens=new_tokens, queue=queue)
+    return str(err.value)
+
+
+def test_a_later_request_waits_behind_an_earlier_one_even_where_it_fits(engine, clock):
+    ask(engine, "a")
+    ask(engine, "b")
+    assert "unreserved" in refused(engine, "c")  # the pool is full: c waits first
+    engine.release("a")  # room for one
+    assert refused(engine, "d") == "KV pool full: 1 earlier request wait for pages"
+    ask(engine, "c")  # c's caller asks again: its turn
+    assert "unreserved" in refused(engine, "d")  # full again; d is first now
+    engine.release("b")
+    ask(engine, "d")
+    assert len(engine.page_queue) == 0
+    assert engine.kv.reserved_by_requests == POOL_PAGES
+
+
+def test_a_caller_that_will_not_ask_again_keeps_no_place_but_waits_its_turn(engine, clock):
+    ask(engine, "a")
+    ask(engine, "b")
+    assert "unreserved" in refused(engine, "once", queue=False)  # e.g. --max-queue-wait-seconds 0
+    assert len(engine.page_queue) == 0
+    refused(engine, "w")
+    engine.release("a")
+    assert "1 earlier request" in refused(engine, "once", queue=False)  # w was first and will ask again
+    ask(engine, "w")
+
+
+def test_a_waiting_request_nobody_asks_for_loses_its_place(engine, clock):
+    ask(engine, "a")
+    ask(engine, "b")
+    refused(engine, "gone")  # its caller gives up (a client that left) and never asks again
+    engine.release("a")
+    clock.now += 0.2
+    assert "earlier request" in refused(engine, "e")
+    clock.now += engine.page_queue.lapse_s
+    ask(engine, "e")
+    assert "gone" not in engine.page_queue
+
+
+def test_asking_again_keeps_the_place(engine, clock):
+    ask(engine, "a")
+    ask(engine, "b")
+    refused(engine, "first")
+    refused(engine, "second")
+    for _ in range(5):  # both callers keep asking for longer than the lapse
+        clock.now += engine.page_queue.lapse_s * 0.8
+        assert "unreserved" in refused(engine, "first")
+        assert "1 earlier request" in refused(engine, "second")
+    engine.release("a")
+    assert "1 earlier request" in refused(engine, "second")
+    ask(engine, "first")
+
+
+def test_a_refused_group_queues_its_requests_when_asked_one_at_a_time(engine, clock):
+    ask(engine, "a")
+    refused(engine, "g1", "g2")  # g1 fits, g2 does not: all or nothing
+    assert len(engine.page_queue) == 0  # the caller asks for them one at a time next, in its order
+    ask(engine, "g1")
+    assert "unreserved" in refused(engine, "g2")
+    assert list(engine.page_queue._seen) == ["g2"]
+
+
+def test_waiting_requests_admitted_together_do_not_wait_for_each_other(engine, clock):
+    ask(engine, "a")
+    ask(engine, "b")
+    refused(engine, "w1")
+    refused(engine, "w2")
+    engine.release("a")
+    engine.release("b")
+    outs = ask(engine, "w1", "w2")
+    assert [o.request_id for o in outs] == ["w1", "w2"] and len(engine.page_queue) == 0
+
+
+def test_a_request_no_pool_could_hold_does_not_hold_up_the_others(engine, clock):
+    ask(engine, "a")
+    assert "unreserved" in refused(engine, "huge", new_tokens=400)  # 26 pages of a 12-page pool
+    assert len(engine.page_queue) == 0
+    ask(engine, "b")
+
+
+def test_a_request_refused_for_another_reason_leaves_the_queue(engine, clock):
+    ask(engine, "a")
+    ask(engine, "b")
+    refused(engine, "w")
+    engine.release("a")
+    with pytest.raises(InvalidInput):  # w's caller sends it again with a bad sampling setting
+        engine.prefill([PrefillInput("w", PROMPT, SamplingParams(max_new_tokens=20, temperature=-1.0), (),
+                                     queue_for_pages=True)])
+    assert "w" not in engine.page_queue
+    ask(engine, "c")
