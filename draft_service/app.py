@@ -35,6 +35,7 @@ from specdec.v1 import draft_pb2_grpc
 log = logging.getLogger(__name__)
 HISTORY_ENV = "SPECDEC_POLICY_HISTORY"  # diagnosis: where `--speculation auto` writes its records at shutdown
 HEALTH_NAME = "specdec.v1.DraftService"
+DEFAULT_TARGET_WAIT_S = 600.0  # --target-wait-seconds: how long start-up waits for a remote target
 
 
 class StartCancelled(NotReady):
@@ -69,7 +70,8 @@ def _load(args, opts, spec: SpecConfig, off: bool, stop: threading.Event):
                               feature_wire=FP8_ROWS if getattr(args, "feature_wire", "native") == "fp8" else "",
                               features=not off)
         log.info("connecting to target at %s", args.target)
-        info = _connect(client, args.target_wait_seconds, stop)
+        wait_s = DEFAULT_TARGET_WAIT_S if args.target_wait_seconds is None else args.target_wait_seconds
+        info = _connect(client, wait_s, stop)
     if (info.vocab_size, info.hidden_size, info.num_layers) != \
             (target_cfg.vocab_size, target_cfg.hidden_size, target_cfg.num_layers):
         raise ConfigError(f"target at {args.target} serves {info.model} (vocab {info.vocab_size}, hidden "

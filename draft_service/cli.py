@@ -28,8 +28,8 @@ def register(subparsers) -> None:
                    help="target service address HOST:PORT, or in-process: load --target-model in this process (same "
                         "device and engine flags; --num-pages sizes both KV pools) and serve TargetService on this "
                         "server too, so no step pays a Verify round trip (draft and target on one GPU)")
-    p.add_argument("--target-wait-seconds", type=float, default=600.0,
-                   help="how long to wait at start-up for the target to be ready, default 600")
+    p.add_argument("--target-wait-seconds", type=float, default=None,
+                   help="how long to wait at start-up for a remote target to be ready, default 600")
     p.add_argument("--request-idle-seconds", type=float, default=None,
                    help="with --target in-process: its TargetService releases a request that no call has named for "
                         "this long (other drafts' requests; as serve-target's flag, default 120, 0 = never)")

@@ -71,6 +71,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError("--target in-process: the target runs in this process; drop the --target-tls-* flags")
     if getattr(args, "feature_wire", "native") != "native":
         raise ConfigError("--target in-process: the features stay on the device; drop --feature-wire")
+    if getattr(args, "target_wait_seconds", None) is not None:
+        raise ConfigError("--target in-process: the target loads in this process, nothing to wait for; drop "
+                          "--target-wait-seconds")
 
 
 def load_target(args: argparse.Namespace, opts) -> LocalTarget:

@@ -236,7 +236,8 @@ def test_colocated_runs_one_container_that_serves_both_on_one_gpu():
     args = draft["args"]
     assert draft["name"] == "draft" and args[0] == "serve-draft" and "--target=in-process" in args
     assert {"--num-pages=16384", "--max-batch-size=64", "--request-idle-seconds=120"} <= set(args)
-    assert not [a for a in args if a.startswith(("--target-tls", "--feature-wire", "--two-batch-overlap"))]
+    assert not [a for a in args if a.startswith(("--target-tls", "--feature-wire", "--two-batch-overlap",
+                                                            "--target-wait-seconds"))]
     assert draft["resources"]["limits"]["nvidia.com/gpu"] == 1
     gateway_args = pod_spec(one(docs, "Deployment", f"{FULL}-gateway"))["containers"][0]["args"]
     pairs = [a.split("=", 1)[1] for a in gateway_args if a.startswith("--pair=")]

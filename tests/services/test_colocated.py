@@ -165,6 +165,7 @@ def test_sampled_requests_and_bad_input_on_the_colocated_server(colocated):
 @pytest.mark.parametrize("flags, message", [
     (["--feature-wire", "fp8"], "drop --feature-wire"),
     (["--target-tls-ca", str(TINY / "target" / "config.json")], "drop the --target-tls-\\* flags"),
+    (["--target-wait-seconds", "30"], "nothing to wait for; drop --target-wait-seconds"),
 ])
 def test_flags_for_a_remote_target_are_refused(flags, message):
     with pytest.raises(RuntimeError, match=message):

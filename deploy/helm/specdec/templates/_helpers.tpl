@@ -314,7 +314,9 @@ lifecycle:
     - --num-steps={{ $v.draft.numSteps }}
     - --topk={{ $v.draft.topk }}
     - --num-draft-tokens={{ $v.draft.numDraftTokens }}
+    {{- if not $colocated }}
     - --target-wait-seconds={{ $v.draft.targetWaitSeconds }}
+    {{- end }}
     {{- if and (eq $v.device "cuda") (not $v.draft.cudaGraph) }}
     - --disable-cuda-graph
     {{- end }}
