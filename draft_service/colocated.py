@@ -14,13 +14,14 @@ drafts' Verify calls reach the same engine. The two threads take turns on the en
 from __future__ import annotations
 
 import argparse
+import contextlib
 from dataclasses import replace
 
 from specdec.engine.factory import build_target
 from specdec.engine.fair_lock import FairLock
 from specdec.engine.overlap import TakingTurns
 from specdec.engine.plain_steps import PLAIN_STEPS
-from specdec.errors import ConfigError
+from specdec.errors import ConfigError, SpecdecError
 from specdec.rpc.tls import TlsConfig
 from specdec.telemetry import ServiceMetrics, model_label
 from target_service.app import HEALTH_NAME as TARGET_HEALTH_NAME
@@ -48,6 +49,18 @@ class LocalTarget(TakingTurns):
         self.engine, self.model_name = engine, model_name
         self.feature_dim = 0  # set by the draft's start-up, as on `TargetClient`
 
+    def prefill(self, inputs):
+        with _named_target():
+            return super().prefill(inputs)
+
+    def verify(self, inputs, **kwargs):
+        with _named_target():
+            return super().verify(inputs, **kwargs)
+
+    def release(self, request_id):
+        with _named_target():
+            return super().release(request_id)
+
     def model_info(self):
         with self.lock:
             return model_info(self.engine, self.model_name)
@@ -57,6 +70,16 @@ class LocalTarget(TakingTurns):
 
     def close(self) -> None:
         pass
+
+
+@contextlib.contextmanager
+def _named_target():
+    """The target's refusals say whose they are, as a remote target's do (`target: ...`, `TargetClient`): the
+    client of a draft's Generate then knows which part refused it (an id held on the target by another caller)."""
+    try:
+        yield
+    except SpecdecError as exc:
+        raise type(exc)(f"target: {exc}") from exc
 
 
 def check_args(args: argparse.Namespace) -> None:

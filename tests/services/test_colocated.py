@@ -133,7 +133,8 @@ def test_a_cancelled_stream_frees_both_pools(colocated):
 
 def test_sampled_requests_and_bad_input_on_the_colocated_server(colocated):
     """A sampled request runs (its tokens in the vocabulary); bad input gets INVALID_ARGUMENT from either service
-    and the server keeps serving."""
+    (the target's refusals of a draft's request say `target:`, as a remote target's do) and the server keeps
+    serving."""
     async def run():
         sampled = await _draft_generate(colocated.addr, "t", PROMPTS[0], 24, temperature=0.8, seed=3)
         codes = []
@@ -153,12 +154,20 @@ def test_sampled_requests_and_bad_input_on_the_colocated_server(colocated):
                     target_pb2.TreeProposal(request_id="nobody", draft_tokens=[5], parents=[-1])]))
             except grpc.aio.AioRpcError as exc:
                 codes.append(exc.code())
+            # an id another caller holds on the target: the draft's client is told the target refused it
+            await target_pb2_grpc.TargetServiceStub(ch).Prefill(target_pb2.PrefillRequest(
+                request_id="held", prompt_ids=PROMPTS[2]))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await _draft_generate(colocated.addr, "held", PROMPTS[2], 4)
+            codes.append((err.value.code(), err.value.details()))
+            await target_pb2_grpc.TargetServiceStub(ch).Release(target_pb2.ReleaseRequest(request_ids=["held"]))
         after = await _draft_generate(colocated.addr, "after", PROMPTS[1], 8, temperature=0.0)
         return sampled, codes, after, await _until_whole(colocated.addr)
 
     sampled, codes, after, whole = asyncio.run(run())
     assert len(sampled) == 24 and all(0 <= t < 8192 for t in sampled)
-    assert codes == [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND]
+    assert codes == [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
+                     (grpc.StatusCode.ALREADY_EXISTS, "target: request 'held' is already running")]
     assert len(after) == 8 and whole == (True, True)
 
 
