@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry import trace
 
 from gateway.downstream import Chunk, Finish, StreamBroken, is_backend_failure
 from gateway.router import Lease, Part, Router
@@ -131,6 +132,9 @@ class FallbackGeneration:
         reason = _describe(exc)
         if isinstance(exc, PartHung) and exc.part is Part.TARGET:
             used_draft = False  # the pair's target froze under its draft: the request moves to another pair
+        trace.get_current_span().add_event("specdec.fallback", {
+            "specdec.failed_part": Part.DRAFT.value if used_draft else Part.TARGET.value,
+            "specdec.pair": str(lease.pair), "specdec.reason": reason[:200]})
         if used_draft:
             self._router.report_failure(lease.pair, Part.DRAFT, reason)
             self._release_later(lease, rid)  # the target may still hold the draft's request

@@ -155,9 +155,12 @@ def _log_call(
     if final is not None:
         extra.update(prompt_tokens=final.prompt_tokens, completion_tokens=final.completion_tokens,
                       tau=round(final.tau, 3), accepted_per_position=list(final.accepted_per_position),
-                      ttft_s=round(final.time_to_first_token_s, 4), speculative=final.speculative)
+                      ttft_s=round(final.time_to_first_token_s, 4), speculative=final.speculative,
+                      fallbacks=final.fallbacks)
         streamed += (f", {final.prompt_tokens} prompt + {final.completion_tokens} new tokens, tau {final.tau:.2f}, "
                      f"ttft {final.time_to_first_token_s:.3f} s")
+        if final.fallbacks:
+            streamed += f", {final.fallbacks} fallback{'s' * (final.fallbacks > 1)}"
     if "grpc_message" in extra:
         streamed += f": {extra['grpc_message']!r}"
     level = logging.INFO if code in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED) else logging.WARNING
@@ -170,7 +173,7 @@ def _log_call(
 class MetricsInterceptor(BehaviorInterceptor):
     """Generate streams: running gauge, request counts by status, TTFT, time per output token, latency."""
 
-    FAMILIES = frozenset({"requests", "running"})  # the metric family groups it sets: the gateway registers these
+    FAMILIES = frozenset({"requests", "running", "fallbacks"})  # the groups it sets: the gateway registers these
 
     def __init__(self, metrics: ServiceMetrics) -> None:
         self._metrics = metrics
@@ -209,3 +212,5 @@ class MetricsInterceptor(BehaviorInterceptor):
         if ttft_s is not None and final is not None and final.completion_tokens > 1:
             tpot_s = (e2e_s - ttft_s) / (final.completion_tokens - 1)
         self._metrics.observe_request(code.name, ttft_s=ttft_s, tpot_s=tpot_s, e2e_s=e2e_s)
+        if final is not None and final.fallbacks:
+            self._metrics.count_fallbacks(final.fallbacks)

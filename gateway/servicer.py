@@ -164,6 +164,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             total_s=now - started,
             speculative=speculative,
             request_id=plan.request_id,
+            fallbacks=generation.num_fallbacks,
         )
 
     # -- the rest -------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from specdec.rpc.readiness import ReadinessGate
 from specdec.rpc.server import AddServicer, start_server
 from specdec.rpc.tls import TlsConfig
 from specdec.serving.long_lived import freeze_start_up_objects
-from specdec.telemetry import ALL_FAMILIES, ServiceMetrics, setup_tracing, shutdown_tracing, start_metrics_server
+from specdec.telemetry import MODEL_FAMILIES, ServiceMetrics, setup_tracing, shutdown_tracing, start_metrics_server
 from specdec.telemetry.grpc_tracing import server_interceptors
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class ServiceSpec:
     # methods traced only under a caller's trace (per-step and polling RPCs: no root trace for each call)
     trace_parent_required: tuple[str, ...] = ()
     model_name: str = ""  # the metrics' model_name label: `model_label(args.model)`
-    metric_families: frozenset[str] = ALL_FAMILIES  # the metric family groups the service sets (FAMILY_GROUPS)
+    metric_families: frozenset[str] = MODEL_FAMILIES  # the metric family groups the service sets (FAMILY_GROUPS)
     # while draining: methods still served and whether work its clients come back for is left (`ServerHandle.stop`)
     still_served: frozenset[str] = frozenset()
     busy: Callable[[], bool] | None = None

@@ -8,11 +8,12 @@ See docs/observability.md.
 from specdec.telemetry.args import add_telemetry_args
 from specdec.telemetry.config import TelemetryConfig
 from specdec.telemetry.logs import bind_request_id, request_id_var, setup_logging
-from specdec.telemetry.metrics import ALL_FAMILIES, ServiceMetrics, model_label, start_metrics_server
+from specdec.telemetry.metrics import ALL_FAMILIES, MODEL_FAMILIES, ServiceMetrics, model_label, start_metrics_server
 from specdec.telemetry.tracing import StepSpanSampler, get_tracer, setup_tracing, shutdown_tracing
 
 __all__ = [
     "ALL_FAMILIES",
+    "MODEL_FAMILIES",
     "ServiceMetrics",
     "StepSpanSampler",
     "TelemetryConfig",

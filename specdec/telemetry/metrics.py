@@ -115,8 +115,10 @@ FAMILY_GROUPS = {
              "spec_decode_num_accepted_tokens_per_pos", "speculation_policy_tokens_per_second",
              "speculation_policy_target_steps"),  # observe_spec_step, track_policy
     "phases": ("step_phase_seconds",),  # observe_phase
+    "fallbacks": ("request_fallbacks",),  # count_fallbacks (the gateway)
 }
 ALL_FAMILIES = frozenset(FAMILY_GROUPS)
+MODEL_FAMILIES = ALL_FAMILIES - {"fallbacks"}  # what a model service may set (a fallback is the gateway's)
 
 
 def model_label(model: str) -> str:
@@ -202,6 +204,9 @@ class ServiceMetrics:
                            "(draft: propose, verify round trip, extend, the whole step; target: a Verify's queue "
                            "wait, forward, reply packing).", ("phase",), buckets=PHASE_BUCKETS_S)
         self._phase_children: dict[str, Any] = {}
+        self._fallbacks = make("fallbacks", Counter, "request_fallbacks",
+                               "Times a finished request's stream continued on another service after one under it "
+                               "failed (GatewayStats.fallbacks).")
 
     def observe_request(
         self,
@@ -230,6 +235,9 @@ class ServiceMetrics:
             self._prompt_tokens.inc(prompt_tokens)
         if generation_tokens > 0:
             self._generation_tokens.inc(generation_tokens)
+
+    def count_fallbacks(self, n: int) -> None:
+        self._fallbacks.inc(n)
 
     def set_running(self, n: int) -> None:
         self._running.set(n)

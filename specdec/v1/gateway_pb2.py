@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/gateway.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\"\xf2\x01\n\x1dGatewayServiceGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x18.specdec.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12\x16\n\x0eno_speculation\x18\x05 \x01(\x08\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12$\n\x04spec\x18\x07 \x01(\x0b\x32\x16.specdec.v1.SpecParamsB\x07\n\x05input\"\xf6\x01\n\x0cGatewayStats\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12\x0b\n\x03tau\x18\x04 \x01(\x02\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x05 \x03(\x03\x12\x1d\n\x15time_to_first_token_s\x18\x06 \x01(\x01\x12\x0f\n\x07total_s\x18\x07 \x01(\x01\x12\x13\n\x0bspeculative\x18\x08 \x01(\x08\x12\x12\n\nrequest_id\x18\t \x01(\t\"j\n\x1eGatewayServiceGenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\'\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x18.specdec.v1.GatewayStats\"T\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x18.specdec.v1.ChatMessagesH\x00\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x13\n\x11ListModelsRequest\"a\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06target\x18\x02 \x01(\t\x12\r\n\x05\x64raft\x18\x03 \x01(\t\x12\x17\n\x0fmax_context_len\x18\x04 \x01(\x05\x12\x10\n\x08pairs_up\x18\x05 \x01(\x05\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.specdec.v1.ModelCard2\xd6\x02\n\x0eGatewayService\x12\x63\n\x08Generate\x12).specdec.v1.GatewayServiceGenerateRequest\x1a*.specdec.v1.GatewayServiceGenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.specdec.v1.TokenizeRequest\x1a\x1c.specdec.v1.TokenizeResponse\x12K\n\nDetokenize\x12\x1d.specdec.v1.DetokenizeRequest\x1a\x1e.specdec.v1.DetokenizeResponse\x12K\n\nListModels\x12\x1d.specdec.v1.ListModelsRequest\x1a\x1e.specdec.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/gateway.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\"\xf2\x01\n\x1dGatewayServiceGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x18.specdec.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12\x16\n\x0eno_speculation\x18\x05 \x01(\x08\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12$\n\x04spec\x18\x07 \x01(\x0b\x32\x16.specdec.v1.SpecParamsB\x07\n\x05input\"\x89\x02\n\x0cGatewayStats\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12\x0b\n\x03tau\x18\x04 \x01(\x02\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x05 \x03(\x03\x12\x1d\n\x15time_to_first_token_s\x18\x06 \x01(\x01\x12\x0f\n\x07total_s\x18\x07 \x01(\x01\x12\x13\n\x0bspeculative\x18\x08 \x01(\x08\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\x11\n\tfallbacks\x18\n \x01(\x05\"j\n\x1eGatewayServiceGenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\'\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x18.specdec.v1.GatewayStats\"T\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x18.specdec.v1.ChatMessagesH\x00\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x13\n\x11ListModelsRequest\"a\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06target\x18\x02 \x01(\t\x12\r\n\x05\x64raft\x18\x03 \x01(\t\x12\x17\n\x0fmax_context_len\x18\x04 \x01(\x05\x12\x10\n\x08pairs_up\x18\x05 \x01(\x05\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.specdec.v1.ModelCard2\xd6\x02\n\x0eGatewayService\x12\x63\n\x08Generate\x12).specdec.v1.GatewayServiceGenerateRequest\x1a*.specdec.v1.GatewayServiceGenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.specdec.v1.TokenizeRequest\x1a\x1c.specdec.v1.TokenizeResponse\x12K\n\nDetokenize\x12\x1d.specdec.v1.DetokenizeRequest\x1a\x1e.specdec.v1.DetokenizeResponse\x12K\n\nListModels\x12\x1d.specdec.v1.ListModelsRequest\x1a\x1e.specdec.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,23 +39,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GATEWAYSERVICEGENERATEREQUEST']._serialized_start=171
   _globals['_GATEWAYSERVICEGENERATEREQUEST']._serialized_end=413
   _globals['_GATEWAYSTATS']._serialized_start=416
-  _globals['_GATEWAYSTATS']._serialized_end=662
-  _globals['_GATEWAYSERVICEGENERATERESPONSE']._serialized_start=664
-  _globals['_GATEWAYSERVICEGENERATERESPONSE']._serialized_end=770
-  _globals['_TOKENIZEREQUEST']._serialized_start=772
-  _globals['_TOKENIZEREQUEST']._serialized_end=856
-  _globals['_TOKENIZERESPONSE']._serialized_start=858
-  _globals['_TOKENIZERESPONSE']._serialized_end=895
-  _globals['_DETOKENIZEREQUEST']._serialized_start=897
-  _globals['_DETOKENIZEREQUEST']._serialized_end=935
-  _globals['_DETOKENIZERESPONSE']._serialized_start=937
-  _globals['_DETOKENIZERESPONSE']._serialized_end=971
-  _globals['_LISTMODELSREQUEST']._serialized_start=973
-  _globals['_LISTMODELSREQUEST']._serialized_end=992
-  _globals['_MODELCARD']._serialized_start=994
-  _globals['_MODELCARD']._serialized_end=1091
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1093
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1152
-  _globals['_GATEWAYSERVICE']._serialized_start=1155
-  _globals['_GATEWAYSERVICE']._serialized_end=1497
+  _globals['_GATEWAYSTATS']._serialized_end=681
+  _globals['_GATEWAYSERVICEGENERATERESPONSE']._serialized_start=683
+  _globals['_GATEWAYSERVICEGENERATERESPONSE']._serialized_end=789
+  _globals['_TOKENIZEREQUEST']._serialized_start=791
+  _globals['_TOKENIZEREQUEST']._serialized_end=875
+  _globals['_TOKENIZERESPONSE']._serialized_start=877
+  _globals['_TOKENIZERESPONSE']._serialized_end=914
+  _globals['_DETOKENIZEREQUEST']._serialized_start=916
+  _globals['_DETOKENIZEREQUEST']._serialized_end=954
+  _globals['_DETOKENIZERESPONSE']._serialized_start=956
+  _globals['_DETOKENIZERESPONSE']._serialized_end=990
+  _globals['_LISTMODELSREQUEST']._serialized_start=992
+  _globals['_LISTMODELSREQUEST']._serialized_end=1011
+  _globals['_MODELCARD']._serialized_start=1013
+  _globals['_MODELCARD']._serialized_end=1110
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1112
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1171
+  _globals['_GATEWAYSERVICE']._serialized_start=1174
+  _globals['_GATEWAYSERVICE']._serialized_end=1516
 # @@protoc_insertion_point(module_scope)

@@ -40,7 +40,7 @@ class GatewayServiceGenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., no_speculation: _Optional[bool] = ..., request_id: _Optional[str] = ..., spec: _Optional[_Union[_common_pb2.SpecParams, _Mapping]] = ...) -> None: ...
 
 class GatewayStats(_message.Message):
-    __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens", "tau", "accepted_per_position", "time_to_first_token_s", "total_s", "speculative", "request_id")
+    __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens", "tau", "accepted_per_position", "time_to_first_token_s", "total_s", "speculative", "request_id", "fallbacks")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class GatewayStats(_message.Message):
     TOTAL_S_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FALLBACKS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: _common_pb2.FinishReason
     prompt_tokens: int
     completion_tokens: int
@@ -59,7 +60,8 @@ class GatewayStats(_message.Message):
     total_s: float
     speculative: bool
     request_id: str
-    def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., tau: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., time_to_first_token_s: _Optional[float] = ..., total_s: _Optional[float] = ..., speculative: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
+    fallbacks: int
+    def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., tau: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., time_to_first_token_s: _Optional[float] = ..., total_s: _Optional[float] = ..., speculative: _Optional[bool] = ..., request_id: _Optional[str] = ..., fallbacks: _Optional[int] = ...) -> None: ...
 
 class GatewayServiceGenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "final")

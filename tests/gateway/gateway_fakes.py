@@ -150,11 +150,11 @@ async def start_fake_pair(model: FakeModel) -> FakePair:
 
 @contextlib.asynccontextmanager
 async def gateway_over(addresses, model_dir: str, limits: GatewayLimits = GatewayLimits(), api_keys=(),
-                       served_model_name: str = ""):
+                       served_model_name: str = "", metrics=None):
     """A gateway over `addresses`, waited until some pair is up; yields (gateway, stub)."""
     config = GatewayConfig(model_dir=model_dir, pairs=tuple(addresses), limits=limits, health_interval_s=0.2,
                            served_model_name=served_model_name)
-    gateway = await start_gateway(config, api_keys=api_keys)
+    gateway = await start_gateway(config, api_keys=api_keys, metrics=metrics)
     await asyncio.wait_for(gateway.router.any_up.wait(), 10)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}")
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import grpc
@@ -10,6 +11,8 @@ import pytest
 from conftest import SCRIPT_TEXT
 from gateway_fakes import FakeModel, PairAddress, collect, fake_stack, gateway_over, run, start_fake_pair
 
+from gateway.interceptors import MetricsInterceptor
+from specdec.telemetry import ServiceMetrics
 from specdec.v1 import common_pb2, gateway_pb2
 
 
@@ -19,17 +22,25 @@ def request(**kwargs) -> gateway_pb2.GatewayServiceGenerateRequest:
     )
 
 
-def test_gateway_draft_failing_mid_stream_continues_on_the_target(fake_model, model_dir):
+def test_gateway_draft_failing_mid_stream_continues_on_the_target(fake_model, model_dir, caplog):
+    metrics = ServiceMetrics("gateway", model_name="target", families=MetricsInterceptor.FAMILIES)
+
     async def body():
-        async with fake_stack(fake_model, model_dir) as (pairs, gateway, stub):
+        async with fake_stack(fake_model, model_dir, metrics=metrics) as (pairs, gateway, stub):
             pairs[0].draft.fail_after_chunks = 2
             result = await collect(stub.Generate(request(request_id="r1")))
             await asyncio.sleep(0.1)  # the Release of the draft's request runs in the background
             return pairs, gateway, result
 
-    pairs, gateway, (text, ids, final, count) = run(body())
+    with caplog.at_level(logging.INFO, logger="gateway.access"):
+        pairs, gateway, (text, ids, final, count) = run(body())
     assert text == SCRIPT_TEXT and ids == fake_model.script  # one stream, same text, no token twice
-    assert not final.speculative and final.completion_tokens == len(fake_model.script)
+    assert not final.speculative and final.completion_tokens == len(fake_model.script) and final.fallbacks == 1
+    # said where operators look: the access log line and the gateway's counter
+    (line,) = [r for r in caplog.records if r.getMessage().startswith("/specdec.v1.GatewayService/Generate OK")]
+    assert line.getMessage().endswith(", 1 fallback") and line.fallbacks == 1
+    assert metrics.registry.get_sample_value("specdec:request_fallbacks_total",
+                                             {"service": "gateway", "model_name": "target"}) == 1
     ((rid, prompt, max_new),) = pairs[0].target.seen.requests
     assert rid == "r1~1" and max_new == 100 - 6  # continued after the 2 chunks of 3 tokens already sent
     assert prompt[-6:] == fake_model.script[:6]

@@ -96,3 +96,18 @@ def test_a_cancelled_streams_access_line_carries_its_trace(fake_model, model_dir
     assert len(lines) >= N // 2 and all(r.grpc_status == "CANCELLED" for r in lines)
     roots = {format(s.context.trace_id, "032x") for s in spans.get_finished_spans() if s.name == GENERATE_SPAN}
     assert {r.trace_id for r in lines} <= roots and all(r.trace_id for r in lines), [r.trace_id for r in lines]
+
+
+def test_a_fallback_is_an_event_on_the_requests_server_span(fake_model, model_dir, spans):
+    async def body():
+        async with fake_stack(fake_model, model_dir) as (pairs, _, stub):
+            pairs[0].draft.fail_after_chunks = 2
+            return await status_of(stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(
+                prompt="def fib(n):", sampling=common_pb2.SamplingParams(max_new_tokens=100))))
+
+    assert run(body()) == ("OK", "")
+    ((server,),) = [[s for s in t if s.name == GENERATE_SPAN] for t in traces(spans.get_finished_spans())]
+    (event,) = [e for e in server.events if e.name == "specdec.fallback"]
+    assert event.attributes["specdec.failed_part"] == "draft"
+    assert event.attributes["specdec.pair"].startswith("pair 0")
+    assert event.attributes["specdec.reason"] == "UNAVAILABLE: fake service went away"

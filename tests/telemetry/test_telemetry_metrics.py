@@ -167,7 +167,7 @@ def test_gateway_exports_only_what_it_sets():
     metrics.set_running(2)
     metrics.observe_request("OK", ttft_s=0.1, tpot_s=0.01, e2e_s=0.5)
     families = exported(metrics)
-    assert set(families) == names_of("requests", "running")
+    assert set(families) == names_of("requests", "running", "fallbacks")
     unset = ("kv_pages", "batch_size", "spec_decode", "speculation", "step_phase", "num_requests_waiting")
     assert not [name for name in families if name.removeprefix(PREFIX).startswith(unset)]
     assert set().union(*families.values()) == {("gateway", "target")}

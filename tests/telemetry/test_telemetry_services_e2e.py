@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.client import GatewayClient
 from gateway.interceptors import MetricsInterceptor
 from gateway.local_stack import HEALTH_NAMES, REPO_ROOT, StackConfig, _free_ports, _is_serving
-from specdec.telemetry.metrics import ALL_FAMILIES, FAMILY_GROUPS, PREFIX
+from specdec.telemetry.metrics import FAMILY_GROUPS, MODEL_FAMILIES, PREFIX
 from target_service.app import METRIC_FAMILIES as TARGET_FAMILIES
 
 REQUEST_ID = "req-telemetry-e2e"
@@ -205,7 +205,7 @@ def test_telemetry_e2e_each_service_exports_what_it_sets(run):
     policy = {PREFIX + "speculation_policy_tokens_per_second", PREFIX + "speculation_policy_target_steps"}
     assert set(families["gateway"]) == _names(MetricsInterceptor.FAMILIES)
     assert set(families["target"]) == _names(TARGET_FAMILIES)
-    assert set(families["draft"]) == _names(ALL_FAMILIES) - policy  # --speculation always: no policy collector
+    assert set(families["draft"]) == _names(MODEL_FAMILIES) - policy  # --speculation always: no policy collector
     for name, model in (("gateway", "target"), ("target", "target")):  # models/tiny-code/target
         assert set().union(*families[name].values()) == {(name, model)}, name
     assert {service for labels in families["draft"].values() for service, _ in labels} == {"draft"}
