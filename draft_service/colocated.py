@@ -61,6 +61,10 @@ class LocalTarget(TakingTurns):
         with _named_target():
             return super().release(request_id)
 
+    def hold_places(self, inputs) -> None:
+        with self.lock:
+            self.engine.hold_places(inputs)
+
     def model_info(self):
         with self.lock:
             return model_info(self.engine, self.model_name)

@@ -49,6 +49,9 @@ class Admission:
             if state.blocked_since is None:
                 state.blocked_since = now
         self._retry_at = now + QUEUE_POLL_S
+        hold = getattr(self.target, "hold_places", None)  # an engine in this process (a remote one: each Prefill)
+        if hold is not None and self.max_queue_wait_s > 0:  # the whole queue keeps its places in the target's turn
+            hold([PrefillInput(s.request_id, s.prompt_ids, s.sampling) for s in self.waiting])
 
     def _admit(self) -> list[Event]:
         """Admit waiting requests (FIFO) while the batch has room: prefill groups of them in one target call

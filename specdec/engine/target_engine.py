@@ -159,6 +159,16 @@ class TargetEngine:
                 self.page_queue.wait(rid)
             raise
 
+    def hold_places(self, inputs: list[PrefillInput]) -> None:
+        """Places in the page queue, in this order, for a caller's requests that wait behind its first one refused
+        for lack of pages (the caller asks again for that one only; its place is refreshed, the others join the
+        end). Without them a plain `Generate` waiting second in the target's own queue was passed by every later
+        request of a remote draft, whose Prefills each hold a place (QA: one timed out behind later ones)."""
+        for inp in inputs:
+            if inp.request_id not in self.requests and \
+                    self.kv.could_ever_hold(self._max_tokens(len(inp.prompt_ids), inp.sampling)):
+                self.page_queue.wait(inp.request_id)
+
     def release(self, request_id: str) -> None:
         if self.requests.pop(request_id, None) is None:
             raise UnknownRequest(f"unknown request id {request_id!r}")

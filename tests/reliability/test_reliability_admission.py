@@ -149,3 +149,39 @@ def test_reliability_admission_pages_go_in_turn_across_callers(stack):
     assert seen["draft_first"] < seen["plain_first"]  # in turn: the draft's request first
     ch1.close(), ch2.close()
     assert wait_whole(target_kv, target.addr) == (30, 30, 0)
+
+
+def test_reliability_admission_a_queue_behind_its_first_request_keeps_its_turn(stack):
+    """Two plain Generate requests wait on the target (the second behind the first in the target's own queue), then
+    a draft's request arrives: it is served after both (QA: the second plain one was passed by every later draft
+    request, whose Prefills each hold a place, and timed out behind them)."""
+    target, waits, _ = stack
+    holder, ch1 = draft_stream(waits.addr, "hold-6", 200)
+    it = iter(holder)
+    next(it)
+    seen, threads = {}, []
+
+    def plain(rid):
+        with grpc.insecure_channel(target.addr) as ch:
+            stub = target_pb2_grpc.TargetServiceStub(ch)
+            req = target_pb2.TargetServiceGenerateRequest(request_id=rid, prompt_ids=PROMPT_IDS, sampling=sampling(200))
+            seen[rid] = collect(stub.Generate(req, timeout=60))
+
+    def speculative(rid):
+        call, ch = draft_stream(waits.addr, rid, 200)
+        seen[rid] = collect(call)
+        ch.close()
+
+    for fn, rid in ((plain, "plain-6a"), (plain, "plain-6b"), (speculative, "spec-6")):
+        threads.append(threading.Thread(target=fn, args=(rid,)))
+        threads[-1].start()
+        time.sleep(0.3)  # each is refused (the pool is full) before the next one arrives
+    for _ in it:
+        pass
+    for t in threads:
+        t.join(60)
+    assert [len(seen[r][0]) for r in ("plain-6a", "plain-6b", "spec-6")] == [200] * 3  # 18 pages: one at a time
+    firsts = sorted(("plain-6a", "plain-6b", "spec-6"), key=lambda r: seen[r][1])
+    assert firsts == ["plain-6a", "plain-6b", "spec-6"]  # in the order they arrived, across the two queues
+    ch1.close()
+    assert wait_whole(target_kv, target.addr) == (30, 30, 0)

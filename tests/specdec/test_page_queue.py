@@ -140,3 +140,22 @@ def test_a_request_refused_for_another_reason_leaves_the_queue(engine, clock):
                                      queue_for_pages=True)])
     assert "w" not in engine.page_queue
     ask(engine, "c")
+
+
+def test_a_callers_whole_queue_holds_its_places_in_its_order(engine, clock):
+    """A caller asks again for its first waiting request only; the ones behind it hold places through
+    `hold_places` (its scheduler, each time it finds the pool still full), ahead of another caller's later request."""
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    ask(engine, "a")
+    ask(engine, "b")
+    refused(engine, "t1")  # the first of the target's own queue
+    engine.hold_places([PrefillInput(rid, PROMPT, params) for rid in ("t1", "t2", "t3")])
+    refused(engine, "d1")  # a draft's request, refused after them
+    huge = SamplingParams(max_new_tokens=400, ignore_eos=True)  # no pool could hold it: no place
+    engine.hold_places([PrefillInput("t1", PROMPT, params), PrefillInput("never", PROMPT, huge)])
+    assert list(engine.page_queue._seen) == ["t1", "t2", "t3", "d1"]
+    engine.release("a")
+    engine.release("b")
+    assert "3 earlier requests" in refused(engine, "d1")
+    ask(engine, "t1", "t2")  # the caller's next group: both in their turn
+    assert "1 earlier request" in refused(engine, "d1")
