@@ -44,8 +44,7 @@ class LocalTarget(TakingTurns):
     addr = IN_PROCESS
 
     def __init__(self, engine, model_name: str):
-        self.lock = FairLock()  # in turn with the TargetService's engine loop, which takes it again at once
-        super().__init__(engine, self.lock)
+        super().__init__(engine, FairLock())  # in turn with the TargetService's engine loop, which takes it again
         self.engine, self.model_name = engine, model_name
         self.feature_dim = 0  # set by the draft's start-up, as on `TargetClient`
 

@@ -65,21 +65,21 @@ class TakingTurns:
     whatever else drives the same target (default: a lock of its own)."""
 
     def __init__(self, target, lock: AbstractContextManager | None = None):
-        self._target, self._lock = target, lock if lock is not None else threading.Lock()
+        self._target, self.lock = target, lock if lock is not None else threading.Lock()
 
     def __getattr__(self, name):  # attributes other than the calls (max_context, batches_prefill, ...)
         return getattr(self._target, name)
 
     def prefill(self, inputs):
-        with self._lock:
+        with self.lock:
             return self._target.prefill(inputs)
 
     def verify(self, inputs, **kwargs):
-        with self._lock:
+        with self.lock:
             return self._target.verify(inputs, **kwargs)
 
     def release(self, request_id):
-        with self._lock:
+        with self.lock:
             return self._target.release(request_id)
 
 

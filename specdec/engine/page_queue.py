@@ -33,8 +33,8 @@ class PageQueue:
         return len(self._seen)
 
     def ahead(self, rid: str, besides: Collection[str] = ()) -> int:
-        """How many waiting requests come before `rid` (all of them if it does not wait yet), not counting
-        `besides` (requests admitted with it in one call)."""
+        """How many waiting requests come before `rid` (all of them if it does not wait yet), not counting those
+        in `besides` (admitted already)."""
         now = self._clock()
         for gone in [r for r, seen in self._seen.items() if now - seen > self.lapse_s]:
             del self._seen[gone]

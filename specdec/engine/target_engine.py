@@ -9,7 +9,6 @@ import itertools
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -125,7 +124,7 @@ class TargetEngine:
         """Worst case: every generated token plus one full tree of temporary slots."""
         return min(prompt_len + params.max_new_tokens, self.max_context) + self.max_draft_tokens + 1
 
-    def _admit(self, inp: PrefillInput, besides: Collection[str] = ()) -> TargetRequest:
+    def _admit(self, inp: PrefillInput) -> TargetRequest:
         if inp.request_id in self.requests:
             raise DuplicateRequest(f"request {inp.request_id!r} is already running")
         self.validate_prompt(inp.prompt_ids)
@@ -135,21 +134,21 @@ class TargetEngine:
             raise InvalidInput(f"feature layer {bad[0]} outside [0, {self.cfg.num_layers}]")
         if inp.feature_rows < 0:
             raise InvalidInput(f"feature_rows {inp.feature_rows} is negative (0: every prompt token's features)")
-        self._reserve(inp, self._max_tokens(len(inp.prompt_ids), inp.sampling), besides)
+        self._reserve(inp, self._max_tokens(len(inp.prompt_ids), inp.sampling))
         self.finished.pop(inp.request_id, None)
         req = TargetRequest(inp.sampling, make_generator(inp.sampling), tuple(inp.feature_layers),
                             len(inp.prompt_ids), 0, -1, 0, inp.feature_wire, inp.return_features)
         self.requests[inp.request_id] = req
         return req
 
-    def _reserve(self, inp: PrefillInput, max_tokens: int, besides: Collection[str] = ()) -> None:
+    def _reserve(self, inp: PrefillInput, max_tokens: int) -> None:
         """The request's KV pages, in its turn (`page_queue`): refused (OutOfPages) while an earlier request
         waits for pages, whichever caller sent it, or while the pool cannot hold it. Refused, it keeps a place
         in the queue if its caller will ask again (`queue_for_pages`) and some pool could hold it (one that never
-        fits would hold up the others for its whole wait). `besides`: requests admitted with it in one call,
-        which do not count as waiting before it."""
+        fits would hold up the others for its whole wait). Places of requests admitted already (with it, in the
+        same call: they leave the queue once it succeeds) do not count as waiting before it."""
         rid = inp.request_id
-        ahead = self.page_queue.ahead(rid, besides)
+        ahead = self.page_queue.ahead(rid, besides=self.requests)
         try:
             if ahead:
                 raise OutOfPages(f"KV pool full: {ahead} earlier request{'s' * (ahead > 1)} wait for pages")
@@ -199,13 +198,11 @@ class TargetEngine:
         requests it put in the page queue leave it, so they queue in that order; those waiting before keep their
         place. A single request keeps its place only when it was refused for lack of pages."""
         admitted: list[PrefillInput] = []
-        taken: set[str] = set()
         fresh = [inp.request_id for inp in inputs if inp.request_id not in self.page_queue]
         try:
             for inp in inputs:
-                self._admit(inp, taken)
+                self._admit(inp)
                 admitted.append(inp)
-                taken.add(inp.request_id)
             outputs = self._prefill_admitted(inputs)
         except Exception as exc:
             for inp in admitted:
