@@ -76,8 +76,11 @@ class SpeculationPolicy:
     yield_ema: float = 0.03  # weight of one request of the newest step in the tokens-per-step averages
     min_samples: int = 3  # steps of each budget before the averages decide (the first one only warms up)
     # and request-steps behind a speculative budget's yield: at batch 1 it is 1 to 7 tokens a step, and three
-    # samples (two after the warm-up) once read the whole chain at tau 3.3 instead of 4.8 (H200, session 7)
-    min_request_steps: int = 8
+    # samples (two after the warm-up) once read the whole chain at tau 3.3 instead of 4.8 (H200, session 7); eight
+    # still decided on a request's first steps, whose short context accepts least: the README's command (tiny pair,
+    # CPU) read the whole chain's first 8 steps at 3.25 tokens (3.94 over the request), and in 4 of 6 runs the
+    # half chain's 2.4 led it where calibration timed the half chain fast; the request then ran at tau 2.52
+    min_request_steps: int = 16
     max_step_ratio: float = 2.0  # a step's seconds enter the average clipped to this multiple of it
     # a rival replaces the followed budget only when it measures this much faster: two budgets within noise of each
     # other (the whole tree and plain at 128 requests on the H200 measured 0.4% apart) otherwise trade places on
@@ -134,7 +137,8 @@ class SpeculationPolicy:
                 self.probing[b] = (rival, left - 1)
             return rival
         best = self._best(b)
-        if self.followed.get(b) != best:  # operators see each change of course (rare: `switch_margin`)
+        if self.followed.get(b) != best and len(self.budgets) > 1:  # operators see each change of course (rare:
+            # `switch_margin`; a menu of one budget, calibration's, has no course to change)
             rates = ", ".join(f"{budget_name(x)} {self.rates[(b, x)]:.0f}" for x in self._measured(b))
             log.info("speculation policy: batch-size bucket %d follows %s now (tokens/s %s)", b, budget_name(best),
                      rates, extra={"batch_bucket": b, "budget": budget_name(best)})

@@ -130,7 +130,7 @@ def test_seeded_sampling_stays_speculative_under_the_policy():
 
 
 def test_policy_backs_off_re_measuring_while_the_choice_holds_and_resets_when_it_flips():
-    p = SpeculationPolicy(explore_every=4, max_explore_every=16, min_samples=2)
+    p = SpeculationPolicy(explore_every=4, max_explore_every=16, min_samples=2, min_request_steps=8)
     for _i in range(4):  # warm-up: speculation 30 tok/s, plain 20 tok/s (within half: re-measured from 4 steps up)
         mode = p.choose(1)
         p.record(1, mode, tokens=30 if mode else 20, seconds=1.0)
@@ -160,7 +160,7 @@ def test_rivals_far_behind_are_re_measured_at_the_longest_interval():
     quarter of plain decoding's rate, its re-measurements ~20% of a 128-token run), they are re-measured every
     `max_explore_every` steps instead of backing off from `explore_every`; still re-measured, and followed once
     they lead."""
-    p = SpeculationPolicy(explore_every=4, max_explore_every=16, min_samples=2)
+    p = SpeculationPolicy(explore_every=4, max_explore_every=16, min_samples=2, min_request_steps=8)
     speed = {0: 100.0, FULL: 20.0}
     chosen = _drive(p, 1, speed, steps=90)
     full = [i for i, b in enumerate(chosen) if b == FULL]
@@ -528,3 +528,27 @@ def test_a_menu_of_one_budget_just_follows_it():
         for _ in range(50):
             assert p.choose(8) == only[0]
             p.record(8, only[0], tokens=16, seconds=0.01)
+
+
+def test_a_requests_first_steps_do_not_decide_between_chains_on_their_own():
+    """The README's command (tiny pair, 2-core CPU, one 64-token request): the whole chain of 5 accepted 0-3 drafts on
+    its first steps (short context) and 5 on most later ones. Its calibrated times (half chain 21 ms a step, whole 32.5
+    ms) make the half chain lead after 8 request-steps, and the request then ran at tau 2.52 instead of 3.94 (4 runs of
+    6); measured over `min_request_steps` (16) the whole chain keeps its lead."""
+    accepted = [0, 3, 2, 1, 0, 5, 2, 5, 3, 5, 5, 5, 5, 5, 5, 5, 5, 5]
+
+    def run(min_request_steps: int) -> list[int]:
+        p = SpeculationPolicy(budget_menu(5), min_samples=3, min_request_steps=min_request_steps, derives_yields=True)
+        for budget, seconds in ((0, 0.015), (2, 0.021), (FULL, 0.0325)):
+            p.seed(1, budget, seconds)
+        chosen = []
+        for a in accepted:
+            budget = p.choose(1)
+            chosen.append(budget)
+            kept = 5 if budget == FULL else budget
+            p.record(1, budget, 1 + min(a, kept), 0.0325 if budget == FULL else 0.021,
+                     derived={2: 1 + min(a, 2)} if budget == FULL else None)
+        return chosen
+
+    assert run(8)[8:] == [2] * 10  # the first 8 steps alone: the half chain leads
+    assert run(16) == [FULL] * len(accepted)
