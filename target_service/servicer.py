@@ -197,12 +197,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return target_pb2.ReleaseResponse(num_released=released)
 
     def _release(self, ids: list[str]) -> int:
-        """Idempotent: ids the target no longer holds (finished, or never seen) are skipped."""
+        """Idempotent: ids the target no longer holds (finished, or never seen) are skipped; one waiting for pages
+        leaves the page queue (not counted: it held none)."""
         n = 0
         for rid in ids:
-            if rid in self.engine.requests:
+            held = rid in self.engine.requests
+            if held or rid in self.engine.page_queue:
                 self.engine.release(rid)
-                n += 1
+            n += held
         return n
 
     async def Generate(self, request, context):
@@ -243,4 +245,5 @@ def model_info(engine: TargetEngine, model_name: str) -> target_pb2.TargetServic
         kv=common_pb2.KVStats(page_size=page_size, pages_total=total, pages_free=free),
         num_running=len(engine.requests),
         max_draft_tokens=engine.max_draft_tokens,
+        num_waiting_for_pages=len(engine.page_queue),
     )

@@ -37,11 +37,19 @@ class Admission:
             waited = now - state.blocked_since
             if waited >= self.max_queue_wait_s:
                 self.waiting.remove(state)
+                self._give_up_place(state)
                 err = OutOfPages(f"KV pool full: waited {waited:.1f} s for pages (limit {self.max_queue_wait_s:g} s)")
                 events.append(Event(state.request_id, [], ABORT, error=err))
         if not self.waiting:
             self._retry_at = 0.0
         return events
+
+    def _give_up_place(self, state: RunState) -> None:
+        """A waiting request leaves the target's page queue now (aborted, or its wait ran out): its place there would
+        otherwise hold up the requests behind it until it lapses (`page_queue.LAPSE_S`)."""
+        if state.blocked_since is not None and self.max_queue_wait_s > 0:
+            with contextlib.suppress(SpecdecError):
+                self.target.release(state.request_id)
 
     def _block_waiting(self) -> None:
         now = time.monotonic()

@@ -30,14 +30,14 @@ class PageQueue:
         return rid in self._seen
 
     def __len__(self) -> int:
-        return len(self._seen)
+        """Requests waiting now, lapsed places not counted (read from any thread: it changes nothing)."""
+        now = self._clock()
+        return sum(now - seen <= self.lapse_s for seen in list(self._seen.values()))
 
     def ahead(self, rid: str, besides: Collection[str] = ()) -> int:
         """How many waiting requests come before `rid` (all of them if it does not wait yet), not counting those
         in `besides` (admitted already)."""
-        now = self._clock()
-        for gone in [r for r, seen in self._seen.items() if now - seen > self.lapse_s]:
-            del self._seen[gone]
+        self._drop_lapsed()
         count = 0
         for waiting in self._seen:
             if waiting == rid:
@@ -52,3 +52,8 @@ class PageQueue:
     def leave(self, rids: Iterable[str]) -> None:
         for rid in rids:
             self._seen.pop(rid, None)
+
+    def _drop_lapsed(self) -> None:
+        now = self._clock()
+        for gone in [r for r, seen in self._seen.items() if now - seen > self.lapse_s]:
+            del self._seen[gone]

@@ -169,7 +169,13 @@ class TargetEngine:
                 self.page_queue.wait(inp.request_id)
 
     def release(self, request_id: str) -> None:
+        """Free a request's pages; a request waiting for pages (in the page queue) leaves the queue instead: its
+        caller gave up on it (a client that left, a queue wait that ran out), and the requests behind it need not
+        wait for its place to lapse."""
         if self.requests.pop(request_id, None) is None:
+            if request_id in self.page_queue:
+                self.page_queue.leave([request_id])
+                return
             raise UnknownRequest(f"unknown request id {request_id!r}")
         self.kv.release(request_id)
 

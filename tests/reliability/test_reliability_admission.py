@@ -185,3 +185,35 @@ def test_reliability_admission_a_queue_behind_its_first_request_keeps_its_turn(s
     assert firsts == ["plain-6a", "plain-6b", "spec-6"]  # in the order they arrived, across the two queues
     ch1.close()
     assert wait_whole(target_kv, target.addr) == (30, 30, 0)
+
+
+def waiting_for_pages(addr: str) -> int:
+    with grpc.insecure_channel(addr) as ch:
+        info = target_pb2_grpc.TargetServiceStub(ch).GetModelInfo(target_pb2.TargetServiceGetModelInfoRequest(),
+                                                                   timeout=10)
+    return info.num_waiting_for_pages
+
+
+def test_reliability_admission_a_cancelled_waiting_request_gives_up_its_place_at_once(stack):
+    """A draft's request waiting for the target's pages is cancelled by its client: the draft releases it on the
+    target, whose page queue drops it at once instead of after its place lapses (0.5 s of holding up every request
+    behind it; QA saw a cancel right as pages came back delay the others that long)."""
+    target, waits, _ = stack
+    holder, ch1 = draft_stream(waits.addr, "hold-7", 200)
+    it = iter(holder)
+    next(it)
+    waiter, ch2 = draft_stream(waits.addr, "gone-7", 200)
+    deadline = time.monotonic() + 10
+    while waiting_for_pages(target.addr) == 0 and time.monotonic() < deadline:  # refused: its place on the target
+        time.sleep(0.01)
+    assert waiting_for_pages(target.addr) == 1
+    waiter.cancel()
+    t0 = time.monotonic()
+    while waiting_for_pages(target.addr) and time.monotonic() - t0 < 5:
+        time.sleep(0.01)
+    gone_after = time.monotonic() - t0
+    assert waiting_for_pages(target.addr) == 0
+    assert gone_after < 0.4, gone_after  # the draft's next step released it (a lapse takes 0.5 s after its last ask)
+    holder.cancel()
+    ch1.close(), ch2.close()
+    assert wait_whole(target_kv, target.addr) == (30, 30, 0)

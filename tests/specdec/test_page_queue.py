@@ -10,7 +10,8 @@ from repo_paths import TINY
 from specdec.engine.factory import EngineOptions, build_target
 from specdec.engine.page_queue import PageQueue
 from specdec.engine.requests import PrefillInput
-from specdec.errors import InvalidInput, OutOfPages
+from specdec.engine.scheduler import Scheduler
+from specdec.errors import InvalidInput, OutOfPages, UnknownRequest
 from specdec.sampling_params import SamplingParams
 
 # 10 prompt + 20 new tokens + a tree of 64 drafts + 1 = 95 token slots: 6 pages of 16; the pool holds two requests
@@ -159,3 +160,38 @@ def test_a_callers_whole_queue_holds_its_places_in_its_order(engine, clock):
     assert "3 earlier requests" in refused(engine, "d1")
     ask(engine, "t1", "t2")  # the caller's next group: both in their turn
     assert "1 earlier request" in refused(engine, "d1")
+
+
+def test_releasing_a_waiting_request_gives_up_its_place_at_once(engine, clock):
+    """A caller that gives up on a waiting request (its client left, its queue wait ran out) releases it: the
+    requests behind it do not wait for its place to lapse."""
+    ask(engine, "a")
+    ask(engine, "b")
+    refused(engine, "left")
+    engine.release("left")  # no pages held: it leaves the queue
+    assert "left" not in engine.page_queue
+    engine.release("a")
+    ask(engine, "next")  # at once, no lapse
+    with pytest.raises(UnknownRequest):
+        engine.release("left")  # gone now
+
+
+@pytest.mark.parametrize("how", ["abort", "queue wait"])
+def test_a_scheduler_gives_up_the_place_of_a_request_it_stops_waiting_for(engine, clock, how):
+    """The target's own queue (a Scheduler over the engine, as `TargetService.Generate`): a waiting request aborted
+    by its client, or whose queue wait ran out, leaves the page queue in the same step."""
+    ask(engine, "a")
+    ask(engine, "b")
+    sched = Scheduler(engine, None, engine.max_context, 4, max_queue_wait_s=30.0)
+    sched.add("w", PROMPT, SamplingParams(max_new_tokens=20, ignore_eos=True))
+    sched.step()
+    assert "w" in engine.page_queue and sched.waiting
+    if how == "abort":
+        sched.abort("w")
+    else:
+        sched.max_queue_wait_s = 1e-9  # (its wait has run out by the next step)
+    events = sched.step()
+    assert [e.request_id for e in events] == ["w"] and not sched.waiting
+    assert "w" not in engine.page_queue
+    engine.release("a")
+    ask(engine, "next")
