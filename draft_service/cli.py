@@ -14,7 +14,7 @@ DRAFT_GPU_PLAIN_STEPS = 16
 def register(subparsers) -> None:
     from specdec.eval.cli import add_spec_args
     from specdec.rpc.tls import add_tls_args
-    from specdec.serving.engine_args import add_engine_args
+    from specdec.serving.engine_args import add_engine_args, seconds
     from specdec.telemetry.args import add_telemetry_args
 
     p = subparsers.add_parser(
@@ -28,9 +28,9 @@ def register(subparsers) -> None:
                    help="target service address HOST:PORT, or in-process: load --target-model in this process (same "
                         "device and engine flags; --num-pages sizes both KV pools) and serve TargetService on this "
                         "server too, so no step pays a Verify round trip (draft and target on one GPU)")
-    p.add_argument("--target-wait-seconds", type=float, default=None,
+    p.add_argument("--target-wait-seconds", type=seconds("ask once, no waiting"), default=None,
                    help="how long to wait at start-up for a remote target to be ready, default 600")
-    p.add_argument("--request-idle-seconds", type=float, default=None,
+    p.add_argument("--request-idle-seconds", type=seconds("never"), default=None,
                    help="with --target in-process: its TargetService releases a request that no call has named for "
                         "this long (other drafts' requests; as serve-target's flag, default 120, 0 = never)")
     add_engine_args(p, DEFAULT_PORT, gpu_plain_steps=DRAFT_GPU_PLAIN_STEPS)

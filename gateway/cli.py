@@ -10,6 +10,7 @@ import sys
 
 from gateway.config import DEFAULT_MAX_INPUT_CHARS, DEFAULT_MAX_NEW_TOKENS_LIMIT
 from gateway.local_stack import DEFAULT_DRAFT_DIR, DEFAULT_PORTS, DEFAULT_TARGET_DIR
+from specdec.serving.engine_args import port, seconds
 
 DEFAULT_ADDR = f"localhost:{DEFAULT_PORTS['gateway']}"
 
@@ -41,7 +42,8 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", default="", metavar="NAME",
                    help="the model id ListModels reports (default: the target's model name, e.g. its path)")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORTS["gateway"], help="port (default 50050)")
+    p.add_argument("--port", type=port(), default=DEFAULT_PORTS["gateway"],
+                   help="port (0 = any free port; default 50050)")
     p.add_argument("--api-key-file", metavar="FILE", help="accepted API keys, one per line (Bearer auth)")
     p.add_argument("--max-prompt-tokens", type=int, metavar="N", help="longest prompt accepted (default: no limit)")
     p.add_argument(
@@ -58,7 +60,8 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-input-chars", type=int, default=DEFAULT_MAX_INPUT_CHARS, metavar="N",
                    help="longest prompt, chat (its contents) or Tokenize text in characters, refused before "
                         f"tokenizing (default {DEFAULT_MAX_INPUT_CHARS})")
-    p.add_argument("--drain-seconds", type=float, default=30.0, help="on SIGTERM, let streams finish this long")
+    p.add_argument("--drain-seconds", type=seconds("running streams end at once"), default=30.0,
+                   help="on SIGTERM, let streams finish this long (default 30)")
     add_tls_args(p, who="the gateway, also used towards its pairs")
     p.add_argument("--tls-client-certs", choices=("required", "optional"), default="required",
                    help="with --tls-ca: whether the gateway's clients must present a certificate (optional: an "
@@ -80,8 +83,10 @@ def _register_up(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--colocated", action="store_true",
                    help="run the target inside the draft's process (serve-draft --target in-process: no Verify round "
                         "trip a step; two processes, the draft's port serves both)")
-    for service, port in DEFAULT_PORTS.items():
-        p.add_argument(f"--{service}-port", type=int, default=port, help=f"{service} port (default {port})")
+    for service, default in DEFAULT_PORTS.items():
+        # 1-65535: the other services are told this port, so 0 (any free port) cannot stand for one
+        p.add_argument(f"--{service}-port", type=port(zero=None), default=default,
+                       help=f"{service} port (default {default})")
     p.set_defaults(handler=_up)
 
 

@@ -10,7 +10,7 @@ DEFAULT_REQUEST_IDLE_S = 120.0
 
 def register(subparsers) -> None:
     from specdec.rpc.tls import add_tls_args
-    from specdec.serving.engine_args import add_engine_args
+    from specdec.serving.engine_args import add_engine_args, seconds
     from specdec.telemetry.args import add_telemetry_args
 
     p = subparsers.add_parser(
@@ -18,7 +18,7 @@ def register(subparsers) -> None:
         description="The target service: verifies draft token trees and decodes plainly (the fallback).",
     )
     p.add_argument("--model", help="target checkpoint directory (HF Llama format, safetensors)")
-    p.add_argument("--request-idle-seconds", type=float, default=DEFAULT_REQUEST_IDLE_S,
+    p.add_argument("--request-idle-seconds", type=seconds("never"), default=DEFAULT_REQUEST_IDLE_S,
                    help="release a request that no Prefill or Verify has named for this long: its draft is gone "
                         "(killed, or gave up on a call that timed out); 0 = never "
                         f"(default {DEFAULT_REQUEST_IDLE_S:g})")

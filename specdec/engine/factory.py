@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.attention import check_backend
 from specdec.attention.graph_backend import capture_at_startup
 from specdec.config import ModelConfig
 from specdec.engine.draft_engine import DraftEngine, SpecConfig
@@ -42,6 +43,7 @@ class EngineOptions:
             raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"--device {self.device}: no CUDA device is available (use --device cpu)")
+        check_backend(self.attention_backend, self.device)
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ConfigError(f"--page-size must be a power of two, got {self.page_size}")
         if self.num_pages < 0 or self.max_batch_size < 1 or self.max_context < 0:

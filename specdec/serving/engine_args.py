@@ -1,18 +1,61 @@
-"""Command-line flags shared by the model services (engine options), parsed into EngineOptions."""
+"""Command-line flags shared by the model services (engine options), parsed into EngineOptions; and the argparse
+types that range-check the services' numeric flags (`port`, `ranged`) while parsing: a value out of range stops
+the command at once (exit 2, `argument --flag: ...`) instead of wrapping around or being taken silently."""
 
 from __future__ import annotations
 
 import argparse
+import math
+
+MAX_PORT = 65535
+
+
+def ranged(kind: type = float, minimum: float = 0, maximum: float | None = None, *, what: str = "a number",
+           zero: str | None = None):
+    """An argparse `type`: a finite `kind` (int or float) from `minimum` to `maximum` (None: no upper bound); 0 too
+    when `zero` says what it means. The error names the range (`what`) and the meaning of 0:
+
+        ranged(what="seconds", zero="never")("-1")  ->  "-1 is out of range: seconds >= 0 (0 = never)"
+        ranged(float, 1, what="tokens per step", zero="off")("0.5")  ->  "... tokens per step >= 1, or 0 = off"
+    """
+    bounds = f">= {minimum:g}" if maximum is None else f"{minimum:g}-{maximum:g}"
+    if zero is not None:
+        bounds += f" (0 = {zero})" if minimum <= 0 else f", or 0 = {zero}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") \
+                from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+        if (zero is not None and value == 0) or (minimum <= value and (maximum is None or value <= maximum)):
+            return value
+        raise argparse.ArgumentTypeError(f"{text} is out of range: {what} {bounds}")
+
+    return parse
+
+
+def port(zero: str | None = "any free port"):
+    """The argparse `type` of a port flag: 0-65535, `zero` saying what 0 means; None: 1-65535 (0 means nothing)."""
+    return ranged(int, 0 if zero is not None else 1, MAX_PORT, what="a port", zero=zero)
+
+
+def seconds(zero: str | None = None):
+    """The argparse `type` of a duration flag: seconds >= 0, `zero` saying what 0 means."""
+    return ranged(float, 0, what="seconds", zero=zero)
 
 
 def add_engine_args(parser: argparse.ArgumentParser, default_port: int, gpu_plain_steps: int = 4) -> None:
     """`gpu_plain_steps`: the service's --plain-steps default on a GPU (on a CPU it is 4)."""
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all), default 127.0.0.1")
-    g.add_argument("--port", type=int, default=default_port, help=f"gRPC port, default {default_port}")
-    g.add_argument("--drain-seconds", type=float, default=30.0,
+    g.add_argument("--port", type=port(), default=default_port,
+                   help=f"gRPC port (0 = any free port), default {default_port}")
+    g.add_argument("--drain-seconds", type=seconds("running requests end at once"), default=30.0,
                    help="on SIGTERM, how long running requests may take to finish, default 30")
-    g.add_argument("--max-queue-wait-seconds", type=float, default=30.0,
+    g.add_argument("--max-queue-wait-seconds", type=seconds("refuse at once"), default=30.0,
                    help="how long a request may wait for KV pages before RESOURCE_EXHAUSTED (0 = refuse at "
                         "once), default 30")
     default_steps = "4" if gpu_plain_steps == 4 else f"{gpu_plain_steps} on a GPU, 4 on a CPU"
@@ -29,7 +72,7 @@ def add_engine_args(parser: argparse.ArgumentParser, default_port: int, gpu_plai
                    help="dummy = random weights of the checkpoint's shape (benchmarking only)")
     e.add_argument("--config", metavar="NAME", help="with --load-format dummy: a named shape instead of --model "
                    "(llama3-8b, llama3-8b-eagle1, llama3-8b-eagle3)")
-    e.add_argument("--simulate-accept-len", type=float, default=0.0,
+    e.add_argument("--simulate-accept-len", type=ranged(float, 1, what="tokens per step", zero="off"), default=0.0,
                    help="BENCHMARKING ONLY (target): accept a simulated number of draft tokens per step with this "
                         "mean tokens/step; outputs are then NOT the model's. Default off")
     e.add_argument("--disable-cuda-graph", action="store_true", help="run the GPU path eagerly (no CUDA graphs)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from specdec.serving.engine_args import port
 from specdec.telemetry.logs import LOG_FORMATS
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -16,7 +17,7 @@ def add_telemetry_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     )
     group.add_argument(
         "--metrics-port",
-        type=int,
+        type=port("off"),
         default=0,
         help="serve Prometheus metrics on this port at /metrics (0 = off; default 0)",
     )
