@@ -30,6 +30,8 @@ Messages = Sequence[dict[str, str]]
 
 @dataclass(frozen=True)
 class GenerationStats:
+    """A finished generation's `GatewayStats`, field for field."""
+
     finish_reason: str  # "stop", "length" or "abort"
     prompt_tokens: int
     completion_tokens: int
@@ -39,6 +41,7 @@ class GenerationStats:
     total_s: float
     speculative: bool
     request_id: str
+    fallbacks: int = 0  # times the stream continued elsewhere after a service under it failed
 
     @property
     def tokens_per_s(self) -> float:
@@ -57,6 +60,7 @@ class GenerationStats:
             total_s=msg.total_s,
             speculative=msg.speculative,
             request_id=msg.request_id,
+            fallbacks=msg.fallbacks,
         )
 
 

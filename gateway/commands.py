@@ -137,10 +137,11 @@ def format_stats(stats: GenerationStats | None) -> str:
     if stats is None:
         return "[no final stats: the stream ended early]"
     mode = f"tau {stats.tau:.2f}" if stats.speculative else "no speculation"
+    fallbacks = f", {_count(stats.fallbacks, 'fallback')}" if stats.fallbacks else ""
     return (
         f"[{_count(stats.completion_tokens, 'token')} in {stats.total_s:.2f} s, {stats.tokens_per_s:.1f} tokens/s, "
         f"{mode}, first text after {stats.time_to_first_token_s:.2f} s, prompt {_count(stats.prompt_tokens, 'token')}, "
-        f"finish {stats.finish_reason}]"
+        f"finish {stats.finish_reason}{fallbacks}]"
     )
 
 

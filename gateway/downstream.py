@@ -68,8 +68,25 @@ def open_channel(addr: str, tls: TlsConfig | None) -> grpc.aio.Channel:
 
 class Health(enum.Enum):
     SERVING = "serving"
-    NOT_SERVING = "not serving"
-    NO_ANSWER = "no answer"
+    NOT_SERVING = "not serving"  # it answered NOT_SERVING: loading, draining, or its own backend away
+    FAILED = "failed"  # the check failed: nothing listens there (connection refused), TLS, DNS, ...
+    WRONG_SERVICE = "wrong service"  # it answers, but does not know the expected service: another kind of server
+    NO_ANSWER = "no answer"  # the deadline passed
+
+
+# a health check's status that means "this server does not serve that name": no health service at all, or a
+# health service that does not know the name (a draft address that is really a target's answers NOT_FOUND)
+_WRONG_SERVICE_CODES = frozenset({grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.NOT_FOUND})
+MAX_WHY_DETAILS = 200  # characters of a failed check's status message in `HealthCheck.why`
+
+
+@dataclass(frozen=True)
+class HealthCheck:
+    """What one health check found: `health`, and `why` in words for the log ("connection refused
+    (UNAVAILABLE: ...)", "not serving (it answered NOT_SERVING)", ...)."""
+
+    health: Health
+    why: str = ""
 
 
 class _ServiceClient:
@@ -80,16 +97,32 @@ class _ServiceClient:
         self.channel = open_channel(addr, tls)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
-    async def probe(self, timeout_s: float = 1.0) -> Health:
-        """One health check: SERVING, NOT_SERVING (an answer saying so, or any error but a deadline: a service
-        that is gone refuses the connection at once), or NO_ANSWER (the deadline passed: a busy service, whose
-        event loop waits behind a long engine step on a small CPU, misses one now and then)."""
+    async def probe(self, timeout_s: float = 1.0) -> HealthCheck:
+        """One health check: SERVING; NOT_SERVING (an answer saying so); WRONG_SERVICE (the server does not know
+        this service's name: another kind of service, e.g. a target where the draft should be); FAILED (any other
+        error but a deadline: a service that is gone refuses the connection at once); or NO_ANSWER (the deadline
+        passed: a busy service, whose event loop waits behind a long engine step on a small CPU, misses one now
+        and then)."""
         request = health_pb2.HealthCheckRequest(service=self.service_name)
         try:
             reply = await self._health.Check(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
-            return Health.NO_ANSWER if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else Health.NOT_SERVING
-        return Health.SERVING if reply.status == health_pb2.HealthCheckResponse.SERVING else Health.NOT_SERVING
+            return self._failed_check(exc, timeout_s)
+        if reply.status == health_pb2.HealthCheckResponse.SERVING:
+            return HealthCheck(Health.SERVING, "serving")
+        status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        return HealthCheck(Health.NOT_SERVING, f"not serving (it answered {status})")
+
+    def _failed_check(self, exc: grpc.aio.AioRpcError, timeout_s: float) -> HealthCheck:
+        code, details = exc.code(), exc.details() or ""
+        status = f"{code.name}: {details[:MAX_WHY_DETAILS]}" if details else code.name
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return HealthCheck(Health.NO_ANSWER, f"no answer within {timeout_s:g} s")
+        if code in _WRONG_SERVICE_CODES:
+            return HealthCheck(Health.WRONG_SERVICE, f"does not implement {self.service_name} (its health check "
+                                                     f"answered {status}; --pair is DRAFT=TARGET)")
+        what = "connection refused" if "connection refused" in details.lower() else "health check failed"
+        return HealthCheck(Health.FAILED, f"{what} ({status})")
 
     async def close(self) -> None:
         await self.channel.close()

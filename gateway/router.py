@@ -7,7 +7,8 @@ speculation), round-robin among equals; the request keeps its `Lease` (and so it
 the pair fails under it. A part that fails a call is marked down at once (`report_failure`); the health loop
 probes every part (every 0.25 s while some part is down) and brings it back when it answers SERVING again; an
 up part that does not answer is marked down after `MISSED_CHECKS_DOWN` checks in a row (one is a busy service
-more often than a dead one).
+more often than a dead one). The log says each part's state at its first check (one found down: a WARNING
+saying why) and then each change, never the same state twice in a row.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 import grpc.aio
 
 from gateway.config import PairAddress
-from gateway.downstream import DraftClient, Health, TargetClient
+from gateway.downstream import DraftClient, Health, HealthCheck, TargetClient
 from specdec.errors import NotReady
 from specdec.rpc.tls import TlsConfig
 from specdec.spec_params import TREE_CAP_FIELDS
@@ -36,6 +37,7 @@ FAST_POLL_S = 0.25  # health-check interval while some part of some pair is down
 # later, refusing new requests in between); a dead one refuses the connection (down at once), and a failing
 # call marks its part down at once whatever the checks say.
 MISSED_CHECKS_DOWN = 3
+CALL_FAILED = "call failed"  # what the state log holds of a part `report_failure` took out
 
 
 class Part(enum.Enum):
@@ -74,6 +76,9 @@ class Pair:
     def speculative(self) -> bool:
         return self.target_up and self.draft is not None and self.draft_up
 
+    def is_up(self, part: Part) -> bool:
+        return getattr(self, _up_attr(part))
+
     def __str__(self) -> str:
         return f"pair {self.index} ({self.address})"
 
@@ -93,6 +98,9 @@ class Router:
         self._turn = itertools.count()
         self._health_task: asyncio.Task | None = None
         self._missed: dict[tuple[int, Part], int] = {}  # (pair index, part) -> unanswered health checks in a row
+        # (pair index, part) -> the states logged since it last went up or down ("up", or the `Health` values it
+        # was found down with, CALL_FAILED after `report_failure`); absent: not checked yet
+        self._said: dict[tuple[int, Part], set[str]] = {}
         self.any_up = asyncio.Event()
 
     @classmethod
@@ -138,6 +146,7 @@ class Router:
         attr = _up_attr(part)
         if getattr(pair, attr):
             log.warning("%s: %s marked down (%s)", pair, part.value, reason)
+            self._said[(pair.index, part)] = {CALL_FAILED}
         setattr(pair, attr, False)
 
     @property
@@ -151,41 +160,62 @@ class Router:
             self.any_up.set()
 
     async def _check_pair(self, pair: Pair) -> None:
-        target_up = self._judge(pair, Part.TARGET, await pair.target.probe())
-        if target_up and not pair.target_up:
-            await self._learn_target(pair)
-        self._set(pair, Part.TARGET, target_up)
+        await self._check_part(pair, Part.TARGET, pair.target)
         if pair.draft is not None:
-            draft_up = self._judge(pair, Part.DRAFT, await pair.draft.probe())
-            if draft_up and not pair.draft_up:
-                await self._learn_draft(pair)
-            self._set(pair, Part.DRAFT, draft_up)
+            await self._check_part(pair, Part.DRAFT, pair.draft)
 
-    def _judge(self, pair: Pair, part: Part, health: Health) -> bool:
+    async def _check_part(self, pair: Pair, part: Part, client: TargetClient | DraftClient) -> None:
+        check = await client.probe()
+        up = self._judge(pair, part, check)
+        if up and not pair.is_up(part):
+            await (self._learn_target(pair) if part is Part.TARGET else self._learn_draft(pair))
+        self._set(pair, part, up, check)
+
+    def _judge(self, pair: Pair, part: Part, check: HealthCheck) -> bool:
         """Up or down after this check: an unanswered check keeps an up part up until MISSED_CHECKS_DOWN in a
         row; a part that is down comes back only on SERVING."""
         key = (pair.index, part)
-        if health is not Health.NO_ANSWER:
+        if check.health is not Health.NO_ANSWER:
             self._missed.pop(key, None)
-            return health is Health.SERVING
+            return check.health is Health.SERVING
         self._missed[key] = missed = self._missed.get(key, 0) + 1
-        up = getattr(pair, _up_attr(part))
-        if up and missed < MISSED_CHECKS_DOWN:
+        if pair.is_up(part) and missed < MISSED_CHECKS_DOWN:
             log.info("%s: %s did not answer a health check (%d in a row)", pair, part.value, missed)
             return True
-        if not pair.unresponsive[part].is_set():
-            log.warning("%s: %s did not answer %d health checks in a row; its streams move on", pair, part.value,
-                        missed)
-            pair.unresponsive[part].set()
+        pair.unresponsive[part].set()  # the streams running on it stop waiting for it
         return False
 
-    def _set(self, pair: Pair, part: Part, up: bool) -> None:
-        attr = _up_attr(part)
-        if getattr(pair, attr) != up:
-            log.info("%s: %s is %s", pair, part.value, "up" if up else "down")
-        setattr(pair, attr, up)
+    def _set(self, pair: Pair, part: Part, up: bool, check: HealthCheck) -> None:
+        setattr(pair, _up_attr(part), up)
         if up and pair.unresponsive[part].is_set():
             pair.unresponsive[part] = asyncio.Event()
+        self._log_state(pair, part, up, check)
+
+    def _log_state(self, pair: Pair, part: Part, up: bool, check: HealthCheck) -> None:
+        """Log `part`'s state at its first check, then when it goes up or down (a WARNING when it is found down,
+        with why), and while down each other reason once (refused, then NOT_SERVING while it loads). A part that
+        stays as it was logs nothing more."""
+        key = (pair.index, part)
+        state = "up" if up else check.health.value
+        said = self._said.get(key)
+        if said is not None and state in said:
+            return
+        first, was_up = said is None, said is not None and "up" in said
+        had_streams = was_up or (said is not None and CALL_FAILED in said)
+        if first or up or was_up:  # a change of up / down starts the record over
+            said = self._said[key] = set()
+        said.add(state)
+        addr = pair.target.addr if part is Part.TARGET else pair.draft.addr
+        if up:
+            log.info("%s: %s %s is up", pair, part.value, addr)
+            return
+        why = check.why
+        if check.health is Health.NO_ANSWER:
+            missed = self._missed.get(key, 0)
+            why += f" ({missed} checks in a row)" if missed > 1 else ""
+            why += "; its streams move on" if had_streams else ""
+        level, still = (logging.WARNING, "") if first or was_up else (logging.INFO, "still ")
+        log.log(level, "%s: %s %s is %sdown: %s", pair, part.value, addr, still, why)
 
     async def _learn_target(self, pair: Pair) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError):

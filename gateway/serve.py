@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2
 from gateway.auth import ApiKeyInterceptor, load_api_keys
 from gateway.config import GatewayConfig, GatewayLimits, PairAddress
 from gateway.interceptors import AccessLogInterceptor, MetricsInterceptor
+from gateway.pair_metrics import track_pair_parts
 from gateway.router import Router
 from gateway.servicer import GATEWAY_SERVICE, GatewayServicer
 from specdec.rpc.cli_support import run_cli_service
@@ -90,6 +91,7 @@ async def start_gateway(
     interceptors = [*server_interceptors(), AccessLogInterceptor()]
     if metrics is not None:
         interceptors.append(MetricsInterceptor(metrics))
+        track_pair_parts(metrics, router)
     if api_keys:
         interceptors.append(ApiKeyInterceptor(api_keys))
     add_servicer = lambda server: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)

@@ -208,6 +208,12 @@ class ServiceMetrics:
                                "Times a finished request's stream continued on another service after one under it "
                                "failed (GatewayStats.fallbacks).")
 
+    @property
+    def base_labels(self) -> tuple[str, str]:
+        """This service's values of BASE_LABELS (`service`, `model_name`): for a collector of its own that joins
+        `registry` (the gateway's `pair_part_up`)."""
+        return self._base
+
     def observe_request(
         self,
         status: str,

@@ -123,8 +123,8 @@ class FakeDraft(draft_pb2_grpc.DraftServiceServicer, _Behaviour):
             model="fake-draft", spec=common_pb2.SpecParams(num_steps=steps, topk=topk, num_draft_tokens=nodes))
 
 
-async def serve_fake(servicer, add, health_name: str):
-    handle = await start_server([lambda s: add(servicer, s)], [health_name], "127.0.0.1", 0)
+async def serve_fake(servicer, add, health_name: str, port: int = 0):
+    handle = await start_server([lambda s: add(servicer, s)], [health_name], "127.0.0.1", port)
     await handle.set_serving(True)
     return handle
 

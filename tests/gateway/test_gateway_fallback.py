@@ -205,7 +205,7 @@ def test_an_unanswered_health_check_keeps_a_pair_up_until_several_in_a_row(fake_
     CPU): one or two unanswered checks leave its part up (new requests keep their pair), MISSED_CHECKS_DOWN in a
     row mark it down, and a refused connection (a dead service) marks it down at once."""
     from gateway import router as router_module
-    from gateway.downstream import Health
+    from gateway.downstream import Health, HealthCheck
 
     async def body():
         async with fake_stack(fake_model, model_dir) as (pairs, gateway, stub):
@@ -215,10 +215,11 @@ def test_an_unanswered_health_check_keeps_a_pair_up_until_several_in_a_row(fake_
             answers = []
 
             async def probe(timeout_s=1.0):
-                return answers.pop(0)
+                return HealthCheck(answers.pop(0))
 
             monkeypatch.setattr(pair.target, "probe", probe)
-            monkeypatch.setattr(pair.draft, "probe", lambda timeout_s=1.0: asyncio.sleep(0, Health.SERVING))
+            serving = HealthCheck(Health.SERVING)
+            monkeypatch.setattr(pair.draft, "probe", lambda timeout_s=1.0: asyncio.sleep(0, serving))
             seen = []
             for health in [Health.NO_ANSWER] * (router_module.MISSED_CHECKS_DOWN - 1):
                 answers.append(health)
@@ -244,9 +245,9 @@ def test_an_unanswered_health_check_keeps_a_pair_up_until_several_in_a_row(fake_
 
 def _frozen(monkeypatch, client) -> None:
     """`client`'s service stops answering health checks (a frozen process: SIGSTOP, a stuck host)."""
-    from gateway.downstream import Health
+    from gateway.downstream import Health, HealthCheck
 
-    monkeypatch.setattr(client, "probe", lambda timeout_s=1.0: asyncio.sleep(0, Health.NO_ANSWER))
+    monkeypatch.setattr(client, "probe", lambda timeout_s=1.0: asyncio.sleep(0, HealthCheck(Health.NO_ANSWER)))
 
 
 @pytest.mark.parametrize("frozen", ["draft", "target"])

@@ -203,7 +203,8 @@ def test_telemetry_e2e_each_service_exports_what_it_sets(run):
     it), the target no request or speculation ones; `service` is the short name, `model_name` the model's."""
     families = {name: _families(text) for name, text in run["metrics"].items()}
     policy = {PREFIX + "speculation_policy_tokens_per_second", PREFIX + "speculation_policy_target_steps"}
-    assert set(families["gateway"]) == _names(MetricsInterceptor.FAMILIES)
+    # and the gateway's own `pair_part_up` (`gateway/pair_metrics.py`, not a family group)
+    assert set(families["gateway"]) == _names(MetricsInterceptor.FAMILIES) | {PREFIX + "pair_part_up"}
     assert set(families["target"]) == _names(TARGET_FAMILIES)
     assert set(families["draft"]) == _names(MODEL_FAMILIES) - policy  # --speculation always: no policy collector
     for name, model in (("gateway", "target"), ("target", "target")):  # models/tiny-code/target

@@ -1,0 +1,56 @@
+"""The Python client's `GenerationStats` (every `GatewayStats` field) and `specdec generate`'s stats line."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from conftest import SCRIPT_TEXT
+from gateway_fakes import fake_stack, run
+
+from gateway.client import GatewayClient, GenerationStats
+from gateway.commands import format_stats
+from specdec.v1 import common_pb2, gateway_pb2
+
+
+def stats(**fields) -> GenerationStats:
+    base = {"finish_reason": "length", "prompt_tokens": 8, "completion_tokens": 24, "tau": 0.0,
+            "accepted_per_position": (), "time_to_first_token_s": 0.09, "total_s": 0.45, "speculative": False,
+            "request_id": "r1"}
+    return GenerationStats(**{**base, **fields})
+
+
+def test_the_client_stats_carry_every_gateway_stats_field():
+    """QA: `fallbacks` (GatewayStats field 10) was dropped. Each field of the message is one of the stats, by the
+    same name, so a field added to the proto and not to the client fails here."""
+    msg = gateway_pb2.GatewayStats(
+        finish_reason=common_pb2.FINISH_REASON_STOP, prompt_tokens=8, completion_tokens=24, tau=3.5,
+        accepted_per_position=[5, 4], time_to_first_token_s=0.09, total_s=0.45, speculative=True, request_id="r1",
+        fallbacks=2,
+    )
+    got = GenerationStats.from_proto(msg)
+    proto_fields = [f.name for f in gateway_pb2.GatewayStats.DESCRIPTOR.fields]
+    assert proto_fields == [f.name for f in dataclasses.fields(GenerationStats)]
+    assert got == GenerationStats("stop", 8, 24, 3.5, (5, 4), 0.09, 0.45, True, "r1", fallbacks=2)
+
+
+def test_the_stats_line_says_fallbacks_only_when_there_were_some():
+    assert format_stats(stats()) == ("[24 tokens in 0.45 s, 53.3 tokens/s, no speculation, first text after 0.09 s, "
+                                     "prompt 8 tokens, finish length]")
+    assert format_stats(stats(fallbacks=1)).endswith("finish length, 1 fallback]")
+    assert format_stats(stats(fallbacks=2)).endswith("finish length, 2 fallbacks]")
+
+
+def test_the_client_reports_a_fallback_when_the_draft_fails_mid_stream(fake_model, model_dir):
+    async def body():
+        async with fake_stack(fake_model, model_dir) as (pairs, gateway, _):
+            pairs[0].draft.fail_after_chunks = 2
+            return await asyncio.to_thread(complete, f"127.0.0.1:{gateway.port}")
+
+    def complete(addr: str):
+        with GatewayClient(addr, timeout_s=20) as client:
+            return client.complete("def fib(n):", max_new_tokens=100)
+
+    text, final = run(body())
+    assert text == SCRIPT_TEXT and final.fallbacks == 1 and not final.speculative
+    assert format_stats(final).endswith(", 1 fallback]")
