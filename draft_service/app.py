@@ -8,11 +8,13 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
 from draft_service.colocated import IN_PROCESS, ColocatedTargetService, draft_options, load_target
 from draft_service.colocated import check_args as check_target_args
 from draft_service.servicer import DraftServicer
 from draft_service.target_client import TargetClient
+from draft_service.target_watch import TargetWatch
 from specdec.config import ModelConfig
 from specdec.engine.adaptive import FULL, SpeculationPolicy, budget_menu
 from specdec.engine.calibration import calibrate
@@ -24,6 +26,7 @@ from specdec.engine.requests import StepTimings
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.warmup import warm_verify_shapes
 from specdec.errors import ConfigError, NotReady
+from specdec.rpc.server import LIVENESS
 from specdec.rpc.service_runner import ServiceSpec, run_service
 from specdec.rpc.tensor_codec import FP8_ROWS
 from specdec.rpc.tls import TlsConfig
@@ -49,6 +52,8 @@ def _connect(client: TargetClient, timeout_s: float, stop: threading.Event):
     while True:
         try:
             return client.model_info()
+        except ConfigError as exc:
+            raise ConfigError(f"--target {client.addr}: {exc}") from None
         except NotReady as exc:
             if time.monotonic() > deadline:
                 raise NotReady(f"target at {client.addr} not ready after {timeout_s:.0f} s: {exc}") from None
@@ -72,47 +77,74 @@ def _load(args, opts, spec: SpecConfig, off: bool, stop: threading.Event):
         log.info("connecting to target at %s", args.target)
         wait_s = DEFAULT_TARGET_WAIT_S if args.target_wait_seconds is None else args.target_wait_seconds
         info = _connect(client, wait_s, stop)
-    if (info.vocab_size, info.hidden_size, info.num_layers) != \
-            (target_cfg.vocab_size, target_cfg.hidden_size, target_cfg.num_layers):
-        raise ConfigError(f"target at {args.target} serves {info.model} (vocab {info.vocab_size}, hidden "
-                          f"{info.hidden_size}, {info.num_layers} layers), which does not match --target-model "
-                          f"{args.target_model} (vocab {target_cfg.vocab_size}, hidden {target_cfg.hidden_size}, "
-                          f"{target_cfg.num_layers} layers)")
+    _raise_mismatch(target_mismatch(args, target_cfg, spec, info))
     max_context = min(info.max_context_len, opts.max_context or info.max_context_len)
     log.info("target %s: context length %d", info.model, max_context)
     if stop.is_set():
         raise StartCancelled("shutting down before the draft model was built")
-    if info.max_draft_tokens and spec.num_draft_tokens > info.max_draft_tokens:
-        raise ConfigError(f"--num-draft-tokens {spec.num_draft_tokens}: the target at {args.target} verifies trees "
-                          f"of at most {info.max_draft_tokens} draft tokens")
     engine = build_draft(args.model, args.target_model, spec, opts, max_context)
-    _check_feature_layers(args, feature_layers_for(engine), info)
+    _raise_mismatch(_feature_layers_mismatch(args, feature_layers_for(engine), info))
     client.feature_dim = info.hidden_size * max(1, len(feature_layers_for(engine)))
     sizes = [] if off else [spec.num_draft_tokens if b == FULL else b for b in budget_menu(spec.num_draft_tokens)]
     warm_verify_shapes(client, sizes, spec.topk, feature_layers_for(engine), info.vocab_size, features=not off)
     return client, engine, max_context, info
 
 
-def _check_feature_layers(args, layers: tuple[int, ...], info) -> None:
+def target_mismatch(args, target_cfg: ModelConfig, spec: SpecConfig, info) -> str | None:
+    """Why the target that answered (`info`, its GetModelInfo) cannot serve this draft, or None: another model than
+    --target-model, or trees bigger than it verifies. Checked at start-up and whenever it answers again
+    (`TargetWatch`: a target restarted as another model)."""
+    if (info.vocab_size, info.hidden_size, info.num_layers) != \
+            (target_cfg.vocab_size, target_cfg.hidden_size, target_cfg.num_layers):
+        return (f"target at {args.target} serves {info.model} (vocab {info.vocab_size}, hidden {info.hidden_size}, "
+                f"{info.num_layers} layers), which does not match --target-model {args.target_model} (vocab "
+                f"{target_cfg.vocab_size}, hidden {target_cfg.hidden_size}, {target_cfg.num_layers} layers)")
+    if info.max_draft_tokens and spec.num_draft_tokens > info.max_draft_tokens:
+        return (f"--num-draft-tokens {spec.num_draft_tokens}: the target at {args.target} verifies trees of at most "
+                f"{info.max_draft_tokens} draft tokens")
+    return None
+
+
+def _feature_layers_mismatch(args, layers: tuple[int, ...], info) -> str | None:
     """An EAGLE-3 head reads the target's hidden states at its trained layers: one the target does not have means
     the head was trained for another target. Before, the draft started and reported SERVING, its warm-up logged a
     warning, and every speculative request failed INVALID_ARGUMENT (blaming the client)."""
     bad = [i for i in layers if not 0 <= i <= info.num_layers]
     if bad:
-        raise ConfigError(f"the draft {args.model} reads the target's hidden states at layer {bad[0]} (of "
-                          f"{list(layers)}), but the target at {args.target} ({info.model}) has {info.num_layers} "
-                          "layers: the head was trained for another target")
+        return (f"the draft {args.model} reads the target's hidden states at layer {bad[0]} (of {list(layers)}), "
+                f"but the target at {args.target} ({info.model}) has {info.num_layers} layers: the head was trained "
+                "for another target")
+    return None
+
+
+def _context_mismatch(args, max_context: int, info) -> str | None:
+    if info.max_context_len < max_context:
+        return (f"the target at {args.target} ({info.model}) takes contexts of {info.max_context_len} tokens, this "
+                f"draft was started for {max_context}")
+    return None
+
+
+def _misfit(args, spec: SpecConfig, layers: tuple[int, ...], max_context: int) -> Callable[[object], str | None]:
+    """What `TargetWatch` asks of each answer of the target: the start-up checks, and the context the draft serves."""
+    target_cfg = ModelConfig.from_hf(args.target_model)
+    return lambda info: (target_mismatch(args, target_cfg, spec, info) or _feature_layers_mismatch(args, layers, info)
+                         or _context_mismatch(args, max_context, info))
+
+
+def _raise_mismatch(problem: str | None) -> None:
+    if problem is not None:
+        raise ConfigError(problem)
 
 
 async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
     opts = engine_options(args)
     steps = plain_steps(args)
     off = args.speculation == "off"  # the scheduler runs without the draft engine: plain steps through Verify
-    if args.admission_gather_ms < 0:
+    if not args.admission_gather_ms >= 0:  # (nan too)
         raise ConfigError(f"--admission-gather-ms {args.admission_gather_ms}: milliseconds >= 0 (0 = off)")
     if args.two_batch_overlap < 0:
         raise ConfigError(f"--two-batch-overlap {args.two_batch_overlap}: a request count >= 0 (0 = off)")
-    if args.prompt_feature_mb < 0:
+    if not args.prompt_feature_mb >= 0:
         raise ConfigError(f"--prompt-feature-mb {args.prompt_feature_mb}: megabytes >= 0 (0 = whole prompts)")
     if args.plain_calls_in_flight < 1:
         raise ConfigError(f"--plain-calls-in-flight {args.plain_calls_in_flight}: a call count >= 1 (1 = one at a "
@@ -161,9 +193,15 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
         servicer.num_running = lambda: len(sched.running)
         servicer.max_context, servicer.vocab_size, servicer.target_name = max_context, info.vocab_size, info.model
         state.update(loop=loop, client=client)
+        if colocated is None:  # a remote target: the draft is ready while it answers and fits (`TargetWatch`)
+            state["watch"] = TargetWatch(client, _misfit(args, spec, feature_layers_for(engine), max_context))
         return (f"model {args.model} ({engine.model.cfg.architecture}, steps {spec.num_steps} topk {spec.topk} "
                 f"draft tokens {spec.num_draft_tokens}, speculation {args.speculation}) for target {info.model} "
                 f"at {args.target}")
+
+    async def watch(set_ready) -> None:
+        if "watch" in state:
+            await state["watch"].run(set_ready)
 
     async def close() -> None:
         if "loop" in state:
@@ -175,12 +213,12 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
 
     servicers = [lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, s)]
     parent_required: tuple[str, ...] = (f"/{HEALTH_NAME}/GetModelInfo",)
-    hosted = {}
+    hosted = dict(more_health_names=(LIVENESS,), watch=watch)
     if colocated is not None:
         servicers.append(colocated.add_to)
         parent_required += colocated.per_step_methods
-        hosted = dict(more_health_names=(colocated.health_name,), still_served=frozenset(colocated.per_step_methods),
-                      busy=colocated.busy)
+        hosted = dict(more_health_names=(LIVENESS, colocated.health_name),
+                      still_served=frozenset(colocated.per_step_methods), busy=colocated.busy)
     await run_service(ServiceSpec(
         name="draft", health_name=HEALTH_NAME, servicers=servicers,
         load=load, close=close, host=args.host, port=args.port, tls=TlsConfig.from_args(args),

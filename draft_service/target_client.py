@@ -13,6 +13,7 @@ from google.protobuf.message import DecodeError
 from specdec.engine.requests import PrefillInput, PrefillOutput, VerifyInput, VerifyOutput, kept_feature_rows
 from specdec.errors import (
     Cancelled,
+    ConfigError,
     DuplicateRequest,
     InvalidInput,
     NotReady,
@@ -53,6 +54,8 @@ def _translate(exc: grpc.RpcError) -> SpecdecError:
     cls = _BY_CODE.get(code, SpecdecError)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         cls = NotReady
+    if code == grpc.StatusCode.UNIMPLEMENTED:  # a gateway's or a draft's address given as the target's (QA)
+        return ConfigError(f"target: {details}: the address does not serve specdec.v1.TargetService")
     return cls(f"target: {details}")
 
 
@@ -82,12 +85,12 @@ class TargetClient:
         return self.channel.unary_unary(TARGET_SERVICE_PATH + name, request_serializer=request_cls.SerializeToString,
                                         response_deserializer=None, _registered_method=True)
 
-    def _call(self, method, request):
+    def _call(self, method, request, timeout_s: float | None = None):
         """One blocking call; under a trace (a sampled step, a request's prefill) it carries `traceparent` and
         gets a CLIENT span (the aio interceptors do not apply to this blocking channel)."""
         try:
             with blocking_call_metadata(getattr(method, "_method", TARGET_SERVICE_PATH)) as metadata:
-                return method(request, timeout=self.timeout_s, metadata=metadata or None)
+                return method(request, timeout=timeout_s or self.timeout_s, metadata=metadata or None)
         except grpc.RpcError as exc:
             raise _translate(exc) from None
 
@@ -226,8 +229,8 @@ class TargetClient:
     def release(self, request_id: str) -> None:
         self._call(self.stub.Release, target_pb2.ReleaseRequest(request_ids=[request_id]))
 
-    def model_info(self) -> target_pb2.TargetServiceGetModelInfoResponse:
-        return self._call(self.stub.GetModelInfo, target_pb2.TargetServiceGetModelInfoRequest())
+    def model_info(self, timeout_s: float | None = None) -> target_pb2.TargetServiceGetModelInfoResponse:
+        return self._call(self.stub.GetModelInfo, target_pb2.TargetServiceGetModelInfoRequest(), timeout_s)
 
     def close(self) -> None:
         self.channel.close()

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.errors import DuplicateRequest, OutOfPages, UnknownRequest
+from specdec.errors import DuplicateRequest, InvalidInput, OutOfPages, UnknownRequest
 from specdec.host_copy import to_device
 
 
@@ -74,10 +74,16 @@ class PagedKVCache:
 
     # ---- request lifetime -------------------------------------------------------------------------------
     def add(self, rid: str, max_tokens: int = 0, pool_name: str = "KV pool") -> None:
-        """Start a request that may grow to `max_tokens` tokens; OutOfPages if that cannot be promised now."""
+        """Start a request that may grow to `max_tokens` tokens; OutOfPages if that cannot be promised now,
+        InvalidInput if it never could (more than the whole pool: waiting for pages would only run out the queue
+        wait, then blame a full pool that was empty, QA)."""
         if rid in self.tables:
             raise DuplicateRequest(f"request {rid!r} already holds KV pages")
         pages = self.pages_for(max_tokens)
+        if not self.could_ever_hold(max_tokens):
+            raise InvalidInput(f"{pool_name} too small for this request: it needs {pages} pages of {self.page_size} "
+                               f"tokens ({max_tokens} token slots: its prompt, max_new_tokens and one draft tree), the "
+                               f"whole pool holds {self.num_total_pages - len(self.aside)}; ask for fewer new tokens")
         if self.reserved + pages > self.num_total_pages:
             raise OutOfPages(f"{pool_name} full: request needs {pages} pages, "
                              f"{self.num_total_pages - self.reserved} unreserved")

@@ -16,7 +16,7 @@ from specdec.engine.plain_steps import PLAIN_STEPS
 from specdec.engine.requests import ABORT, RUNNING, PrefillInput
 from specdec.engine.run_state import Event, RunState
 from specdec.errors import OutOfPages, SpecdecError
-from specdec.telemetry.tracing import attached
+from specdec.telemetry.tracing import add_event, attached, untraced_context
 
 QUEUE_POLL_S = 0.01  # how often a request waiting for KV pages retries its admission
 MAX_PREFILL_TOKENS = 16384  # prompt tokens admitted in one target prefill call
@@ -27,6 +27,13 @@ GATHER_GAP_S = 0.001  # an idle scheduler gathering a burst admits once no reque
 MIN_PROMPT_FEATURE_ROWS = 64
 _BLOCKED = object()  # admission result: the KV pools are full, the request waits
 PROMPT_EXTEND = "draft.extend_prompt"  # span name of the draft's extend over admitted prompts
+
+
+def _prefill_trace(state: RunState):
+    """The trace a request's Prefill joins: its own, but not while it waits for KV pages (asked again every 10 ms: a
+    30 s wait put ~4,600 RESOURCE_EXHAUSTED Prefill spans in its trace, QA). Its first refusal is traced, and its
+    admission after the wait is one `specdec.waited_for_pages` event on its span (`_start`)."""
+    return state.trace_context if state.blocked_since is None else untraced_context()
 
 
 class Admission:
@@ -119,7 +126,7 @@ class Admission:
         if self.draft is not None:
             self.draft.add(state.request_id, len(state.prompt_ids) + state.sampling.max_new_tokens)
         return PrefillInput(state.request_id, state.prompt_ids, state.sampling, self.feature_layers,
-                            self.draft is not None, trace_context=state.trace_context,
+                            self.draft is not None, trace_context=_prefill_trace(state),
                             feature_rows=self._prompt_feature_rows(state), queue_for_pages=self.max_queue_wait_s > 0)
 
     def _prompt_feature_rows(self, state: RunState) -> int:
@@ -157,7 +164,7 @@ class Admission:
         try:
             for state in group:
                 inputs.append(self._prefill_input(state))
-            with attached(group[0].trace_context):
+            with attached(_prefill_trace(group[0])):
                 return self.target.prefill(inputs)
         except SpecdecError:
             # the target admitted none of the group (its prefill is all or nothing): nothing to release there. An
@@ -204,7 +211,7 @@ class Admission:
             if answer is not None:
                 return answer
             inp = self._prefill_input(state)
-            with attached(state.trace_context):  # the Prefill RPC joins the request's trace
+            with attached(_prefill_trace(state)):  # the Prefill RPC joins the request's trace
                 return self.target.prefill([inp])[0]
         except SpecdecError as exc:
             self._drop_draft(rid)
@@ -221,6 +228,9 @@ class Admission:
     def _start(self, state: RunState, out, events: list[Event], extend: list) -> None:
         rid = state.request_id
         state.num_generated = 1
+        if state.blocked_since is not None:  # its wait, on its trace in one event (its Prefills while waiting: none)
+            waited = round(time.monotonic() - state.blocked_since, 3)
+            add_event(state.trace_context, "specdec.waited_for_pages", {"seconds": waited})
         events.append(Event(rid, [out.first_token], out.finish_reason))
         if out.finish_reason != RUNNING:
             if self.draft is not None:

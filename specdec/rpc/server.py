@@ -37,7 +37,7 @@ from specdec.rpc.drain_gate import DrainGate
 from specdec.rpc.options import DEFAULT_MAX_MESSAGE_BYTES, server_options
 from specdec.rpc.tls import TlsConfig, add_tls_args
 
-__all__ = ["ServerHandle", "TlsConfig", "add_tls_args", "run_server_forever", "start_server"]
+__all__ = ["LIVENESS", "ServerHandle", "TlsConfig", "add_tls_args", "run_server_forever", "start_server"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,9 @@ AddServicer = Callable[[grpc.aio.Server], None]
 BUSY_POLL_S = 0.05  # how often a drain asks whether the service still holds work (`ServerHandle.stop`)
 END_WAIT_S = 1.0  # how long the calls ended at a drain's end get to send their UNAVAILABLE before the server stops
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name  # grpc.health.v1.Health
+# health name of the process itself: SERVING while it runs, whatever its service's readiness (a Kubernetes liveness
+# probe on it does not restart a process whose backends are away: the gateway's pairs, a draft's remote target)
+LIVENESS = "liveness"
 
 
 @dataclass
@@ -57,11 +60,11 @@ class ServerHandle:
     health_names: tuple[str, ...]
     gate: DrainGate = field(default_factory=DrainGate)  # refuses new calls once `stop` begins
 
-    async def set_serving(self, serving: bool) -> None:
-        """Set every health name (and the overall "") to SERVING or NOT_SERVING."""
+    async def set_serving(self, serving: bool, names: Sequence[str] | None = None) -> None:
+        """Set every health name (and the overall "") to SERVING or NOT_SERVING; `names`: those only."""
         statuses = health_pb2.HealthCheckResponse
         status = statuses.SERVING if serving else statuses.NOT_SERVING
-        for name in ("", *self.health_names):
+        for name in ("", *self.health_names) if names is None else names:
             await self.health.set(name, status)
 
     async def stop(self, grace_s: float | None = 10.0, busy: Callable[[], bool] | None = None) -> None:

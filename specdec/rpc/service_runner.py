@@ -44,12 +44,16 @@ class ServiceSpec:
     still_served: frozenset[str] = frozenset()
     busy: Callable[[], bool] | None = None
     more_health_names: tuple[str, ...] = ()  # other services this server hosts (a draft's in-process target)
+    # runs while the service serves (cancelled when it drains); `set_ready(False)` reports the service's own name and
+    # the overall "" NOT_SERVING (its backend went away: a draft's remote target), `set_ready(True)` SERVING again
+    watch: Callable[[Callable[[bool], Awaitable[None]]], Awaitable[None]] | None = None
 
 
 async def run_service(spec: ServiceSpec, shutdown: asyncio.Event, ready: Callable[[int], None] | None = None) -> None:
     t0 = time.perf_counter()
     provider = setup_tracing(f"{spec.name}_service")  # OTEL_SERVICE_NAME overrides
     gate = ReadinessGate(spec.health_name)
+    watching: asyncio.Future | None = None
     metrics = ServiceMetrics(spec.name, model_name=spec.model_name, families=spec.metric_families)
     # before the gRPC server: a port that cannot be had ends the start with nothing to stop (logs its address)
     start_metrics_server(spec.metrics_port, metrics.registry, spec.host)
@@ -73,10 +77,16 @@ async def run_service(spec: ServiceSpec, shutdown: asyncio.Event, ready: Callabl
                  time.perf_counter() - t0)
         if ready is not None:
             ready(handle.bound_port)
+        if spec.watch is not None:
+            watching = asyncio.ensure_future(spec.watch(lambda up: handle.set_serving(up, ("", spec.health_name))))
         await shutdown.wait()
+        if watching is not None:
+            watching.cancel()
         log.info("%s draining (up to %.0f s)", spec.name, spec.drain_s)
         await handle.stop(spec.drain_s, spec.busy)
     finally:
+        if watching is not None:
+            watching.cancel()
         await spec.close()
         await handle.stop(0)
         finish_service(spec.name)

@@ -247,3 +247,10 @@ def attached(ctx: otel_context.Context | None) -> Iterator[None]:
         yield
     finally:
         otel_context.detach(token)
+
+
+def add_event(ctx: otel_context.Context | None, name: str, attributes: dict[str, Any]) -> None:
+    """An event on the span current in `ctx` (a request's, from another thread); nothing for None or a span that
+    does not record."""
+    if ctx is not None:
+        trace.get_current_span(ctx).add_event(name, attributes)

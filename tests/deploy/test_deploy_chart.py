@@ -311,8 +311,9 @@ def test_every_service_has_grpc_probes_for_its_health_name(case):
         port = next(p["containerPort"] for p in c["ports"] if p["name"] == GRPC_PORT_NAMES[role])
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
             probe = c[kind]
-            # the gateway is alive (startup, liveness) as soon as its process is, ready once a pair serves
-            name = "liveness" if role == "gateway" and kind != "readinessProbe" else HEALTH_NAMES[role]
+            # the gateway is alive (startup, liveness) as soon as its process is, ready once a pair serves; a draft
+            # alive once loaded, ready while its target answers and fits it
+            name = "liveness" if role in ("gateway", "draft") and kind != "readinessProbe" else HEALTH_NAMES[role]
             if tls:  # the kubelet's gRPC probe cannot speak TLS: the image's healthcheck script does
                 cmd = probe["exec"]["command"]
                 assert cmd[:2] == ["python", "/opt/specdec/healthcheck.py"]

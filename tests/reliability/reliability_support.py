@@ -89,6 +89,7 @@ def health(addr: str, service: str = "", creds: grpc.ChannelCredentials | None =
 
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def _channel(addr: str, creds: grpc.ChannelCredentials | None) -> grpc.Channel:

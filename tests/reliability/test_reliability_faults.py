@@ -7,7 +7,10 @@ tests/gateway/test_gateway_e2e.py::test_gateway_e2e_draft_killed_mid_stream_same
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import shutil
 import signal
 import time
 from concurrent import futures
@@ -15,8 +18,13 @@ from concurrent import futures
 import grpc
 import pytest
 from reliability_support import (
+    DRAFT_HEALTH,
+    NOT_SERVING,
     PROMPT_IDS,
+    SERVING,
+    TINY,
     draft_kv,
+    health,
     start_draft,
     start_gateway,
     start_target,
@@ -61,10 +69,21 @@ def stack(tmp_path_factory):
     stack["target_a"].kill()  # the restarted process, if a test restarted it (the first one is dead then)
 
 
-def restart_target_a(stack) -> None:
+def restart_target_a(stack) -> float:
+    """Start pair A's target again and wait until the gateway speculates on pair A (its draft reports SERVING
+    again once its target answers: `TargetWatch`); -> seconds from the target's SERVING to that."""
     old = stack["target_a"]
     stack["target_a"] = target_process(port=old.port, log_dir=stack["logs"]).start() \
         .wait_serving("specdec.v1.TargetService")
+    t0 = time.monotonic()
+    while True:
+        call, ch = gateway_generate(stack["gateway"].addr, sampling=common_pb2.SamplingParams(max_new_tokens=4))
+        speculative = list(call)[-1].final.speculative
+        ch.close()
+        if speculative:
+            return time.monotonic() - t0
+        assert time.monotonic() - t0 < 20, "the gateway did not speculate on pair A again"
+        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
@@ -110,12 +129,49 @@ def test_reliability_target_killed_gateway_continues_on_the_other_pair(stack, re
     assert pairs_up(gateway.addr) == 1  # pair A is marked down
     assert wait_whole(target_kv, stack["target_b"].addr)[2] == 0
     assert wait_whole(draft_kv, stack["draft_a"].addr)[2] == 0
+    assert restart_target_a(stack) < 20  # and speculates again once its target answers again
+    assert wait_pairs_up(gateway.addr, 2) < 20
+
+
+
+def wait_health(addr: str, service: str, want: int, timeout_s: float = 20.0) -> float:
+    t0 = time.monotonic()
+    while health(addr, service) != want:
+        assert time.monotonic() - t0 < timeout_s, f"{addr} {service!r} not {want} after {timeout_s} s"
+        time.sleep(0.1)
+    return time.monotonic() - t0
+
+
+def test_reliability_the_drafts_readiness_follows_its_target(stack, tmp_path, caplog):
+    """Pair A's draft reports NOT_SERVING while its target is away and while a target of another shape answers on
+    its address (a rolling update to another model: before, the draft stayed SERVING and every request paid a
+    Prefill it threw away, QA); SERVING again once its own target is back. Its `liveness` stays SERVING."""
+    draft_a, gateway = stack["draft_a"], stack["gateway"]
+    stack["target_a"].kill()
+    away = wait_health(draft_a.addr, DRAFT_HEALTH, NOT_SERVING)
+    assert health(draft_a.addr, "") == NOT_SERVING and health(draft_a.addr, "liveness") == SERVING
+    back = restart_target_a(stack)  # the gateway speculates on pair A again: its draft is SERVING
+    assert health(draft_a.addr, DRAFT_HEALTH) == SERVING
+    other = tmp_path / "wider-target"
+    other.mkdir()
+    cfg = json.loads((TINY / "target" / "config.json").read_text())
+    cfg.update(hidden_size=2 * cfg["hidden_size"])
+    (other / "config.json").write_text(json.dumps(cfg))
+    shutil.copy(TINY / "target" / "tokenizer.tok.json", other)
+    stack["target_a"].kill()
+    with caplog.at_level(logging.WARNING, logger="draft_service.target_watch"):
+        stack["target_a"] = target_process("--model", str(other), "--load-format", "dummy", port=stack["target_a"].port,
+                                           log_dir=stack["logs"]).start().wait_serving("specdec.v1.TargetService")
+        wait_health(draft_a.addr, DRAFT_HEALTH, NOT_SERVING)
+        deadline = time.monotonic() + 10  # (the line comes after the target answered, maybe after "does not answer")
+        while not any("does not match --target-model" in r.getMessage() for r in caplog.records):
+            assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
+            time.sleep(0.1)
+    stack["target_a"].kill()
     restart_target_a(stack)
-    assert wait_pairs_up(gateway.addr, 2) < 20  # and comes back once its target answers again
-    call, ch = gateway_generate(gateway.addr, sampling=common_pb2.SamplingParams(max_new_tokens=16))
-    msgs = list(call)
-    ch.close()
-    assert msgs[-1].final.speculative and msgs[-1].final.completion_tokens >= 1
+    assert health(draft_a.addr, DRAFT_HEALTH) == SERVING and wait_pairs_up(gateway.addr, 2) < 20
+    print(f"the draft NOT_SERVING {away:.1f} s after its target died; the gateway speculating on it {back:.1f} s "
+          "after the target came back")
 
 
 def test_reliability_target_frozen_gateway_moves_on_and_the_target_frees_its_pages(stack, reference):

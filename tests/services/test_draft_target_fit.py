@@ -55,3 +55,18 @@ def test_a_tree_larger_than_the_target_verifies_fails_at_start():
         _draft(target.addr, TINY / "target", "draft", *tree, "64").start().stop()
     finally:
         target.stop()
+
+
+def test_a_target_address_that_serves_another_service_is_named_as_such():
+    """`--target` given a draft's address (or a gateway's): before, only `start-up failed: target: Method not
+    found!` (QA)."""
+    from target_service.app import serve
+
+    target = ServiceThread(serve, ["serve-target", "--model", str(TINY / "target"), "--port", "0"]).start()
+    draft = _draft(target.addr, TINY / "target", "draft").start()
+    try:
+        with pytest.raises(RuntimeError, match=rf"--target {draft.addr}: .*does not serve specdec.v1.TargetService"):
+            _draft(draft.addr, TINY / "target", "draft").start()
+    finally:
+        draft.stop()
+        target.stop()

@@ -359,7 +359,8 @@ lifecycle:
   ports:
     - {name: grpc-draft, containerPort: {{ $v.draft.port }}, protocol: TCP}
     - {name: metrics-draft, containerPort: {{ $v.draft.metricsPort }}, protocol: TCP}
-  {{- with include "specdec.probes" (dict "root" .root "port" $v.draft.port "service" "specdec.v1.DraftService" "cfg" $v.draft) | trim }}{{ . | nindent 2 }}{{- end }}
+  {{- /* ready while its target answers and fits it; alive (startup, liveness) once loaded, whatever its target does */}}
+  {{- with include "specdec.probes" (dict "root" .root "port" $v.draft.port "service" "specdec.v1.DraftService" "live" "liveness" "cfg" $v.draft) | trim }}{{ . | nindent 2 }}{{- end }}
   {{- with include "specdec.lifecycle" .root | trim }}{{ . | nindent 2 }}{{- end }}
   resources: {{- include "specdec.modelResources" (dict "root" .root "cfg" $v.draft) | nindent 4 }}
   securityContext: {{- toYaml $v.securityContext | nindent 4 }}

@@ -1,0 +1,73 @@
+"""A draft's readiness follows its remote target's.
+
+A draft cannot serve a request without its target, yet it reported SERVING while the target was away: its requests
+failed UNAVAILABLE after their Prefill, and a probe on the draft alone said all was well. Worse, a target restarted
+as another model (a rolling update with another `--model`) was never checked again: every request paid a Prefill the
+draft then threw away (`malformed features: ... expected last dimension 384`), the gateway took the draft out of
+rotation, its health check put it back 1.5 s later, and so on for every request (QA).
+
+So the draft asks its target's GetModelInfo every `WATCH_S`. Unanswered `MISSES_DOWN` times in a row, or answered by
+a target that does not fit the draft (the start-up checks: `draft_service.app.target_mismatch`), the draft reports
+NOT_SERVING under its service's name and the overall "" (the gateway then serves the pair's requests on its target
+plainly, or on another pair); a target that answers and fits makes it SERVING again. The process's `liveness` name
+stays SERVING: a Kubernetes liveness probe does not restart the draft for its target's absence. Each change is
+logged once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from specdec.errors import SpecdecError
+
+log = logging.getLogger(__name__)
+
+WATCH_S = 2.0  # between two GetModelInfo calls
+MISSES_DOWN = 2  # unanswered calls in a row before the draft reports NOT_SERVING (one can be a hiccup)
+ANSWER_S = 5.0  # how long a call waits for its answer
+_UNANSWERED = "unanswered"
+
+
+class TargetWatch:
+    def __init__(self, client, problem: Callable[[object], str | None], interval_s: float = WATCH_S,
+                 misses_down: int = MISSES_DOWN, answer_s: float = ANSWER_S) -> None:
+        """`client`: the draft's TargetClient (`model_info(timeout_s)`); `problem`: why a GetModelInfo answer does
+        not fit the draft, or None."""
+        self.client, self.problem = client, problem
+        self.interval_s, self.misses_down, self.answer_s = interval_s, misses_down, answer_s
+        self.down: str | None = None  # why the draft reports NOT_SERVING (None: it is ready)
+        self._missed = 0
+
+    async def run(self, set_ready: Callable[[bool], Awaitable[None]]) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self.check(set_ready)
+
+    async def check(self, set_ready: Callable[[bool], Awaitable[None]]) -> None:
+        """One look at the target; reports a change of readiness through `set_ready`."""
+        try:
+            info = await asyncio.to_thread(self.client.model_info, self.answer_s)
+        except SpecdecError as exc:
+            self._missed += 1
+            if self._missed < self.misses_down:
+                return
+            key, message = _UNANSWERED, f"the target at {self.client.addr} does not answer ({exc})"
+        else:
+            self._missed = 0
+            message = self.problem(info)
+            key = message
+            if message is None:
+                if self.down is not None:
+                    self.down = None
+                    log.info("the target at %s answers again (%s): this draft is SERVING", self.client.addr,
+                             info.model)
+                    await set_ready(True)
+                return
+        if key == self.down:
+            return
+        was_ready, self.down = self.down is None, key
+        log.warning("%s: this draft reports NOT_SERVING until its target answers and fits it", message)
+        if was_ready:
+            await set_ready(False)

@@ -1,0 +1,68 @@
+"""A draft's readiness follows its remote target's (`draft_service.target_watch.TargetWatch`): NOT_SERVING after
+`misses_down` unanswered GetModelInfo calls in a row or an answer that does not fit the draft, SERVING again once the
+target answers and fits; each change logged once."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from types import SimpleNamespace
+
+from draft_service.target_watch import TargetWatch
+from specdec.errors import NotReady
+
+GOOD = SimpleNamespace(model="tiny", hidden_size=384)
+OTHER = SimpleNamespace(model="other", hidden_size=512)
+
+
+class FakeTarget:
+    addr = "target:1"
+
+    def __init__(self) -> None:
+        self.answers: list = []
+
+    def model_info(self, timeout_s=None):
+        answer = self.answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+def watch_over(answers: list) -> tuple[TargetWatch, list[bool]]:
+    target = FakeTarget()
+    target.answers = list(answers)
+    misfit = lambda info: None if info.hidden_size == 384 else f"serves {info.model}, hidden {info.hidden_size}"  # noqa: E731
+    watch = TargetWatch(target, misfit, interval_s=0.0, misses_down=2)
+    reported: list[bool] = []
+
+    async def set_ready(up: bool) -> None:
+        reported.append(up)
+
+    async def run() -> None:
+        for _ in answers:
+            await watch.check(set_ready)
+
+    asyncio.run(run())
+    return watch, reported
+
+
+def test_one_unanswered_call_is_a_hiccup_two_in_a_row_take_the_draft_out_until_the_target_answers(caplog):
+    away = NotReady("target: failed to connect")
+    with caplog.at_level(logging.INFO, logger="draft_service.target_watch"):
+        watch, reported = watch_over([GOOD, away, GOOD, away, away, away, away, GOOD, GOOD])
+    assert reported == [False, True]
+    assert watch.down is None
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2  # one line per change, none for the calls in between
+    assert "target:1 does not answer" in lines[0] and "NOT_SERVING" in lines[0]
+    assert "answers again (tiny)" in lines[1]
+
+
+def test_a_target_restarted_as_another_model_takes_the_draft_out_until_a_fitting_one_answers(caplog):
+    with caplog.at_level(logging.WARNING, logger="draft_service.target_watch"):
+        watch, reported = watch_over([GOOD, OTHER, OTHER, OTHER, NotReady("x"), NotReady("y"), OTHER, GOOD])
+    assert reported == [False, True]
+    lines = [r.getMessage() for r in caplog.records]
+    # the misfit, then it going away (a new reason), then the misfit again: each change once, no line per call
+    assert len(lines) == 3 and "serves other, hidden 512" in lines[0] and "does not answer" in lines[1]
+    assert watch.down is None
