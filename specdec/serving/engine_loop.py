@@ -78,11 +78,14 @@ class EngineLoop:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self, timeout_s: float = 5.0) -> None:
+    def stop(self, timeout_s: float = 5.0) -> bool:
+        """Stop after the step under way; -> whether the thread ended within `timeout_s` (False: it is still in a
+        step, e.g. a call to a slow target: what that step uses must not be closed under it)."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
         self._thread.join(timeout_s)
+        return not self._thread.is_alive()
 
     # ---- asyncio side -------------------------------------------------------------------------------------
     async def call(self, fn: Callable, *args) -> Any:

@@ -255,3 +255,27 @@ def test_a_leaving_stream_calls_on_leave_before_its_abort_is_queued():
         return sched.log
 
     assert asyncio.run(body()) == [("add", "r1"), ("abort", "r1")]
+
+
+def test_stop_says_whether_the_thread_ended():
+    """`stop` waits for the step under way; one that outlasts the wait leaves the thread running and says so, so its
+    owner does not close what the step uses (QA: a draft closed its target channel under a slow Verify at the end of
+    a drain and logged a traceback)."""
+    release, stepping = threading.Event(), threading.Event()
+
+    class SlowScheduler(FakeScheduler):
+        def step(self):
+            stepping.set()
+            release.wait(10)
+            return super().step()
+
+    sched = SlowScheduler()
+    loop = EngineLoop(sched)
+    loop.start()
+    sched.abort("r")  # work: the next step starts and blocks
+    with loop._cond:
+        loop._cond.notify()
+    assert stepping.wait(5)
+    assert loop.stop(timeout_s=0.2) is False
+    release.set()
+    assert loop.stop(timeout_s=5) is True
