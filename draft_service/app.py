@@ -77,7 +77,7 @@ def _load(args, opts, spec: SpecConfig, off: bool, stop: threading.Event):
         log.info("connecting to target at %s", args.target)
         wait_s = DEFAULT_TARGET_WAIT_S if args.target_wait_seconds is None else args.target_wait_seconds
         info = _connect(client, wait_s, stop)
-    _raise_mismatch(target_mismatch(args, target_cfg, spec, info))
+    _raise_mismatch(target_mismatch(args, target_cfg, spec, info))  # what `misfit` asks again of every later answer
     max_context = min(info.max_context_len, opts.max_context or info.max_context_len)
     log.info("target %s: context length %d", info.model, max_context)
     if stop.is_set():
@@ -87,7 +87,7 @@ def _load(args, opts, spec: SpecConfig, off: bool, stop: threading.Event):
     client.feature_dim = info.hidden_size * max(1, len(feature_layers_for(engine)))
     sizes = [] if off else [spec.num_draft_tokens if b == FULL else b for b in budget_menu(spec.num_draft_tokens)]
     warm_verify_shapes(client, sizes, spec.topk, feature_layers_for(engine), info.vocab_size, features=not off)
-    return client, engine, max_context, info
+    return client, engine, max_context, info, _misfit(args, target_cfg, spec, feature_layers_for(engine), max_context)
 
 
 def target_mismatch(args, target_cfg: ModelConfig, spec: SpecConfig, info) -> str | None:
@@ -124,9 +124,9 @@ def _context_mismatch(args, max_context: int, info) -> str | None:
     return None
 
 
-def _misfit(args, spec: SpecConfig, layers: tuple[int, ...], max_context: int) -> Callable[[object], str | None]:
+def _misfit(args, target_cfg: ModelConfig, spec: SpecConfig, layers: tuple[int, ...],
+            max_context: int) -> Callable[[object], str | None]:
     """What `TargetWatch` asks of each answer of the target: the start-up checks, and the context the draft serves."""
-    target_cfg = ModelConfig.from_hf(args.target_model)
     return lambda info: (target_mismatch(args, target_cfg, spec, info) or _feature_layers_mismatch(args, layers, info)
                          or _context_mismatch(args, max_context, info))
 
@@ -159,7 +159,7 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
     async def load(metrics) -> str:
         stop = threading.Event()
         try:
-            client, engine, max_context, info = await asyncio.to_thread(_load, args, opts, spec, off, stop)
+            client, engine, max_context, info, misfit = await asyncio.to_thread(_load, args, opts, spec, off, stop)
         except asyncio.CancelledError:  # a shutdown during start-up: the worker thread must end too
             stop.set()
             raise
@@ -194,7 +194,7 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
         servicer.max_context, servicer.vocab_size, servicer.target_name = max_context, info.vocab_size, info.model
         state.update(loop=loop, client=client)
         if colocated is None:  # a remote target: the draft is ready while it answers and fits (`TargetWatch`)
-            state["watch"] = TargetWatch(client, _misfit(args, spec, feature_layers_for(engine), max_context))
+            state["watch"] = TargetWatch(client, misfit)
         return (f"model {args.model} ({engine.model.cfg.architecture}, steps {spec.num_steps} topk {spec.topk} "
                 f"draft tokens {spec.num_draft_tokens}, speculation {args.speculation}) for target {info.model} "
                 f"at {args.target}")

@@ -24,7 +24,7 @@ from gateway.pair_metrics import track_pair_parts
 from gateway.router import Router
 from gateway.servicer import GATEWAY_SERVICE, GatewayServicer
 from specdec.rpc.cli_support import run_cli_service
-from specdec.rpc.server import ServerHandle, start_server
+from specdec.rpc.server import LIVENESS, ServerHandle, start_server
 from specdec.rpc.service_runner import finish_service
 from specdec.rpc.tls import TlsConfig
 from specdec.telemetry import ServiceMetrics, model_label, setup_tracing, start_metrics_server
@@ -55,7 +55,6 @@ class RunningGateway:
         await self.router.close()
 
 
-LIVENESS = "liveness"  # health name of the gateway process itself (module docstring)
 
 
 def server_tls(args: argparse.Namespace) -> TlsConfig | None:

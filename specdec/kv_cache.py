@@ -79,11 +79,8 @@ class PagedKVCache:
         wait, then blame a full pool that was empty, QA)."""
         if rid in self.tables:
             raise DuplicateRequest(f"request {rid!r} already holds KV pages")
+        self.check_could_hold(max_tokens, pool_name)
         pages = self.pages_for(max_tokens)
-        if not self.could_ever_hold(max_tokens):
-            raise InvalidInput(f"{pool_name} too small for this request: it needs {pages} pages of {self.page_size} "
-                               f"tokens ({max_tokens} token slots: its prompt, max_new_tokens and one draft tree), the "
-                               f"whole pool holds {self.num_total_pages - len(self.aside)}; ask for fewer new tokens")
         if self.reserved + pages > self.num_total_pages:
             raise OutOfPages(f"{pool_name} full: request needs {pages} pages, "
                              f"{self.num_total_pages - self.reserved} unreserved")
@@ -96,6 +93,14 @@ class PagedKVCache:
     def could_ever_hold(self, max_tokens: int) -> bool:
         """Would a request of `max_tokens` fit in this pool were it empty of requests?"""
         return self.pages_for(max_tokens) <= self.num_total_pages - len(self.aside)
+
+    def check_could_hold(self, max_tokens: int, pool_name: str = "KV pool") -> None:
+        """InvalidInput unless `could_ever_hold`: no wait for pages would admit the request."""
+        if not self.could_ever_hold(max_tokens):
+            raise InvalidInput(f"{pool_name} too small for this request: it needs {self.pages_for(max_tokens)} pages "
+                               f"of {self.page_size} tokens ({max_tokens} token slots: its prompt, max_new_tokens and "
+                               f"one draft tree), the whole pool holds {self.num_total_pages - len(self.aside)}; ask "
+                               "for fewer new tokens")
 
     def release(self, rid: str) -> None:
         table = self.tables.pop(rid, None)

@@ -32,7 +32,7 @@ class PageQueue:
     def __len__(self) -> int:
         """Requests waiting now, lapsed places not counted (read from any thread: it changes nothing)."""
         now = self._clock()
-        return sum(now - seen <= self.lapse_s for seen in list(self._seen.values()))
+        return sum(not self._lapsed(seen, now) for seen in list(self._seen.values()))
 
     def ahead(self, rid: str, besides: Collection[str] = ()) -> int:
         """How many waiting requests come before `rid` (all of them if it does not wait yet), not counting those
@@ -53,7 +53,10 @@ class PageQueue:
         for rid in rids:
             self._seen.pop(rid, None)
 
+    def _lapsed(self, seen: float, now: float) -> bool:
+        return now - seen > self.lapse_s
+
     def _drop_lapsed(self) -> None:
         now = self._clock()
-        for gone in [r for r, seen in self._seen.items() if now - seen > self.lapse_s]:
+        for gone in [r for r, seen in self._seen.items() if self._lapsed(seen, now)]:
             del self._seen[gone]

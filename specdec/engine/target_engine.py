@@ -144,17 +144,18 @@ class TargetEngine:
     def _reserve(self, inp: PrefillInput, max_tokens: int) -> None:
         """The request's KV pages, in its turn (`page_queue`): refused (OutOfPages) while an earlier request
         waits for pages, whichever caller sent it, or while the pool cannot hold it. Refused, it keeps a place
-        in the queue if its caller will ask again (`queue_for_pages`) and some pool could hold it (one that never
-        fits would hold up the others for its whole wait). Places of requests admitted already (with it, in the
-        same call: they leave the queue once it succeeds) do not count as waiting before it."""
+        in the queue if its caller will ask again (`queue_for_pages`). One no pool could hold is refused first
+        (InvalidInput: it would hold up the others for its whole wait). Places of requests admitted already (with
+        it, in the same call: they leave the queue once it succeeds) do not count as waiting before it."""
         rid = inp.request_id
+        self.kv.check_could_hold(max_tokens)
         ahead = self.page_queue.ahead(rid, besides=self.requests)
         try:
             if ahead:
                 raise OutOfPages(f"KV pool full: {ahead} earlier request{'s' * (ahead > 1)} wait for pages")
             self.kv.add(rid, max_tokens)
         except OutOfPages:
-            if inp.queue_for_pages and self.kv.could_ever_hold(max_tokens):
+            if inp.queue_for_pages:
                 self.page_queue.wait(rid)
             raise
 

@@ -79,9 +79,7 @@ async def run_service(spec: ServiceSpec, shutdown: asyncio.Event, ready: Callabl
             ready(handle.bound_port)
         if spec.watch is not None:
             watching = asyncio.ensure_future(spec.watch(lambda up: handle.set_serving(up, ("", spec.health_name))))
-        await shutdown.wait()
-        if watching is not None:
-            watching.cancel()
+        await shutdown.wait()  # (a watch still running reports nothing: health ignores sets once the drain begins)
         log.info("%s draining (up to %.0f s)", spec.name, spec.drain_s)
         await handle.stop(spec.drain_s, spec.busy)
     finally:
