@@ -14,7 +14,7 @@ DRAFT_GPU_PLAIN_STEPS = 16
 def register(subparsers) -> None:
     from specdec.eval.cli import add_spec_args
     from specdec.rpc.tls import add_tls_args
-    from specdec.serving.engine_args import add_engine_args, seconds
+    from specdec.serving.engine_args import add_engine_args, address, seconds
     from specdec.telemetry.args import add_telemetry_args
 
     p = subparsers.add_parser(
@@ -24,7 +24,7 @@ def register(subparsers) -> None:
     p.add_argument("--model", help="EAGLE-1 or EAGLE-3 head directory")
     p.add_argument("--target-model", required=True,
                    help="the target's checkpoint directory (the head reads embed_tokens / lm_head from it)")
-    p.add_argument("--target", required=True,
+    p.add_argument("--target", required=True, type=address("in-process"),
                    help="target service address HOST:PORT, or in-process: load --target-model in this process (same "
                         "device and engine flags; --num-pages sizes both KV pools) and serve TargetService on this "
                         "server too, so no step pays a Verify round trip (draft and target on one GPU)")

@@ -10,7 +10,7 @@ import sys
 
 from gateway.config import DEFAULT_MAX_INPUT_CHARS, DEFAULT_MAX_NEW_TOKENS_LIMIT
 from gateway.local_stack import DEFAULT_DRAFT_DIR, DEFAULT_PORTS, DEFAULT_TARGET_DIR
-from specdec.serving.engine_args import port, seconds
+from specdec.serving.engine_args import port, ranged, seconds
 
 DEFAULT_ADDR = f"localhost:{DEFAULT_PORTS['gateway']}"
 
@@ -113,7 +113,7 @@ def _register_generate(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--chat", action="store_true", help="send PROMPT as one user message of the chat template")
     p.add_argument("--no-speculation", action="store_true", help="use the target's plain Generate (baseline)")
     p.add_argument("--api-key-file", metavar="FILE", help="file whose first key is sent as Bearer token")
-    p.add_argument("--timeout", type=float, help="deadline of the call in seconds")
+    p.add_argument("--timeout", type=ranged(float, 0.001, what="seconds"), help="deadline of the call in seconds")
     p.add_argument("--device", default="cpu", help="device of an auto-started local stack (default cpu)")
     add_tls_args(p, who="connection to the gateway")
     p.set_defaults(handler=_generate)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specdec.errors import ConfigError
+from specdec.rpc.address import address_problem
 
 DEFAULT_MAX_NEW_TOKENS_LIMIT = 4096
 DEFAULT_MAX_NEW_TOKENS = 128  # when a request does not say (capped by the limit)
@@ -32,17 +33,13 @@ class PairAddress:
         if not sep or not target:
             raise ConfigError(f"--pair {spec!r}: expected DRAFT_HOST:PORT=TARGET_HOST:PORT (or =TARGET_HOST:PORT)")
         for addr in (draft, target):
-            if addr and not _looks_like_address(addr):
-                raise ConfigError(f"--pair {spec!r}: {addr!r} is not HOST:PORT")
+            problem = address_problem(addr) if addr else None
+            if problem:
+                raise ConfigError(f"--pair {spec!r}: {problem}")
         return cls(draft=draft or None, target=target)
 
     def __str__(self) -> str:
         return f"{self.draft or ''}={self.target}"
-
-
-def _looks_like_address(addr: str) -> bool:
-    host, _, port = addr.rpartition(":")
-    return bool(host) and port.isdigit()
 
 
 @dataclass(frozen=True)

@@ -35,10 +35,10 @@ averages, so a re-measurement runs the rival until one steady landing is measure
 choices; usually two). Averaged in,
 the first two landings after each switch (2.4x and 1.7x a steady micro-step: 8B shape, tau 5, 64 requests, 2 x
 H200) pulled the whole chain's rate under plain decoding's, though its steady steps ran 1.5x plain's rate; the
-stretches between switches are long (16-256 choices), so the steady rates are what decide.
-Re-measuring costs (a rival's slower steps), so the interval backs off: it
-starts at `explore_every` steps, doubles (up to `max_explore_every`) each time a re-measurement confirms the
-choice, and resets when one overturns it (while every rival measured under half the choice's rate it is
+stretches between switches are long (16-256 target steps), so the steady rates are what decide.
+Re-measuring costs (a rival's slower steps), so the interval backs off: it starts at `explore_every` target steps (a
+plain choice counts its `plain_call_steps`), doubles (up to `max_explore_every`) each time a re-measurement confirms
+the choice, and resets when one overturns it (while every rival measured under half the choice's rate it is
 `max_explore_every`); a rival overturns it only by measuring `switch_margin` faster (3%: near
 ties otherwise flip on every re-measurement), except plain decoding, which overturns a speculative choice at
 `plain_margin` (1%). Buckets are powers of two. The menu (`budget_menu`) is plain, about half
@@ -70,8 +70,12 @@ def budget_name(budget: int) -> str:
 @dataclass
 class SpeculationPolicy:
     budgets: tuple[int, ...] = (0, FULL)
-    explore_every: int = 16  # first interval (in steps) between re-measurements of the budgets not chosen
+    explore_every: int = 16  # first interval (in target steps) between re-measurements of the budgets not chosen
     max_explore_every: int = 256
+    # target steps one plain choice runs (the scheduler's --plain-steps): intervals count target steps, not choices.
+    # Counted in choices, a plain choice of 16 steps (H200) stretched the longest interval to 4,096 tokens a request:
+    # a wrong plain choice at batch 1 (measured while the CPU was shared with a test suite) then held ~15 requests
+    plain_call_steps: int = 1
     ema: float = 0.3  # weight of the newest step in the seconds-per-step averages
     yield_ema: float = 0.03  # weight of one request of the newest step in the tokens-per-step averages
     min_samples: int = 3  # steps of each budget before the averages decide (the first one only warms up)
@@ -143,7 +147,7 @@ class SpeculationPolicy:
             log.info("speculation policy: batch-size bucket %d follows %s now (tokens/s %s)", b, budget_name(best),
                      rates, extra={"batch_bucket": b, "budget": budget_name(best)})
         self.followed[b] = best
-        since = self.since.get(b, 0) + 1
+        since = self.since.get(b, 0) + (self.plain_call_steps if best == 0 else 1)
         others = self._rivals(b, best) if since >= self._interval(b, best) else []
         if others:  # (none: a menu of one budget, nothing to re-measure)
             turn = self.turn.get(b, 0)

@@ -73,6 +73,8 @@ class Scheduler(Admission):
         if overlap is not None:
             self.target = overlap.wrap_target(target)
         self.policy = policy  # None: always speculate when there is a draft
+        if policy is not None:
+            policy.plain_call_steps = plain_steps  # its re-measurement intervals count target steps
         if policy is not None and draft is not None and draft.spec.topk == 1:
             policy.derives_yields = True  # chains: a step tells the smaller budgets' yields (`_derived`)
         self.step_spans = step_spans or StepSpanSampler(0.0)  # default: no step spans

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 
-MAX_PORT = 65535
+from specdec.rpc.address import MAX_PORT, address_problem
 
 
 def ranged(kind: type = float, minimum: float = 0, maximum: float | None = None, *, what: str = "a number",
@@ -40,6 +40,18 @@ def ranged(kind: type = float, minimum: float = 0, maximum: float | None = None,
 def port(zero: str | None = "any free port"):
     """The argparse `type` of a port flag: 0-65535, `zero` saying what 0 means; None: 1-65535 (0 means nothing)."""
     return ranged(int, 0 if zero is not None else 1, MAX_PORT, what="a port", zero=zero)
+
+
+def address(*words: str):
+    """The argparse `type` of an address flag: HOST:PORT with a port 1-65535, or one of `words` (e.g. in-process)."""
+
+    def parse(text: str) -> str:
+        problem = None if text in words else address_problem(text)
+        if problem:
+            raise argparse.ArgumentTypeError(problem + (f" (or {' / '.join(words)})" if words else ""))
+        return text
+
+    return parse
 
 
 def seconds(zero: str | None = None):

@@ -18,6 +18,7 @@ REQUIRED = {
     "serve-draft": ["--target-model", "T", "--target", "localhost:1"],
     "serve-gateway": ["--pair", "=localhost:1"],
     "up": [],
+    "generate": ["a prompt"],
 }
 SERVICES = ("serve-target", "serve-draft", "serve-gateway")
 MODEL_SERVICES = ("serve-target", "serve-draft")
@@ -32,6 +33,9 @@ CASES = [
     *[(c, "--request-idle-seconds", ["-1", "nan"], {"0": 0.0, "0.5": 0.5}) for c in MODEL_SERVICES],  # 0 = never
     ("serve-draft", "--target-wait-seconds", ["-1", "inf"], {"0": 0.0, "30": 30.0}),
     *[(c, "--simulate-accept-len", ["-1", "0.5", "nan"], {"0": 0.0, "1": 1.0, "5": 5.0}) for c in MODEL_SERVICES],
+    ("serve-draft", "--target", ["localhost:70000", "localhost:0", "nohost", "localhost:", ":50052"],
+     {"in-process": "in-process", "localhost:1": "localhost:1", "[::1]:50052": "[::1]:50052"}),
+    ("generate", "--timeout", ["-1", "0", "nan"], {"0.5": 0.5, "30": 30.0}),
 ]
 
 
@@ -93,3 +97,16 @@ def test_the_command_exits_2_before_it_starts(argv):
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"specdec {argv[0]}: error: argument {argv[-2]}: "), proc.stderr
     assert "listening" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_pairs_addresses_are_checked_like_the_drafts_target():
+    """`--pair` (read when the gateway starts): a port outside 1-65535 is refused with its reason, as the draft's
+    `--target` is while parsing (before, 70000 was taken and every call to that pair failed UNAVAILABLE)."""
+    from gateway.config import PairAddress
+    from specdec.errors import ConfigError
+
+    assert str(PairAddress.parse("d:50051=[::1]:50052")) == "d:50051=[::1]:50052"
+    for spec, said in [("d:70000=t:50052", "'d:70000': port 70000 is out of range 1-65535"),
+                       ("=t:0", "'t:0': port 0 is out of range"), ("d=t:1", "'d' is not HOST:PORT")]:
+        with pytest.raises(ConfigError, match=said):
+            PairAddress.parse(spec)

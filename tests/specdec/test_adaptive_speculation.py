@@ -552,3 +552,23 @@ def test_a_requests_first_steps_do_not_decide_between_chains_on_their_own():
 
     assert run(8)[8:] == [2] * 10  # the first 8 steps alone: the half chain leads
     assert run(16) == [FULL] * len(accepted)
+
+
+def test_re_measurement_intervals_count_a_plain_calls_target_steps():
+    """A plain choice runs `plain_call_steps` target steps (16 on a GPU), so the longest interval, 256 target steps,
+    is 16 plain calls: counted in choices it was 256 calls (4,096 tokens a request), and a plain choice made while
+    the CPU was shared held for ~15 requests before speculation was re-measured."""
+    p = SpeculationPolicy(explore_every=16, max_explore_every=256, min_samples=2, min_request_steps=1,
+                          plain_call_steps=16)
+    speed = {0: 100.0, FULL: 10.0}  # plain far ahead: re-measured at the longest interval
+    chosen = _drive(p, 1, speed, steps=80)
+    full = [i for i, b in enumerate(chosen) if b == FULL]
+    starts = [x for i, x in enumerate(full) if not i or full[i - 1] != x - 1][1:]  # after its first measurement
+    gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    assert len(starts) >= 3 and set(gaps) == {17}, chosen  # 16 plain calls, plus the re-measurement's second
+    speed[FULL] = 400.0  # speculation turns 40x faster: its re-measurements pull its yield up until it leads
+    assert _drive(p, 1, speed, steps=120)[-5:] == [FULL] * 5
+    q = SpeculationPolicy(explore_every=16, max_explore_every=256, min_samples=2, min_request_steps=1)
+    q.plain_call_steps = 1  # (counted in choices, the same policy would not have re-measured in those 80 choices)
+    chosen = _drive(q, 1, {0: 100.0, FULL: 10.0}, steps=80)
+    assert chosen[4:] == [0] * 76
