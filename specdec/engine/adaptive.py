@@ -35,13 +35,13 @@ averages, so a re-measurement runs the rival until one steady landing is measure
 choices; usually two). Averaged in,
 the first two landings after each switch (2.4x and 1.7x a steady micro-step: 8B shape, tau 5, 64 requests, 2 x
 H200) pulled the whole chain's rate under plain decoding's, though its steady steps ran 1.5x plain's rate; the
-stretches between switches are long (16-256 target steps), so the steady rates are what decide.
-Re-measuring costs (a rival's slower steps), so the interval backs off: it starts at `explore_every` target steps (a
-plain choice counts its `plain_call_steps`), doubles (up to `max_explore_every`) each time a re-measurement confirms
-the choice, and resets when one overturns it (while every rival measured under half the choice's rate it is
-`max_explore_every`); a rival overturns it only by measuring `switch_margin` faster (3%: near
-ties otherwise flip on every re-measurement), except plain decoding, which overturns a speculative choice at
-`plain_margin` (1%). Buckets are powers of two. The menu (`budget_menu`) is plain, about half
+stretches between switches are long (16-256 choices), so the steady rates are what decide.
+Re-measuring costs (a rival's slower steps), so the interval backs off: it starts at `explore_every` choices,
+doubles (up to `max_explore_every`) each time a re-measurement confirms the choice, and resets when one overturns it
+(while every rival measured under half the choice's rate it is `max_explore_every`); a rival overturns it only by
+measuring `switch_margin` faster (3%: near ties otherwise flip on every re-measurement), except plain decoding,
+which overturns a speculative choice at `plain_margin` (1%). No interval is longer than `max_explore_every` target
+steps (a plain choice runs `plain_call_steps`). Buckets are powers of two. The menu (`budget_menu`) is plain, about half
 the tree, and the whole tree: at large batch a verify is compute-bound and its cost grows with the tokens
 verified, so a shorter chain can beat both extremes.
 """
@@ -72,9 +72,12 @@ class SpeculationPolicy:
     budgets: tuple[int, ...] = (0, FULL)
     explore_every: int = 16  # first interval (in target steps) between re-measurements of the budgets not chosen
     max_explore_every: int = 256
-    # target steps one plain choice runs (the scheduler's --plain-steps): intervals count target steps, not choices.
-    # Counted in choices, a plain choice of 16 steps (H200) stretched the longest interval to 4,096 tokens a request:
-    # a wrong plain choice at batch 1 (measured while the CPU was shared with a test suite) then held ~15 requests
+    # target steps one plain choice runs (the scheduler's --plain-steps): an interval counts choices, but none is
+    # longer than `max_explore_every` target steps. Counted in choices alone, a plain choice of 16 steps (H200)
+    # stretched the longest interval to 4,096 tokens a request, and a wrong plain choice at batch 1 (made while the
+    # CPU was shared with a test suite) held ~15 requests; counted in target steps alone, speculation that lost
+    # to plain decoding was re-measured after 1, 2, 4 ... plain calls, and 128-token runs at 32 requests (8B shape,
+    # tau 3, two processes, H200) fell from 0.99x to 0.87-0.96x of Generate
     plain_call_steps: int = 1
     ema: float = 0.3  # weight of the newest step in the seconds-per-step averages
     yield_ema: float = 0.03  # weight of one request of the newest step in the tokens-per-step averages
@@ -147,8 +150,10 @@ class SpeculationPolicy:
             log.info("speculation policy: batch-size bucket %d follows %s now (tokens/s %s)", b, budget_name(best),
                      rates, extra={"batch_bucket": b, "budget": budget_name(best)})
         self.followed[b] = best
-        since = self.since.get(b, 0) + (self.plain_call_steps if best == 0 else 1)
-        others = self._rivals(b, best) if since >= self._interval(b, best) else []
+        weight = self.plain_call_steps if best == 0 else 1  # target steps of this choice
+        since = self.since.get(b, 0) + weight
+        due = min(self._interval(b, best) * weight, max(self.max_explore_every, weight))
+        others = self._rivals(b, best) if since >= due else []
         if others:  # (none: a menu of one budget, nothing to re-measure)
             turn = self.turn.get(b, 0)
             self.since[b], self.challenged[b], self.turn[b] = 0, best, turn + 1

@@ -554,21 +554,28 @@ def test_a_requests_first_steps_do_not_decide_between_chains_on_their_own():
     assert run(16) == [FULL] * len(accepted)
 
 
-def test_re_measurement_intervals_count_a_plain_calls_target_steps():
-    """A plain choice runs `plain_call_steps` target steps (16 on a GPU), so the longest interval, 256 target steps,
-    is 16 plain calls: counted in choices it was 256 calls (4,096 tokens a request), and a plain choice made while
-    the CPU was shared held for ~15 requests before speculation was re-measured."""
+def test_no_re_measurement_interval_is_longer_than_max_explore_every_target_steps():
+    """A plain choice runs `plain_call_steps` target steps (16 on a GPU, 4 on a CPU). Intervals count choices, but
+    none runs longer than `max_explore_every` (256) target steps: counted in choices alone, a plain choice of 16 steps
+    waited up to 4,096 tokens a request before speculation was re-measured, and a plain choice made while the CPU
+    was shared held ~15 requests."""
+
+    def gaps(plain_call_steps: int, speed: dict[int, float], steps: int = 400) -> list[int]:
+        p = SpeculationPolicy(explore_every=16, max_explore_every=256, min_samples=2, min_request_steps=1,
+                              plain_call_steps=plain_call_steps)
+        chosen = _drive(p, 1, speed, steps=steps)
+        full = [i for i, b in enumerate(chosen) if b == FULL]
+        starts = [x for i, x in enumerate(full) if not i or full[i - 1] != x - 1][1:]  # after its first measurement
+        return [b - a for a, b in zip(starts, starts[1:], strict=False)]  # (each: the interval + 1, its 2nd choice)
+
+    close = {0: 100.0, FULL: 60.0}  # plain leads, the whole tree within half of it: the interval backs off
+    assert gaps(1, close) == [33, 65, 129]  # counted in choices: 32, 64, 128 ... up to 256
+    assert gaps(4, close) == [33, 65, 65, 65, 65, 65]  # a CPU's 4-step calls: capped at 64 calls = 256 steps
+    assert set(gaps(16, close)) == {17}  # a GPU's 16-step calls: 16 calls from the start (not 1, 2, 4 ...)
+    far = {0: 100.0, FULL: 10.0}  # every rival under half plain's rate: the longest interval at once
+    assert set(gaps(16, far)) == {17}
     p = SpeculationPolicy(explore_every=16, max_explore_every=256, min_samples=2, min_request_steps=1,
                           plain_call_steps=16)
-    speed = {0: 100.0, FULL: 10.0}  # plain far ahead: re-measured at the longest interval
-    chosen = _drive(p, 1, speed, steps=80)
-    full = [i for i, b in enumerate(chosen) if b == FULL]
-    starts = [x for i, x in enumerate(full) if not i or full[i - 1] != x - 1][1:]  # after its first measurement
-    gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
-    assert len(starts) >= 3 and set(gaps) == {17}, chosen  # 16 plain calls, plus the re-measurement's second
-    speed[FULL] = 400.0  # speculation turns 40x faster: its re-measurements pull its yield up until it leads
-    assert _drive(p, 1, speed, steps=120)[-5:] == [FULL] * 5
-    q = SpeculationPolicy(explore_every=16, max_explore_every=256, min_samples=2, min_request_steps=1)
-    q.plain_call_steps = 1  # (counted in choices, the same policy would not have re-measured in those 80 choices)
-    chosen = _drive(q, 1, {0: 100.0, FULL: 10.0}, steps=80)
-    assert chosen[4:] == [0] * 76
+    _drive(p, 1, far, steps=80)
+    far[FULL] = 400.0  # speculation turns 40x faster: its re-measurements pull its yield up until it leads
+    assert _drive(p, 1, far, steps=120)[-5:] == [FULL] * 5
