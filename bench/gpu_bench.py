@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from draft_service.cli import DRAFT_GPU_PLAIN_STEPS  # noqa: E402
 from specdec.engine.adaptive import FULL, SpeculationPolicy, budget_menu  # noqa: E402
-from specdec.engine.calibration import calibrate  # noqa: E402
+from specdec.engine.calibration import batch_sizes_up_to, calibrate  # noqa: E402
 from specdec.engine.draft_engine import SpecConfig  # noqa: E402
 from specdec.engine.factory import EngineOptions, build_draft, build_target  # noqa: E402
 from specdec.engine.generate import feature_layers_for, generate  # noqa: E402
@@ -291,10 +291,12 @@ def plain_batches(res, args, target):
 
 
 def calibrated_policy(target, draft, max_batch_size: int) -> SpeculationPolicy:
-    """A fresh `auto` policy seeded as the draft service seeds its own at start-up (`engine/calibration.py`)."""
+    """A fresh `auto` policy seeded as the draft service seeds its own at start-up on a GPU (`engine/calibration.py`:
+    every batch-size bucket up to `max_batch_size`)."""
     policy = SpeculationPolicy(budget_menu(draft.spec.num_draft_tokens))
-    sched = Scheduler(target, draft, target.max_context, max_batch_size, feature_layers_for(draft), policy=policy)
-    calibrate(sched, policy, target.cfg.vocab_size)
+    sched = Scheduler(target, draft, target.max_context, max_batch_size, feature_layers_for(draft), policy=policy,
+                      plain_steps=DRAFT_GPU_PLAIN_STEPS, overlap=TwoBatchOverlap(0, target.device))
+    calibrate(sched, policy, target.cfg.vocab_size, batch_sizes=batch_sizes_up_to(max_batch_size))
     return policy
 
 

@@ -322,7 +322,9 @@ def run(args) -> list[Row]:
         for name in args.settings:
             setting = SETTINGS[name]
             draft_flags = flags + ["--device", args.draft_device] + args.draft_flags.split()
+            t0 = time.perf_counter()
             draft = start_draft(target.addr, setting, draft_flags, args.draft_process)
+            print(f"{name}: draft start-up {time.perf_counter() - t0:.1f} s (its calibration included)", flush=True)
             sched = None if args.draft_process else probe.schedulers[-1]
             snapshot = functools.partial(probe.snapshot, sched, target, draft)
             try:

@@ -17,7 +17,7 @@ from draft_service.target_client import TargetClient
 from draft_service.target_watch import TargetWatch
 from specdec.config import ModelConfig
 from specdec.engine.adaptive import FULL, SpeculationPolicy, budget_menu
-from specdec.engine.calibration import calibrate
+from specdec.engine.calibration import batch_sizes_up_to, calibrate
 from specdec.engine.draft_engine import SpecConfig
 from specdec.engine.factory import build_draft
 from specdec.engine.generate import feature_layers_for
@@ -187,8 +187,9 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
         metrics.track(kv_pages=lambda: (kv.num_total_pages - kv.num_free_pages, kv.num_free_pages),
                       running=lambda: len(sched.running), waiting=lambda: len(sched.waiting))
         loop.start()
-        if policy is not None:  # each budget's time at batch 1, before the first request pays to learn it
-            await loop.call(calibrate, sched, policy, info.vocab_size)
+        if policy is not None:  # each budget's time, before the first requests pay to learn it
+            await loop.call(calibrate, sched, policy, info.vocab_size,
+                            batch_sizes=batch_sizes_up_to(calibration_max_batch(args, opts)))
         servicer.engine, servicer.loop, servicer.metrics = engine, loop, metrics
         servicer.num_running = lambda: len(sched.running)
         servicer.max_context, servicer.vocab_size, servicer.target_name = max_context, info.vocab_size, info.model
@@ -227,6 +228,14 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
         metrics_port=args.metrics_port, drain_s=args.drain_seconds, model_name=model_label(args.model),
         trace_parent_required=parent_required, **hosted,
     ), shutdown, ready)
+
+
+def calibration_max_batch(args, opts) -> int:
+    """`--calibration-max-batch`, by default the max batch size on a GPU (its start-up has seconds to spare: graph
+    capture takes longer) and 1 on a CPU (the README's first command starts a stack for one request)."""
+    if getattr(args, "calibration_max_batch", None) is not None:
+        return args.calibration_max_batch
+    return opts.max_batch_size if str(opts.device).startswith("cuda") else 1
 
 
 def write_history(policy) -> None:

@@ -14,7 +14,7 @@ DRAFT_GPU_PLAIN_STEPS = 16
 def register(subparsers) -> None:
     from specdec.eval.cli import add_spec_args
     from specdec.rpc.tls import add_tls_args
-    from specdec.serving.engine_args import add_engine_args, address, seconds
+    from specdec.serving.engine_args import add_engine_args, address, ranged, seconds
     from specdec.telemetry.args import add_telemetry_args
 
     p = subparsers.add_parser(
@@ -41,6 +41,11 @@ def register(subparsers) -> None:
                         "lossless; seeded sampling batches keep the whole tree); always: the whole tree every "
                         "step; off: never speculate: the same service decodes plainly through the target's Verify "
                         "(--plain-steps tokens per call, no features; an A/B baseline or a kill switch)")
+    p.add_argument("--calibration-max-batch", type=ranged(int, 0, what="requests", zero="no calibration"),
+                   default=None, metavar="N",
+                   help="with --speculation auto: before serving, time each budget on throw-away requests at batch "
+                        "sizes 1, 2, 4 ... up to N, so the first requests at each batch size need not measure plain "
+                        "decoding (at most 30 s in all); default --max-batch-size on a GPU, 1 on a CPU; 0 = none")
     p.add_argument("--feature-wire", choices=["native", "fp8"], default="native",
                    help="how the target sends the features: native (default: its compute dtype) or fp8 (8-bit "
                         "floats with a float32 scale per row: half of bf16's bytes; on the tiny pair tau did not "

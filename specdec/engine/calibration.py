@@ -10,6 +10,14 @@ one token a request-step, so it is measured outright; a speculative budget's yie
 real prompts, which the throw-away cannot tell, so the first requests still measure it (for chains the whole tree's
 steps measure every smaller budget's yield at once: `derives_yields`). Real steps average into the seeded times
 and the policy keeps re-measuring its rivals, so a time measured on a short context does not stay.
+
+Each batch-size bucket learns on its own, so a bucket never calibrated pays the same cold start when the load first
+reaches it: its plain decoding measured first (on a GPU three or four plain calls of 16 steps, 48-64 of a 128-token
+request's tokens), then each speculative budget. With `batch_sizes` the draft also calibrates 2, 4, 8 ... requests
+at a time (`--calibration-max-batch`; on a GPU by default up to its --max-batch-size), throw-away requests that share
+one prompt, so a bucket's first real requests only measure the yield (a chain: its first two steps at 8 or more
+requests). Calibration stops at `TOTAL_SECONDS`, at the first batch size whose requests the KV pools cannot take at
+once (it does not wait for pages), and at any failure; what it measured stays seeded.
 """
 
 from __future__ import annotations
@@ -29,57 +37,82 @@ log = logging.getLogger(__name__)
 PROMPT_LEN = 64
 MAX_STEPS = 12  # scheduler steps a budget runs at most
 MAX_SECONDS = 3.0  # and seconds
+TOTAL_SECONDS = 30.0  # the most a calibration of several batch sizes takes (it ends after the batch size under way)
 
 
-def calibrate(sched, policy: SpeculationPolicy, vocab_size: int, max_seconds: float = MAX_SECONDS) -> dict[int, float]:
-    """Seed `policy` with each of its budgets' seconds per request-step at batch 1, measured on `sched` (idle:
-    before the service serves; on its engine thread), each budget for at most `MAX_STEPS` steps and `max_seconds`.
-    Returns {budget: seconds} of those measured (a budget whose steps ran out of time before the policy's rules could
-    time it is left to the requests). A failure is logged, not raised: the policy then learns as before."""
+def batch_sizes_up_to(largest: int) -> tuple[int, ...]:
+    """1, 2, 4 ... up to `largest` (and `largest` itself, the bucket it falls in); () for 0 (no calibration)."""
+    sizes = [1 << i for i in range(max(0, largest).bit_length()) if 1 << i <= largest]
+    return tuple(sizes + [largest] if sizes and sizes[-1] != largest else sizes)
+
+
+def calibrate(sched, policy: SpeculationPolicy, vocab_size: int, max_seconds: float = MAX_SECONDS,
+              batch_sizes: tuple[int, ...] = (1,), total_seconds: float = TOTAL_SECONDS) -> dict[int, float]:
+    """Seed `policy` with each of its budgets' seconds per request-step at each of `batch_sizes` (at most the
+    scheduler's max batch size), measured on `sched` (idle: before the service serves; on its engine thread), each
+    budget for at most `MAX_STEPS` steps and `max_seconds`, batch sizes in order until `total_seconds` have passed.
+    Returns {budget: seconds} of those measured at batch 1 (a budget whose steps ran out of time before the policy's
+    rules could time it is left to the requests). A failure is logged, not raised: the policy then learns from the
+    requests the rest of what it would have seeded."""
     measured: dict[int, float] = {}
     t0 = time.perf_counter()
-    held, timings = sched.policy, sched.timings
+    held, timings, wait = sched.policy, sched.timings, sched.max_queue_wait_s
     sched.timings = StepTimings()  # the service's step metrics start from its first real step
+    sched.max_queue_wait_s = 0.0  # pools too small for a batch size: refused at once, not waited for
+    done: list[str] = []
     try:
         with attached(untraced_context()):
-            for budget in policy.budgets:
-                seconds = _measure(sched, budget, vocab_size, max_seconds)
-                if seconds is not None:
-                    measured[budget] = seconds
-                    policy.seed(1, budget, seconds)
+            for n in [n for n in batch_sizes if 1 <= n <= sched.max_batch_size]:
+                if n > 1 and time.perf_counter() - t0 > total_seconds:
+                    log.info("speculation calibration stopped after %.1f s, before batch size %d", time.perf_counter()
+                             - t0, n)
+                    break
+                at_n = {}
+                for budget in policy.budgets:
+                    seconds = _measure(sched, budget, vocab_size, max_seconds, n)
+                    if seconds is not None:
+                        at_n[budget] = seconds
+                        policy.seed(n, budget, seconds)
+                if n == 1:
+                    measured = at_n
+                if at_n:
+                    done.append(f"at batch {n}: " + ", ".join(f"{budget_name(b)} {1e3 * s:.3f}" for b, s in at_n.items()))
     except SpecdecError as exc:
-        log.warning("speculation calibration stopped (%s): the policy measures its budgets on the first requests",
-                    exc)
+        log.warning("speculation calibration stopped (%s): the policy measures the rest on the first requests", exc)
     finally:
-        sched.policy, sched.timings = held, timings
-    if measured:
-        log.info("speculation calibration at batch 1 in %.2f s: ms per request-step %s", time.perf_counter() - t0,
-                 ", ".join(f"{budget_name(b)} {1e3 * s:.2f}" for b, s in measured.items()))
+        sched.policy, sched.timings, sched.max_queue_wait_s = held, timings, wait
+    if done:
+        log.info("speculation calibration in %.2f s, ms per request-step %s", time.perf_counter() - t0,
+                 "; ".join(done))
     return measured
 
 
-def _measure(sched, budget: int, vocab_size: int, max_seconds: float) -> float | None:
-    """Seconds per request-step of `budget` for one throw-away request: a policy whose menu is that budget alone
-    times the steps (its own rules leave out warm-up, ramp and ending calls)."""
+def _measure(sched, budget: int, vocab_size: int, max_seconds: float, n: int = 1) -> float | None:
+    """Seconds per request-step of `budget` for `n` throw-away requests in one batch: a policy whose menu is that
+    budget alone times the steps (its own rules leave out warm-up, ramp and ending calls)."""
     probe = SpeculationPolicy((budget,))
     sched.policy = probe
-    rid = f"{WARMUP_PREFIX}{uuid.uuid4().hex[:12]}"
+    rids = [f"{WARMUP_PREFIX}{uuid.uuid4().hex[:12]}" for _ in range(n)]
     prompt = [(7 * i + 3) % vocab_size for i in range(PROMPT_LEN)]
     room = sched.max_context - PROMPT_LEN - 1
-    sched.add(rid, prompt, SamplingParams(max_new_tokens=max(1, min(256, room)), ignore_eos=True))
+    params = SamplingParams(max_new_tokens=max(1, min(256, room)), ignore_eos=True)
+    for rid in rids:
+        sched.add(rid, prompt, params)
     start = time.perf_counter()
     try:
         for _ in range(MAX_STEPS):
             _raise_failure(sched.step())
-            if rid not in sched.running and not sched.waiting or time.perf_counter() - start > max_seconds:
+            if not any(rid in sched.running for rid in rids) and not sched.waiting \
+                    or time.perf_counter() - start > max_seconds:
                 break
     finally:
-        sched.abort(rid)
+        for rid in rids:
+            sched.abort(rid)
         for _ in range(16):  # (an abort waits for verifies in flight to land)
             if not sched.has_work:
                 break
             sched.step()
-    key = (1, budget)
+    key = (probe.bucket(n), budget)
     return probe.seconds.get(key) if probe.samples.get(key, 0) >= probe.min_samples else None
 
 

@@ -146,6 +146,18 @@ def test_plain_steps_reach_both_services_when_set():
     assert proc.returncode != 0 and "plainSteps" in proc.stderr
 
 
+def test_calibration_max_batch_is_the_drafts_default_unless_set():
+    def rendered(*sets: str):
+        return flag(container(one(render("default", *sets), "StatefulSet", f"{FULL}-pair"), "draft"),
+                    "calibration-max-batch")
+
+    assert rendered() is None  # the draft's own default: its max batch size on a GPU, 1 on a CPU
+    assert rendered("--set", "draft.calibrationMaxBatch=0") == "0"  # none
+    assert rendered("--set", "draft.calibrationMaxBatch=32") == "32"
+    proc = run_helm(*template_args("default", "--set", "draft.calibrationMaxBatch=-1"), check=False)
+    assert proc.returncode != 0 and "calibrationMaxBatch" in proc.stderr
+
+
 @pytest.mark.parametrize("key, flag_name, default, other, bad", [
     ("plainCallsInFlight", "plain-calls-in-flight", "2", "1", "0"),  # calls in flight: at least one
     ("promptFeatureMb", "prompt-feature-mb", "64", "0", "-1"),  # the admission's feature budget: 0 = whole prompts

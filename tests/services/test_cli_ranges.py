@@ -36,6 +36,7 @@ CASES = [
     ("serve-draft", "--target", ["localhost:70000", "localhost:0", "nohost", "localhost:", ":50052"],
      {"in-process": "in-process", "localhost:1": "localhost:1", "[::1]:50052": "[::1]:50052"}),
     ("generate", "--timeout", ["-1", "0", "nan"], {"0.5": 0.5, "30": 30.0}),
+    ("serve-draft", "--calibration-max-batch", ["-1", "1.5"], {"0": 0, "64": 64}),
 ]
 
 

@@ -9,7 +9,7 @@ import pytest
 from core_engines import drive, tiny_draft, tiny_target
 
 from specdec.engine.adaptive import FULL, SpeculationPolicy, budget_menu
-from specdec.engine.calibration import calibrate
+from specdec.engine.calibration import batch_sizes_up_to, calibrate
 from specdec.engine.generate import feature_layers_for
 from specdec.engine.scheduler import Scheduler
 from specdec.errors import SpecdecError
@@ -117,7 +117,7 @@ def test_calibration_seeds_every_budget_and_leaves_the_scheduler_as_it_was(dev_p
     with caplog.at_level(logging.INFO, logger="specdec.engine.calibration"):
         measured = calibrate(sched, policy, target.model.cfg.vocab_size, max_seconds=120)  # (a loaded machine)
     assert set(measured) == {0, 2, FULL} and all(s > 0 for s in measured.values())
-    assert "speculation calibration at batch 1" in caplog.text
+    assert "speculation calibration in " in caplog.text and "at batch 1: plain" in caplog.text
     _idle(sched, target, draft, free)
     assert sched.policy is policy and sched.timings.spec_steps == 0 and sched.timings.plain_steps == 0
     assert all(policy.seconds[(1, b)] == measured[b] for b in measured)
@@ -154,3 +154,50 @@ def test_a_failing_calibration_is_logged_and_the_policy_learns_as_before(caplog)
     assert "calibration stopped" in caplog.text
     assert not policy.seconds and sched.policy is policy
     _idle(sched, target, draft, free)  # the throw-away request released on both sides
+
+
+def test_calibration_at_several_batch_sizes_seeds_each_bucket(caplog):
+    """`batch_sizes` (the draft's --calibration-max-batch): each bucket's plain decoding is measured outright and its
+    speculative budgets timed, so a bucket's first real requests start on the whole chain instead of three plain
+    calls (on a GPU 48 of a 128-token request's tokens); everything is released afterwards."""
+    target, draft = tiny_target(), tiny_draft()
+    policy = SpeculationPolicy(budget_menu(draft.spec.num_draft_tokens))
+    sched = Scheduler(target, draft, target.max_context, 4, feature_layers_for(draft), policy=policy)
+    free = target.kv.num_free_pages
+    with caplog.at_level(logging.INFO, logger="specdec.engine.calibration"):
+        measured = calibrate(sched, policy, target.model.cfg.vocab_size, max_seconds=120,
+                             batch_sizes=batch_sizes_up_to(4))
+    assert set(measured) == {0, 2, FULL}  # (batch 1's, as before)
+    for n in (1, 2, 4):
+        assert all(policy.samples[(n, b)] >= policy.min_samples for b in (0, 2, FULL)), n
+        assert policy._is_measured(n, 0) and not policy._is_measured(n, FULL)  # a chain's yield: from requests
+        assert policy.choose(n) == FULL
+    assert (8, 0) not in policy.seconds  # (the scheduler's max batch size is 4)
+    assert "at batch 1: plain" in caplog.text and "; at batch 4: plain" in caplog.text
+    _idle(sched, target, draft, free)
+    assert sched.max_queue_wait_s == 0.0 and sched.policy is policy
+
+
+def test_a_batch_size_the_pools_cannot_hold_ends_calibration_without_waiting(caplog):
+    """The KV pools take the throw-away requests only at once (no wait for pages): the first batch size they cannot
+    hold ends calibration, with what was measured before it kept and nothing left behind."""
+    import time
+
+    from repo_paths import TINY
+
+    from specdec.engine.factory import EngineOptions, build_target
+
+    target = build_target(str(TINY / "target"), EngineOptions(num_pages=64, max_batch_size=16))
+    draft = tiny_draft()
+    policy = SpeculationPolicy(budget_menu(draft.spec.num_draft_tokens))
+    sched = Scheduler(target, draft, target.max_context, 16, feature_layers_for(draft), policy=policy,
+                      max_queue_wait_s=30.0)
+    free = target.kv.num_free_pages
+    t0 = time.perf_counter()
+    with caplog.at_level(logging.INFO, logger="specdec.engine.calibration"):
+        calibrate(sched, policy, target.model.cfg.vocab_size, max_seconds=120, batch_sizes=batch_sizes_up_to(16))
+    assert time.perf_counter() - t0 < 25  # (a wait for pages would have taken its 30 s)
+    assert "calibration stopped" in caplog.text and "KV" in caplog.text
+    assert policy._is_measured(1, 0) and (16, 0) not in policy.seconds
+    assert sched.max_queue_wait_s == 30.0
+    _idle(sched, target, draft, free)

@@ -339,6 +339,7 @@ lifecycle:
     - --plain-calls-in-flight={{ $v.draft.plainCallsInFlight }}
     - --speculation={{ $v.draft.speculation }}
     {{- with include "specdec.optionalFlag" (dict "flag" "plain-steps" "value" $v.draft.plainSteps) | trim }}{{ . | nindent 4 }}{{- end }}
+    {{- with include "specdec.optionalFlag" (dict "flag" "calibration-max-batch" "value" $v.draft.calibrationMaxBatch) | trim }}{{ . | nindent 4 }}{{- end }}
     - --log-format={{ $v.logFormat }}
     - --drain-seconds={{ $v.drainSeconds }}
     {{- with include "specdec.tlsArgs" (dict "root" .root "prefix" "") | trim }}{{ . | nindent 4 }}{{- end }}
