@@ -188,8 +188,8 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
                       running=lambda: len(sched.running), waiting=lambda: len(sched.waiting))
         loop.start()
         if policy is not None:  # each budget's time, before the first requests pay to learn it
-            await loop.call(calibrate, sched, policy, info.vocab_size,
-                            batch_sizes=batch_sizes_up_to(calibration_max_batch(args, opts)))
+            sizes = batch_sizes_up_to(calibration_max_batch(args, opts))
+            await loop.call(lambda: calibrate(sched, policy, info.vocab_size, batch_sizes=sizes))
         servicer.engine, servicer.loop, servicer.metrics = engine, loop, metrics
         servicer.num_running = lambda: len(sched.running)
         servicer.max_context, servicer.vocab_size, servicer.target_name = max_context, info.vocab_size, info.model

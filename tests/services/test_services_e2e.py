@@ -244,12 +244,14 @@ async def _pairs(draft_addr: str, target_addr: str, prompts, lengths: list[int],
 
 def test_adaptive_speculation_service_is_lossless(stack, prompts):
     """`--speculation auto` switches between speculative and plain steps by measured tokens/s; the stream
-    still equals target Generate token for token."""
+    still equals target Generate token for token. Its start-up calibration at batch sizes 1, 2 and 4
+    (`--calibration-max-batch 4`) leaves both KV pools free."""
     target, _ = stack
-    auto = start_draft(target.addr, "--speculation", "auto", "--max-batch-size", "8")
+    auto = start_draft(target.addr, "--speculation", "auto", "--max-batch-size", "8", "--calibration-max-batch", "4")
     try:
-        spec, plain, _ = asyncio.run(_pairs(auto.addr, target.addr, prompts[:6], [40] * 6, "auto"))
-        assert spec == plain
+        assert asyncio.run(_kv_free(stack))[0]
+        spec, plain, draft_free = asyncio.run(_pairs(auto.addr, target.addr, prompts[:6], [40] * 6, "auto"))
+        assert spec == plain and draft_free
     finally:
         auto.stop()
 
