@@ -184,7 +184,7 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
         phases = StepPhases(sched.timings)
         loop.on_step = lambda events: (_observe(metrics, engine, events), phases.observe(metrics))
         kv = engine.kv
-        metrics.track(kv_pages=lambda: (kv.num_total_pages - kv.num_free_pages, kv.num_free_pages),
+        metrics.track(kv_pages=kv.gauges,
                       running=lambda: len(sched.running), waiting=lambda: len(sched.waiting))
         loop.start()
         if policy is not None:  # each budget's time, before the first requests pay to learn it

@@ -10,6 +10,7 @@ from specdec.engine.draft_engine import DraftEngine
 from specdec.engine.requests import RUNNING
 from specdec.errors import InvalidInput, SpecdecError
 from specdec.rpc.errors import map_servicer_errors
+from specdec.rpc.kv_stats import kv_stats
 from specdec.rpc.metadata import left_status
 from specdec.rpc.sampling_codec import sampling_from_proto
 from specdec.rpc.target_codec import check_request_id, finish_to_proto
@@ -128,12 +129,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     async def GetModelInfo(self, request, context):
         cfg, spec = self.engine.model.cfg, self.engine.spec
-        page_size, pages_total, pages_free = self.engine.kv.stats()
         return draft_pb2.DraftServiceGetModelInfoResponse(
             model=self.model_name, architecture=cfg.architecture, draft_vocab_size=cfg.draft_vocab_size,
             target=self.target_name,
             spec=common_pb2.SpecParams(num_steps=spec.num_steps, topk=spec.topk,
                                        num_draft_tokens=spec.num_draft_tokens),
-            kv=common_pb2.KVStats(page_size=page_size, pages_total=pages_total, pages_free=pages_free),
+            kv=kv_stats(self.engine.kv),
             num_running=self.num_running(),
         )

@@ -73,7 +73,7 @@ def engine_loop(engine, max_batch_size: int, max_queue_wait_s: float, plain_step
                                 plain_steps=plain_steps),
                       "target-engine", engine.device, lock=lock)
     kv = engine.kv  # gauges read at scrape time: Verify and Prefill run between steps, not in them
-    metrics.track(kv_pages=lambda: (kv.num_total_pages - kv.num_free_pages, kv.num_free_pages),
+    metrics.track(kv_pages=kv.gauges,
                   running=lambda: len(engine.requests), waiting=lambda: len(loop.scheduler.waiting))
     if request_idle_s > 0:
         loop.chore_every_s = min(5.0, request_idle_s / 4)

@@ -14,6 +14,7 @@ from specdec.engine.target_engine import TargetEngine
 from specdec.errors import SpecdecError
 from specdec.request_ids import is_warmup
 from specdec.rpc.errors import map_servicer_errors
+from specdec.rpc.kv_stats import kv_stats
 from specdec.rpc.sampling_codec import sampling_from_proto
 from specdec.rpc.target_codec import (
     check_request_id,
@@ -28,7 +29,7 @@ from specdec.rpc.tensor_codec import FP8_ROWS
 from specdec.serving.engine_loop import EngineLoop
 from specdec.telemetry import bind_request_id, get_tracer
 from specdec.telemetry.tracing import batch_parent, current_trace_context
-from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
+from specdec.v1 import target_pb2, target_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -236,14 +237,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 def model_info(engine: TargetEngine, model_name: str) -> target_pb2.TargetServiceGetModelInfoResponse:
     """What GetModelInfo answers (also what a draft with an in-process target reads: `draft_service.colocated`)."""
     cfg = engine.cfg
-    page_size, total, free = engine.kv.stats()
     return target_pb2.TargetServiceGetModelInfoResponse(
         model=model_name, architecture=cfg.architecture, vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size, num_layers=cfg.num_layers, max_context_len=engine.max_context,
         eos_token_ids=list(cfg.eos_token_ids), dtype=str(engine.kv.k.dtype).replace("torch.", ""),
         device=str(engine.device),
-        kv=common_pb2.KVStats(page_size=page_size, pages_total=total, pages_free=free),
-        num_running=len(engine.requests),
+        kv=kv_stats(engine.kv), num_running=len(engine.requests),
         max_draft_tokens=engine.max_draft_tokens,
         num_waiting_for_pages=len(engine.page_queue),
     )

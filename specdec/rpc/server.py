@@ -109,7 +109,7 @@ async def start_server(
 
     servicers: callables that add one servicer each, e.g. `lambda s: add_XServicer_to_server(impl, s)`.
     health_names: the full names of the services added (e.g. "specdec.v1.TargetService"); they are reported
-    by health (NOT_SERVING until `set_serving(True)`) and listed by reflection.
+    by health (NOT_SERVING until `set_serving(True)`) and listed by reflection (LIVENESS by health only).
     """
     gate = DrainGate(still_served)  # first: a call refused while draining reaches no other interceptor
     # The decode guard last, nearest the servicer: a request that does not parse then passes every other
@@ -122,7 +122,10 @@ async def start_server(
         add(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((*health_names, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
+    # reflection lists the services; a health-only name (LIVENESS) is none, and listed it made `grpcurl describe`
+    # fail on the draft ("Symbol not found: liveness")
+    services = [name for name in health_names if name != LIVENESS]
+    reflection.enable_server_reflection((*services, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
     bound_port = _bind(server, host, port, tls)
     handle = ServerHandle(server, health_servicer, bound_port, tuple(health_names), gate)
     await handle.set_serving(False)

@@ -109,7 +109,7 @@ FAMILY_GROUPS = {
                  "e2e_request_latency_seconds", "prompt_tokens", "generation_tokens"),  # observe_request, count_tokens
     "running": ("num_requests_running",),  # set_running, track(running=)
     "waiting": ("num_requests_waiting",),  # set_waiting, track(waiting=)
-    "kv": ("kv_pages_used", "kv_pages_free"),  # set_kv, track(kv_pages=)
+    "kv": ("kv_pages_used", "kv_pages_free", "kv_pages_unreserved"),  # set_kv, track(kv_pages=)
     "batch": ("batch_size",),  # observe_batch
     "spec": ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
              "spec_decode_num_accepted_tokens_per_pos", "speculation_policy_tokens_per_second",
@@ -192,7 +192,9 @@ class ServiceMetrics:
         self._running = make("running", Gauge, "num_requests_running", "Requests in the running batch.")
         self._waiting = make("waiting", Gauge, "num_requests_waiting", "Requests queued, not yet running.")
         self._kv_used = make("kv", Gauge, "kv_pages_used", "KV cache pages in use.")
-        self._kv_free = make("kv", Gauge, "kv_pages_free", "KV cache pages free.")
+        self._kv_free = make("kv", Gauge, "kv_pages_free", "KV cache pages not written by any request.")
+        self._kv_unreserved = make("kv", Gauge, "kv_pages_unreserved",
+                                   "KV cache pages no admitted request has reserved (near 0: the pool is full).")
         self._batch = make("batch", Histogram, "batch_size", "Requests per step.", buckets=BATCH_SIZE_BUCKETS)
         self._drafts = make("spec", Counter, "spec_decode_num_drafts", "Drafts proposed (one per request per step).")
         self._draft_tokens = make("spec", Counter, "spec_decode_num_draft_tokens", "Draft tokens proposed.")
@@ -251,21 +253,24 @@ class ServiceMetrics:
     def set_waiting(self, n: int) -> None:
         self._waiting.set(n)
 
-    def set_kv(self, used: int, free: int) -> None:
+    def set_kv(self, used: int, free: int, unreserved: int | None = None) -> None:
         self._kv_used.set(used)
         self._kv_free.set(free)
+        self._kv_unreserved.set(free if unreserved is None else unreserved)
 
     def track(
         self,
-        kv_pages: Callable[[], tuple[int, int]] | None = None,
+        kv_pages: Callable[[], tuple[int, ...]] | None = None,
         running: Callable[[], int] | None = None,
         waiting: Callable[[], int] | None = None,
     ) -> None:
-        """Read gauges when scraped instead of setting them: `kv_pages() -> (used, free)`, `running()`,
-        `waiting()`. They run on the scrape thread, so they should only read plain counters (a `len`)."""
+        """Read gauges when scraped instead of setting them: `kv_pages() -> (used, free[, unreserved])`
+        (`KVCache.gauges`; without unreserved it reads as free), `running()`, `waiting()`. They run on the scrape
+        thread, so they should only read plain counters (a `len`)."""
         if kv_pages is not None:
             self._kv_used.set_function(lambda: kv_pages()[0])
             self._kv_free.set_function(lambda: kv_pages()[1])
+            self._kv_unreserved.set_function(lambda: kv_pages()[-1])
         if running is not None:
             self._running.set_function(running)
         if waiting is not None:

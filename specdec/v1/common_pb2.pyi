@@ -49,14 +49,16 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class KVStats(_message.Message):
-    __slots__ = ("page_size", "pages_total", "pages_free")
+    __slots__ = ("page_size", "pages_total", "pages_free", "pages_unreserved")
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     PAGES_FREE_FIELD_NUMBER: _ClassVar[int]
+    PAGES_UNRESERVED_FIELD_NUMBER: _ClassVar[int]
     page_size: int
     pages_total: int
     pages_free: int
-    def __init__(self, page_size: _Optional[int] = ..., pages_total: _Optional[int] = ..., pages_free: _Optional[int] = ...) -> None: ...
+    pages_unreserved: int
+    def __init__(self, page_size: _Optional[int] = ..., pages_total: _Optional[int] = ..., pages_free: _Optional[int] = ..., pages_unreserved: _Optional[int] = ...) -> None: ...
 
 class SpecParams(_message.Message):
     __slots__ = ("num_steps", "topk", "num_draft_tokens")

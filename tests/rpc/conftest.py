@@ -84,7 +84,7 @@ def fake_server():
             lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s))
         handle = await start_server(
             [add],
-            [TARGET_SERVICE],
+            kwargs.pop("health_names", [TARGET_SERVICE]),
             **kwargs,
         )
         try:

@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specdec.errors import NotReady
 from specdec.rpc.channel import make_channel, wait_for_serving
 from specdec.rpc.metadata import request_id_metadata
+from specdec.rpc.server import LIVENESS
 from specdec.v1 import target_pb2, target_pb2_grpc
 
 TARGET = "specdec.v1.TargetService"
@@ -67,13 +68,16 @@ def test_reflection_lists_services_and_serves_descriptors(fake_server, grpcurl):
         return out.decode()
 
     async def body():
-        async with fake_server() as (handle, _):
+        async with fake_server(health_names=[TARGET, LIVENESS]) as (handle, _):
             await handle.set_serving(True)
             addr = f"127.0.0.1:{handle.bound_port}"
             listed = (await grpcurl_out(addr, "list")).split()
             assert {TARGET, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= set(
                 listed
             )
+            # a health-only name is no service: listed, it made `grpcurl describe` fail (QA: Symbol not found)
+            assert LIVENESS not in listed
+            assert "service TargetService" in await grpcurl_out(addr, "describe")
             described = await grpcurl_out(addr, "describe", TARGET)
             assert "rpc Verify ( .specdec.v1.VerifyRequest )" in described
             assert "repeated int32 parents = 3;" in await grpcurl_out(

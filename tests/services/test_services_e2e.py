@@ -340,6 +340,30 @@ def test_the_drafts_warm_up_runs_every_shape_through_the_real_client(stack, capl
         client.close()
 
 
+def test_model_info_reports_the_pages_admission_can_still_give(stack):
+    """GetModelInfo's `kv.pages_unreserved`: a held request reserves its worst case (prompt, max_new_tokens, tree
+    slots) at admission but writes pages as it goes, so `pages_free` stays near the total while this drops by the
+    reservation (QA: a target refusing requests RESOURCE_EXHAUSTED reported 15 of 30 pages free)."""
+    from draft_service.target_client import TargetClient
+    from specdec.engine.requests import PrefillInput
+    from specdec.sampling_params import SamplingParams
+
+    target, _ = stack
+    client = TargetClient(target.addr)
+    try:
+        before = client.model_info().kv
+        assert before.pages_unreserved == before.pages_free
+        client.prefill([PrefillInput("unreserved-1", [5, 6, 7], SamplingParams(max_new_tokens=1000), (), False)])
+        held = client.model_info().kv
+        pages = -(-(3 + 1000) // held.page_size)
+        assert held.pages_free >= before.pages_free - 1  # one page written
+        assert held.pages_unreserved <= before.pages_unreserved - pages
+        client.release("unreserved-1")
+        assert client.model_info().kv == before
+    finally:
+        client.close()
+
+
 def test_the_drafts_client_takes_trimmed_feature_rows_from_prefill_and_verify(stack):
     """`feature_rows` through the draft's own client, which checks each reply's rows against what it asked for:
     the last prompt token's features from a Prefill, the last token's from a plain Verify of 4 steps, equal to

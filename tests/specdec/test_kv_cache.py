@@ -99,3 +99,18 @@ def test_pool_whole_after_randomized_run():
         kv.release(rid)
     assert kv.num_free_pages == 64
     assert len(set(kv.pool._free)) == 64
+
+
+def test_unreserved_pages_say_what_admission_can_still_give():
+    """A request reserves its worst case at admission and writes pages as it goes: free pages (not written) stay
+    high while unreserved ones (what the next request can get) run out. QA: a pool refusing requests showed 8319
+    of 8320 pages free; `kv_pages_unreserved` is the gauge that reads 0 then."""
+    kv = _cache(pages=32, page_size=4)
+    kv.add("a", max_tokens=100)  # 25 pages reserved, none written yet
+    kv.resize("a", 3)
+    assert (kv.num_free_pages, kv.num_unreserved_pages) == (31, 7)
+    assert kv.gauges() == (1, 31, 7)
+    with pytest.raises(OutOfPages, match="7 unreserved"):
+        kv.add("b", max_tokens=40)
+    kv.release("a")
+    assert kv.gauges() == (0, 32, 32)

@@ -53,7 +53,7 @@ def test_scraped_names_and_values(scrape):
     metrics.observe_request("RESOURCE_EXHAUSTED")
     metrics.set_running(3)
     metrics.set_waiting(1)
-    metrics.set_kv(used=120, free=904)
+    metrics.set_kv(used=120, free=904, unreserved=310)
     metrics.observe_batch(3)
     metrics.observe_spec_step(num_drafts=3, num_draft_tokens=24, accepted_per_pos=[3, 2, 0])
     metrics.observe_spec_step(num_drafts=2, num_draft_tokens=16, accepted_per_pos=[1, 1, 1, 1])
@@ -76,6 +76,7 @@ def test_scraped_names_and_values(scrape):
     assert value("specdec:num_requests_running") == 3
     assert value("specdec:num_requests_waiting") == 1
     assert (value("specdec:kv_pages_used"), value("specdec:kv_pages_free")) == (120, 904)
+    assert value("specdec:kv_pages_unreserved") == 310  # what admission can still give (reservations count)
     assert value("specdec:batch_size_bucket", le="4.0") == 1
     assert value("specdec:spec_decode_num_drafts_total") == 5
     assert value("specdec:spec_decode_num_draft_tokens_total") == 40

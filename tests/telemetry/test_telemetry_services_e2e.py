@@ -162,7 +162,7 @@ def test_telemetry_e2e_metrics(run):
     draft, target, gateway = metrics["draft"], metrics["target"], metrics["gateway"]
     for text in (draft, target):  # KV gauges: all pages back in the pool after the request
         used, free = _value(text, "specdec:kv_pages_used"), _value(text, "specdec:kv_pages_free")
-        assert used == 0 and free > 0
+        assert used == 0 and free > 0 and _value(text, "specdec:kv_pages_unreserved") == free  # none reserved
         assert _value(text, "specdec:num_requests_running") == 0
     drafts = _value(draft, "specdec:spec_decode_num_drafts_total")
     draft_tokens = _value(draft, "specdec:spec_decode_num_draft_tokens_total")
