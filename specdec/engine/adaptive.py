@@ -134,6 +134,7 @@ class SpeculationPolicy:
     def choose(self, batch_size: int) -> int:
         """The draft-token budget for this step: 0 = decode plainly, FULL = the whole tree, else a node count."""
         b = self.bucket(batch_size)
+        self._borrow_yields(b)
         unmeasured = self._next_unmeasured(b)
         if unmeasured is not None:
             return unmeasured
@@ -189,6 +190,7 @@ class SpeculationPolicy:
     def plain_leads(self, batch_size: int) -> bool:
         """Has this batch size's bucket measured its menu and found plain decoding the fastest?"""
         b = self.bucket(batch_size)
+        self._borrow_yields(b)
         return self._next_unmeasured(b) is None and bool(self._measured(b)) and self._best(b) == 0
 
     def _measured(self, b: int) -> list[int]:
@@ -213,6 +215,24 @@ class SpeculationPolicy:
             self.tokens[key], self.counted[key] = 1.0, self.min_request_steps
         if key in self.tokens:
             self._rate(key)
+
+    def _borrow_yields(self, b: int) -> None:
+        """A speculative budget timed at bucket `b` (start-up calibration times every bucket on a GPU) but with no
+        yield there takes the yield of the nearest bucket that measured one: acceptance is the drafts' and the
+        prompts', not the batch size's. The bucket then chooses from its first step instead of running the whole
+        tree until its own requests have measured it (at 128 requests of an 8B shape, tau 5, H200: two or three
+        whole-chain steps of ~70 ms where plain decoding led, and the first admission brought prompt features the
+        draft did not use). The borrowed yield counts as `min_request_steps` request-steps, so the bucket's own
+        steps replace it as soon as they run."""
+        for budget in self.budgets:
+            if budget == 0 or (b, budget) in self.tokens or not self._timed(b, budget):
+                continue
+            donors = [d for (d, x), n in self.counted.items() if x == budget and d != b and n >= self.min_request_steps]
+            if donors:
+                donor = min(donors, key=lambda d: (abs(d.bit_length() - b.bit_length()), d))
+                self.tokens[(b, budget)] = self.tokens[(donor, budget)]
+                self.counted[(b, budget)] = self.min_request_steps
+                self._rate((b, budget))
 
     def _far_behind(self, b: int, budget: int) -> bool:
         """Did `budget` measure under half the rate of the best measured one?"""

@@ -233,3 +233,33 @@ def test_a_stall_in_a_batch_sizes_few_calibration_steps_does_not_set_its_time():
     calibrate(sched, policy, target.model.cfg.vocab_size, max_seconds=120, batch_sizes=(1, 2))
     assert stalling.seen >= 3  # the stall happened, in plain decoding's steps at batch 2
     assert policy.seconds[(2, 0)] < policy.seconds[(1, 0)]
+
+
+def test_a_calibrated_bucket_borrows_the_nearest_measured_yield_and_chooses_at_once():
+    """Every bucket's times calibrated (a GPU's start-up), the chain's yield measured at batch 1 only: at 32 requests
+    plain decoding's calibrated rate beats the chain's with that yield, so the bucket follows plain from its first
+    call (and admission skips the prompt features the draft would not use) instead of running the whole chain until
+    its own requests measured it; at 8 the chain wins at once. With no yield measured anywhere, the chain runs
+    first as before."""
+
+    def calibrated() -> SpeculationPolicy:
+        p = SpeculationPolicy(budget_menu(5), min_samples=3)
+        p.derives_yields = True
+        for n, times in {1: (0.005, 0.006, 0.007), 8: (0.0006, 0.0009, 0.001), 32: (0.00016, 0.0005, 0.0012)}.items():
+            for budget, seconds in zip((0, 2, FULL), times, strict=True):
+                p.seed(n, budget, seconds)
+        return p
+
+    cold = calibrated()
+    assert not cold.plain_leads(32) and cold.choose(32) == FULL  # nothing to borrow: its own steps measure it
+    p = calibrated()
+    for _ in range(p.min_request_steps):  # batch 1 measures the chain: 5 tokens a step, 3 for the half chain
+        p.record(1, p.choose(1), tokens=5, seconds=0.007, derived={2: 3})
+    assert p.tokens[(1, FULL)] == pytest.approx(5.0) and p.tokens[(1, 2)] == pytest.approx(3.0)
+    assert p.plain_leads(32) and p.choose(32) == 0  # plain 6250 tok/s, half 6000, whole 4167
+    assert p.rates[(32, FULL)] == pytest.approx(5 / 0.0012)
+    assert p.choose(8) == FULL  # 5000 tok/s against plain's 1667
+    p.record(32, 0, tokens=32 * 16, seconds=0.082, steps=16)  # its own steps take over from the borrowed yield
+    for _ in range(3):
+        p.record(32, FULL, tokens=32 * 2, seconds=32 * 0.0012, derived={2: 32 * 2})
+    assert p.tokens[(32, FULL)] < 2.5
