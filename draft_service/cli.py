@@ -69,9 +69,10 @@ def register(subparsers) -> None:
                         "flight: the next goes out before the previous one's reply, so the target never waits a "
                         "round trip between them (default 2; 1 = one at a time)")
     p.add_argument("--token-map", metavar="FILE",
-                   help="EAGLE-1 heads: a JSON list of target token ids, the only tokens the draft proposes (its "
-                        "lm_head keeps their rows: a faster draft step with a large vocabulary); made by `specdec "
-                        "token-map`. Lossless; costs acceptance where the text needs other tokens")
+                   help="EAGLE-1 heads: a JSON file of target token ids, the only tokens the draft proposes (its "
+                        "lm_head keeps their rows: a faster draft step with a large vocabulary): "
+                        "{\"token_ids\": [...]} as `specdec token-map` writes it, or a bare list [...]. Lossless; "
+                        "costs acceptance where the text needs other tokens")
     add_tls_args(p)
     add_tls_args(p, prefix="target-", who="client side, to the target")
     add_telemetry_args(p)

@@ -26,6 +26,7 @@ from specdec.rpc.tls import TlsConfig
 from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 Messages = Sequence[dict[str, str]]
+CHAT_KEYS = ("role", "content")  # what each chat message needs (ChatMessage's fields)
 
 
 @dataclass(frozen=True)
@@ -131,17 +132,18 @@ class GatewayClient:
         chat message without content) raises `InvalidInput` here; the gateway checks the rest (INVALID_ARGUMENT)."""
         sampling = _sampling(stop_token_ids=stop_token_ids, max_new_tokens=max_new_tokens, temperature=temperature,
                              top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, ignore_eos=ignore_eos)
-        try:  # protobuf refuses these as ValueError / TypeError; KeyError: a chat message without a field
+        chat = None if isinstance(prompt, str) else _chat(prompt)
+        try:  # protobuf refuses these as ValueError / TypeError
             request = gateway_pb2.GatewayServiceGenerateRequest(
                 sampling=sampling, stop=list(stop), no_speculation=no_speculation, request_id=request_id
             )
             if spec is not None:
                 request.spec.CopyFrom(common_pb2.SpecParams(**spec))
-            if isinstance(prompt, str):
+            if chat is None:
                 request.prompt = prompt
             else:
-                request.chat.CopyFrom(_chat(prompt))
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+                request.chat.CopyFrom(chat)
+        except (ValueError, TypeError, AttributeError) as exc:
             raise InvalidInput(f"bad request: {type(exc).__name__}: {exc}") from exc
         return GenerationStream(self._stub.Generate(request, timeout=self._timeout_s, metadata=self._metadata))
 
@@ -194,6 +196,22 @@ def _sampling(**fields) -> common_pb2.SamplingParams:
 
 
 def _chat(messages: Messages) -> gateway_pb2.ChatMessages:
+    """A chat as the request holds it; a message that is not a dict of text `role` and `content` is `InvalidInput`
+    naming the message and the key (QA: a message without content said only `KeyError: 'content'`)."""
+    for i, message in enumerate(messages):
+        _check_message(i, message)
     return gateway_pb2.ChatMessages(
         messages=[gateway_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages]
     )
+
+
+def _check_message(index: int, message) -> None:
+    if not isinstance(message, Mapping):
+        raise InvalidInput(f"bad request: chat message {index} is a {type(message).__name__}, not a dict with "
+                           f"'role' and 'content'")
+    for key in CHAT_KEYS:
+        if key not in message:
+            raise InvalidInput(f"bad request: chat message {index} has no {key!r} (each needs 'role' and 'content')")
+        if not isinstance(message[key], str):
+            raise InvalidInput(f"bad request: chat message {index}'s {key!r} is a {type(message[key]).__name__}, "
+                               f"not a str")

@@ -103,7 +103,7 @@ def run_generate(args: argparse.Namespace) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 1
         except grpc.RpcError as exc:
-            print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            print(f"\nerror: {rpc_error_text(exc, args.timeout)}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: a stack started for this call stops on the way out
             print("\ninterrupted", file=sys.stderr)
@@ -111,6 +111,14 @@ def run_generate(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     print(format_stats(stream.stats), file=sys.stderr)
     return 0
+
+
+def rpc_error_text(exc: grpc.RpcError, timeout_s: float | None) -> str:
+    """A failed call in words. A deadline under --timeout is the request's own: gRPC's text for it ("Stream
+    removed (Deadline Exceeded)") named neither the flag nor the time."""
+    if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout_s is not None:
+        return f"DEADLINE_EXCEEDED: the request's --timeout of {timeout_s:g} s ran out"
+    return f"{exc.code().name}: {exc.details()}"
 
 
 def _local_gateway(device: str, cleanup: contextlib.ExitStack) -> str:

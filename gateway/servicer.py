@@ -49,7 +49,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self._limits = limits
         self._slots = StreamSlots(limits.max_concurrent_streams, limits.max_streams_per_client)
         self._clients_by_key = clients_by_key  # API keys are checked: a key identifies a client
-        self._model_dir_name = Path(model_dir).name
+        self._model_dir = model_dir  # ListModels' target until a pair answers: the --model the gateway was given
         self._served_model_name = served_model_name  # ListModels' id; "": the target's model name
 
     # -- Generate -------------------------------------------------------------------------------------------
@@ -180,10 +180,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     async def ListModels(self, request, context):
         up = [p for p in self._router.pairs if p.usable]
         known = up or self._router.pairs
-        target = next((p.target_model for p in known if p.target_model), self._model_dir_name)
+        # a path both before a pair answered (the gateway's own --model) and after (the path the target loaded):
+        # the target was the bare name "target" first, then "/work/.../target"
+        target = next((p.target_model for p in known if p.target_model), self._model_dir)
         draft = next((p.draft_model for p in known if p.draft_model), "")
-        # the id is the model's name, not where a service loaded it from: the same before a pair answered (the
-        # gateway's own --model) and after (a target's path: it was "target", then "/work/.../target")
+        # the id is the model's name, not where a service loaded it from: the same before and after
         card = gateway_pb2.ModelCard(id=self._served_model_name or Path(target).name, target=target, draft=draft,
                                      max_context_len=self._max_context_len(), pairs_up=len(up))
         return gateway_pb2.ListModelsResponse(models=[card])

@@ -21,6 +21,9 @@ log = logging.getLogger(__name__)
 
 CPU_KV_BUDGET_BYTES = 2 << 30
 GPU_KV_FRACTION = 0.85
+# (field, least value, what 0 means): the counts `validate` checks (the flags' argparse types say the same ranges)
+COUNT_FIELDS = (("num_pages", 0, " (0 = size from memory)"), ("max_batch_size", 1, ""),
+                ("max_context", 0, " (0 = the model's)"))
 
 
 @dataclass(frozen=True)
@@ -46,9 +49,16 @@ class EngineOptions:
         check_backend(self.attention_backend, self.device)
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ConfigError(f"--page-size must be a power of two, got {self.page_size}")
-        if self.num_pages < 0 or self.max_batch_size < 1 or self.max_context < 0:
-            raise ConfigError("--num-pages, --max-batch-size and --max-context must be positive")
+        self._check_counts()
         return self
+
+    def _check_counts(self) -> None:
+        """Each count below its least value, named as a field and as its flag (one message said all three "must
+        be positive" for a -1 in one of them, while 0 pages and 0 context are valid)."""
+        bad = [f"{name} (--{name.replace('_', '-')}) {getattr(self, name)}: expected >= {least}{zero}"
+               for name, least, zero in COUNT_FIELDS if getattr(self, name) < least]
+        if bad:
+            raise ConfigError("; ".join(bad))
 
 
 def _num_pages(opts: EngineOptions, bytes_per_page: int, max_context: int) -> int:

@@ -7,8 +7,8 @@ the draft's tokens as given (`specdec.verify`: deterministic top-k drafting, no 
 outside the map is never proposed but is still produced by the target whenever it is right. What it costs is
 acceptance where the text needs a token outside the map (measured in docs/benchmarks.md).
 
-The file is JSON: a list of target token ids (or `{"token_ids": [...]}`), distinct, inside the target's vocabulary.
-`specdec token-map` writes one: the most frequent tokens of a corpus under the target's tokenizer, or the draft
+The file is JSON: `{"token_ids": [...]}` (what `specdec token-map` writes) or a bare list of target token ids,
+distinct, inside the target's vocabulary. `specdec token-map` writes one: the most frequent tokens of a corpus under the target's tokenizer, or the draft
 vocabulary of an EAGLE-3 head trained for the same target. An EAGLE-3 head has its own draft vocabulary and takes no
 map.
 """

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec.engine.plain_steps import MAX_PLAIN_STEPS
 from specdec.engine.requests import ABORT, LENGTH, RUNNING, STOP, PrefillInput, PrefillOutput, VerifyInput, VerifyOutput
 from specdec.errors import InvalidInput
 from specdec.request_ids import check_not_reserved
@@ -99,7 +100,15 @@ def verify_from_proto(msg: target_pb2.VerifyRequest) -> tuple[list[VerifyInput],
     checked by the engine."""
     inputs = [VerifyInput(check_request_id(t.request_id), list(t.draft_tokens), list(t.parents), t.num_generated)
               for t in msg.trees]
-    return inputs, msg.plain_steps or 1, msg.feature_rows
+    return inputs, _plain_steps(msg.plain_steps), msg.feature_rows
+
+
+def _plain_steps(steps: int) -> int:
+    """The wire's count as the engine's: 0 (proto3's unset) is one step. Checked here, in the wire's own range:
+    the engine's check would name [1, 64] for a -1 the caller sent while 0 is accepted."""
+    if not 0 <= steps <= MAX_PLAIN_STEPS:
+        raise InvalidInput(f"plain_steps {steps} outside [0, {MAX_PLAIN_STEPS}] (0: one step)")
+    return steps or 1
 
 
 def verify_outputs_to_proto(outputs: list[VerifyOutput]) -> target_pb2.VerifyResponse:

@@ -77,9 +77,12 @@ def add_engine_args(parser: argparse.ArgumentParser, default_port: int, gpu_plai
                    help="auto = float32 on CPU, bfloat16 on GPU")
     e.add_argument("--attention-backend", default="torch", help="torch (reference, CPU/GPU) or flashinfer (GPU)")
     e.add_argument("--page-size", type=int, default=16, help="tokens per KV page (power of two), default 16")
-    e.add_argument("--num-pages", type=int, default=0, help="KV pages in the pool; 0 = size from memory")
-    e.add_argument("--max-batch-size", type=int, default=64, help="requests decoded together, default 64")
-    e.add_argument("--max-context", type=int, default=0, help="context length; 0 = the model's")
+    e.add_argument("--num-pages", type=ranged(int, what="KV pages", zero="size from memory"), default=0,
+                   help="KV pages in the pool; 0 = size from memory")
+    e.add_argument("--max-batch-size", type=ranged(int, 1, what="requests"), default=64,
+                   help="requests decoded together, default 64")
+    e.add_argument("--max-context", type=ranged(int, what="tokens", zero="the model's"), default=0,
+                   help="context length; 0 = the model's")
     e.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"],
                    help="dummy = random weights of the checkpoint's shape (benchmarking only)")
     e.add_argument("--config", metavar="NAME", help="with --load-format dummy: a named shape instead of --model "

@@ -79,7 +79,17 @@ def run_detokenize(args: argparse.Namespace) -> int:
 def parse_ids(raw: str) -> list[int]:
     """`"[1, 2, 3]"`, `"1 2 3"` or `"1,2,3"` -> [1, 2, 3]."""
     raw = raw.strip()
-    values = json.loads(raw) if raw.startswith("[") else raw.replace(",", " ").split()
+    values = _json_ids(raw) if raw.startswith("[") else raw.replace(",", " ").split()
     if not all(isinstance(v, int) or (isinstance(v, str) and v.lstrip("-").isdigit()) for v in values):
         raise ValueError(f"IDS must be integers, got {raw!r}")
     return [int(v) for v in values]
+
+
+def _json_ids(raw: str) -> list:
+    """IDS that start with `[`, read as JSON (json's own message named no flag and no expected form)."""
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as exc:
+        found = repr(raw[exc.pos : exc.pos + 20]) if exc.pos < len(raw) else "the end"  # (IDS may be long: stdin)
+        raise ValueError(f"IDS is not a JSON list of token ids such as [1, 2, 3]: {exc.msg} at character "
+                         f"{exc.pos + 1}, found {found}") from exc

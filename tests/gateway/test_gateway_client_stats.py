@@ -1,15 +1,20 @@
-"""The Python client's `GenerationStats` (every `GatewayStats` field) and `specdec generate`'s stats line."""
+"""The Python client's `GenerationStats` (every `GatewayStats` field), its chat-message checks, and `specdec generate`'s
+stats line and error text."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 
+import pytest
 from conftest import SCRIPT_TEXT
 from gateway_fakes import fake_stack, run
 
 from gateway.client import GatewayClient, GenerationStats
 from gateway.commands import format_stats
+from specdec.cli import main as cli_main
+from specdec.errors import InvalidInput
 from specdec.v1 import common_pb2, gateway_pb2
 
 
@@ -54,3 +59,35 @@ def test_the_client_reports_a_fallback_when_the_draft_fails_mid_stream(fake_mode
     text, final = run(body())
     assert text == SCRIPT_TEXT and final.fallbacks == 1 and not final.speculative
     assert format_stats(final).endswith(", 1 fallback]")
+
+
+@pytest.mark.parametrize("messages, said", [
+    ([{"role": "user"}], "chat message 0 has no 'content' (each needs 'role' and 'content')"),
+    ([{"role": "user", "content": "hi"}, {"content": "x"}], "chat message 1 has no 'role'"),
+    ([{"role": "user", "content": 3}], "chat message 0's 'content' is a int, not a str"),
+    (["hi"], "chat message 0 is a str, not a dict with 'role' and 'content'"),
+])
+def test_the_client_names_the_chat_message_and_key_it_cannot_send(messages, said):
+    """Checked before any call (nothing listens at the address). QA: `complete([{"role": "user"}])` said only
+    `bad request: KeyError: 'content'`."""
+    with GatewayClient("127.0.0.1:9") as client:
+        for send in (client.complete, client.tokenize):
+            with pytest.raises(InvalidInput) as err:
+                send(messages)
+            assert said in str(err.value)
+
+
+def test_generate_says_its_timeout_ran_out(fake_model, model_dir, capsys, monkeypatch):
+    """QA: `specdec generate --timeout 0.3` ended with `DEADLINE_EXCEEDED: Stream removed (Deadline Exceeded)`.
+    (Run on a thread beside the fake stack's loop, where no signal handler can be set.)"""
+    monkeypatch.setattr("gateway.commands.sigterm_as_interrupt", contextlib.nullcontext)
+
+    async def body():
+        async with fake_stack(fake_model, model_dir) as (pairs, gateway, _):
+            pairs[0].draft.hang_after_chunks = 2
+            return await asyncio.to_thread(cli_main, ["generate", "--addr", f"127.0.0.1:{gateway.port}",
+                                                      "--timeout", "0.3", "def fib(n):"])
+
+    assert run(body()) == 1
+    said = capsys.readouterr().err.strip()
+    assert said.endswith("error: DEADLINE_EXCEEDED: the request's --timeout of 0.3 s ran out")

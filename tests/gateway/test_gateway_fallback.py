@@ -276,6 +276,25 @@ def test_a_stream_on_a_part_that_stops_answering_moves_on(fake_model, model_dir,
         assert not pairs[0].target.seen.requests
 
 
+def test_the_documented_time_to_leave_a_frozen_part_follows_from_the_health_loop():
+    """docs/gateway.md's bound (it said ~1-4 s; QA saw a 5.0 s gap): MISSED_CHECKS_DOWN unanswered checks, each
+    waiting its deadline, FAST_POLL_S apart, the first up to one health interval after the freeze."""
+    import dataclasses
+    import inspect
+
+    from repo_paths import REPO
+
+    from gateway.config import GatewayConfig
+    from gateway.downstream import DraftClient
+    from gateway.router import FAST_POLL_S, MISSED_CHECKS_DOWN
+
+    deadline_s = inspect.signature(DraftClient.probe).parameters["timeout_s"].default
+    interval_s = {f.name: f.default for f in dataclasses.fields(GatewayConfig)}["health_interval_s"]
+    soonest = MISSED_CHECKS_DOWN * deadline_s + (MISSED_CHECKS_DOWN - 1) * FAST_POLL_S
+    doc = " ".join((REPO / "docs" / "gateway.md").read_text().split())
+    assert f"{soonest:g}-{soonest + interval_s:g} s after it" in doc
+
+
 def test_leaving_a_hung_part_cancels_only_the_read_and_keeps_a_real_cancel():
     """`_unless_hung`: a part marked unresponsive during a read ends the read (the downstream generator is closed)
     with PartHung; one marked between reads is seen at the next read; a cancel of the task from elsewhere (the

@@ -286,16 +286,17 @@ def test_a_local_gpu_stack_asks_for_flashinfer_when_it_is_installed(monkeypatch)
 def test_gateway_list_models_id_is_the_models_name_before_and_after_a_pair_answers(fake_model, model_dir):
     """The default id is the checkpoint directory's name: what the gateway knows from its own --model while no pair
     has answered, and what a target reports (the path it loaded) once one has. It was the bare name first, then
-    the target's whole path."""
+    the target's whole path. The target is a path both times: the gateway's --model, then the target's (it was
+    the bare name "target" first)."""
     name = Path(model_dir).name
 
     async def body():
         async with fake_stack(fake_model, model_dir) as (_, gateway, stub):
             pair = gateway.router.pairs[0]
             pair.target_model = f"/srv/models/{name}"
-            ids = [(await stub.ListModels(gateway_pb2.ListModelsRequest())).models[0].id]
+            cards = [(await stub.ListModels(gateway_pb2.ListModelsRequest())).models[0]]
             pair.target_model = ""  # as before the target first answered
-            ids.append((await stub.ListModels(gateway_pb2.ListModelsRequest())).models[0].id)
-            return ids
+            cards.append((await stub.ListModels(gateway_pb2.ListModelsRequest())).models[0])
+            return [(c.id, c.target) for c in cards]
 
-    assert run(body()) == [name, name]
+    assert run(body()) == [(name, f"/srv/models/{name}"), (name, str(model_dir))]

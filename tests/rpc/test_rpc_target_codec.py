@@ -3,12 +3,15 @@ thread moves features to host memory in one copy per feature width before the re
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specdec.engine.requests import RUNNING, STOP, VerifyOutput
+from specdec.errors import InvalidInput
 from specdec.rpc.target_codec import (
     features_to_host,
     rows_of_one,
+    verify_from_proto,
     verify_outputs_from_proto,
     verify_outputs_to_proto,
 )
@@ -72,3 +75,13 @@ def test_a_traced_prefill_encodes_with_its_feature_wire():
     assert prefill_to_proto(inp).feature_dtype == ""
     msg = prefill_to_proto(PrefillInput("r", [1, 2], SamplingParams(), trace_context=ctx, feature_wire=FP8_ROWS))
     assert prefill_from_proto(msg).feature_wire == FP8_ROWS
+
+
+def test_verify_plain_steps_are_checked_in_the_wires_range():
+    """0 (proto3's unset) is one step; the refusal names the range the wire accepts, [0, 64], not the engine's."""
+    tree = [target_pb2.TreeProposal(request_id="r")]
+    assert verify_from_proto(target_pb2.VerifyRequest(trees=tree))[1] == 1
+    assert verify_from_proto(target_pb2.VerifyRequest(trees=tree, plain_steps=64))[1] == 64
+    for bad in (-1, 65):
+        with pytest.raises(InvalidInput, match=rf"plain_steps {bad} outside \[0, 64\] \(0: one step\)"):
+            verify_from_proto(target_pb2.VerifyRequest(trees=tree, plain_steps=bad))

@@ -37,6 +37,9 @@ CASES = [
      {"in-process": "in-process", "localhost:1": "localhost:1", "[::1]:50052": "[::1]:50052"}),
     ("generate", "--timeout", ["-1", "0", "nan"], {"0.5": 0.5, "30": 30.0}),
     ("serve-draft", "--calibration-max-batch", ["-1", "1.5"], {"0": 0, "64": 64}),
+    *[(c, "--num-pages", ["-1", "1.5", "abc"], {"0": 0, "600": 600}) for c in MODEL_SERVICES],  # 0 = from memory
+    *[(c, "--max-batch-size", ["0", "-1", "2.5"], {"1": 1, "64": 64}) for c in MODEL_SERVICES],
+    *[(c, "--max-context", ["-1", "nan"], {"0": 0, "4096": 4096}) for c in MODEL_SERVICES],  # 0 = the model's
 ]
 
 
@@ -68,6 +71,10 @@ def test_the_error_says_the_range_and_what_zero_means(capsys):
         (["serve-target", "--max-queue-wait-seconds", "-1"], "seconds >= 0 (0 = refuse at once)"),
         (["serve-target", "--simulate-accept-len", "0.5"], "tokens per step >= 1, or 0 = off"),
         (["serve-target", "--drain-seconds", "nan"], "'nan' is not a finite number"),
+        (["serve-target", "--num-pages", "-1"], "argument --num-pages: -1 is out of range: KV pages >= 0 "
+                                                "(0 = size from memory)"),
+        (["serve-target", "--max-batch-size", "0"], "argument --max-batch-size: 0 is out of range: requests >= 1"),
+        (["serve-target", "--max-context", "-1"], "-1 is out of range: tokens >= 0 (0 = the model's)"),
     ]:
         with pytest.raises(SystemExit):
             build_parser().parse_args(argv)

@@ -27,3 +27,18 @@ def test_plain_steps_default_per_service_and_device_and_bounds():
     for bad in ("0", "65"):
         with pytest.raises(ConfigError, match="--plain-steps"):
             plain_steps(_parse("--plain-steps", bad))
+
+
+@pytest.mark.parametrize("fields, said", [
+    ({"num_pages": -1}, r"^num_pages \(--num-pages\) -1: expected >= 0 \(0 = size from memory\)$"),
+    ({"max_batch_size": 0}, r"^max_batch_size \(--max-batch-size\) 0: expected >= 1$"),
+    ({"max_context": -5, "num_pages": -1}, r"^num_pages .*; max_context \(--max-context\) -5: expected >= 0 "),
+])
+def test_engine_options_name_each_count_out_of_range(fields, said):
+    """Programmatic callers get the field (and its flag) that is wrong; it said all three "must be positive" while
+    0 pages and 0 context are valid."""
+    from specdec.engine.factory import EngineOptions
+
+    EngineOptions(num_pages=0, max_context=0).validate()
+    with pytest.raises(ConfigError, match=said):
+        EngineOptions(**fields).validate()

@@ -113,7 +113,8 @@ def test_token_map_command_from_a_corpus_and_from_an_eagle3_head(tmp_path, capsy
     assert cli_main(["token-map", "--corpus", str(corpus), "--tokenizer", str(TINY / "target"), "--size", "5",
                      "--out", str(out)]) == 0
     ids = read_token_map(out, VOCAB)
-    assert len(ids) == 5
+    assert len(ids) == 5 and json.loads(out.read_text()) == {"token_ids": ids}  # the form the docs name first
+    assert read_token_map(_written(tmp_path, ids), VOCAB) == ids  # a bare list is read alike
     from specdec.tokenizer import load_tokenizer
 
     counts = {}

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
 import socket
 import urllib.request
 
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from repo_paths import REPO
 
 from specdec.telemetry import ServiceMetrics, model_label, start_metrics_server
 from specdec.telemetry.metrics import FAMILY_GROUPS, PREFIX
@@ -202,6 +204,22 @@ def test_draft_exports_every_family():
     metrics.observe_phase("step", 0.01)
     policy = {PREFIX + "speculation_policy_tokens_per_second", PREFIX + "speculation_policy_target_steps"}
     assert set(exported(metrics)) == names_of(*FAMILY_GROUPS) - policy  # policy: a collector, --speculation auto
+
+
+def test_observability_doc_lists_each_services_groups():
+    """Both places docs/observability.md names the gateway's groups, and its "Groups registered" line, say what
+    the code registers (one place said `requests`, `running` while the gateway also sets `fallbacks`)."""
+    from gateway.interceptors import MetricsInterceptor
+    from specdec.telemetry.metrics import MODEL_FAMILIES
+    from target_service.app import METRIC_FAMILIES
+
+    doc = " ".join((REPO / "docs" / "observability.md").read_text().split())
+    line = doc[doc.index("Groups registered:") :].split("Example selectors")[0]
+    gateway, draft, target = (set(re.findall(r"`(\w+)`", part)) for part in re.findall(r"FAMILIES` \(([^)]*)\)", line))
+    assert (gateway, target) == (set(MetricsInterceptor.FAMILIES), set(METRIC_FAMILIES))
+    assert "all but" in line and draft == set(FAMILY_GROUPS) - MODEL_FAMILIES  # the draft's: all but these
+    assert "`specdec:pair_part_up`" in line
+    assert "it registers `requests`, `running` and `fallbacks`, plus its own `pair_part_up`" in doc
 
 
 def test_unknown_family_group_is_refused():

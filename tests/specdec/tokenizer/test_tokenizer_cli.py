@@ -46,5 +46,8 @@ def test_errors_exit_1_with_message(capsys, tmp_path):
     assert main(["detokenize", "--tokenizer", TOKENIZER, "[1, 99999]"]) == 1
     assert "outside the vocabulary" in capsys.readouterr().err
     assert main(["detokenize", "--tokenizer", TOKENIZER, "a b"]) == 1
+    assert main(["detokenize", "--tokenizer", TOKENIZER, "[abc"]) == 1  # said "Expecting value: line 1 column 2"
+    assert "IDS is not a JSON list of token ids such as [1, 2, 3]: Expecting value at character 2, found 'abc'" \
+        in capsys.readouterr().err
     assert main(["tokenize", "--tokenizer", str(tmp_path), "x"]) == 1
     assert "no tokenizer file found" in capsys.readouterr().err
