@@ -155,6 +155,7 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
     check_target_args(args)
     # --target in-process: this server serves TargetService over the draft's own target engine
     colocated = ColocatedTargetService(args) if args.target == IN_PROCESS else None
+    calibration_sizes = batch_sizes_up_to(calibration_max_batch(args, opts))
 
     async def load(metrics) -> str:
         stop = threading.Event()
@@ -187,13 +188,13 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
         metrics.track(kv_pages=kv.gauges,
                       running=lambda: len(sched.running), waiting=lambda: len(sched.waiting))
         loop.start()
+        state.update(loop=loop, client=client)  # (a stop during calibration: `close` ends it and its requests)
         if policy is not None:  # each budget's time, before the first requests pay to learn it
-            sizes = batch_sizes_up_to(calibration_max_batch(args, opts))
-            await loop.call(lambda: calibrate(sched, policy, info.vocab_size, batch_sizes=sizes))
+            await loop.call(lambda: calibrate(sched, policy, info.vocab_size, batch_sizes=calibration_sizes,
+                                              should_stop=lambda: loop.stopping))
         servicer.engine, servicer.loop, servicer.metrics = engine, loop, metrics
         servicer.num_running = lambda: len(sched.running)
         servicer.max_context, servicer.vocab_size, servicer.target_name = max_context, info.vocab_size, info.model
-        state.update(loop=loop, client=client)
         if colocated is None:  # a remote target: the draft is ready while it answers and fits (`TargetWatch`)
             state["watch"] = TargetWatch(client, misfit)
         return (f"model {args.model} ({engine.model.cfg.architecture}, steps {spec.num_steps} topk {spec.topk} "
@@ -232,10 +233,17 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
 
 def calibration_max_batch(args, opts) -> int:
     """`--calibration-max-batch`, by default the max batch size on a GPU (its start-up has seconds to spare: graph
-    capture takes longer) and 1 on a CPU (the README's first command starts a stack for one request)."""
-    if getattr(args, "calibration_max_batch", None) is not None:
-        return args.calibration_max_batch
-    return opts.max_batch_size if str(opts.device).startswith("cuda") else 1
+    capture takes longer) and 1 on a CPU (the README's first command starts a stack for one request); at most the
+    max batch size (said when it cuts a value given)."""
+    given = getattr(args, "calibration_max_batch", None)
+    if given is None:
+        return opts.max_batch_size if str(opts.device).startswith("cuda") else 1
+    if args.speculation != "auto":
+        log.warning("--calibration-max-batch %d: no calibration with --speculation %s (only auto has budgets to "
+                    "time)", given, args.speculation)
+    if given > opts.max_batch_size:
+        log.info("--calibration-max-batch %d: calibrating up to --max-batch-size %d", given, opts.max_batch_size)
+    return min(given, opts.max_batch_size)
 
 
 def write_history(policy) -> None:

@@ -100,8 +100,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             out = await self.loop.call_batched(self._prefill_many, inp)
             elapsed = time.perf_counter() - t0
             trace.get_current_span().set_attribute("num_prompt_tokens", len(inp.prompt_ids))
-            log.info("prefill: %d prompt tokens in %.3f s", len(inp.prompt_ids), elapsed,
-                     extra={"prompt_tokens": len(inp.prompt_ids), "prefill_s": round(elapsed, 4)})
+            # a draft's start-up requests (warm-up, calibration: 382 lines for one calibrating up to 64) at DEBUG
+            level = logging.DEBUG if is_warmup(inp.request_id) else logging.INFO
+            log.log(level, "prefill: %d prompt tokens in %.3f s", len(inp.prompt_ids), elapsed,
+                    extra={"prompt_tokens": len(inp.prompt_ids), "prefill_s": round(elapsed, 4)})
             return prefill_reply_bytes(out)  # encoded here: see specdec.rpc.wire
 
     async def Verify(self, request, context):

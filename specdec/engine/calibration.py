@@ -26,6 +26,7 @@ import logging
 import statistics
 import time
 import uuid
+from collections.abc import Callable
 
 from specdec.engine.adaptive import SpeculationPolicy, budget_name
 from specdec.engine.requests import StepTimings
@@ -52,20 +53,31 @@ def batch_sizes_up_to(largest: int) -> tuple[int, ...]:
     return tuple(sizes + [largest] if sizes and sizes[-1] != largest else sizes)
 
 
+class CalibrationStopped(SpecdecError):
+    """The service is stopping (`should_stop`): calibration ends, its throw-away requests released."""
+
+
 def calibrate(sched, policy: SpeculationPolicy, vocab_size: int, max_seconds: float = MAX_SECONDS,
-              batch_sizes: tuple[int, ...] = (1,), total_seconds: float = TOTAL_SECONDS) -> dict[int, float]:
+              batch_sizes: tuple[int, ...] = (1,), total_seconds: float = TOTAL_SECONDS,
+              should_stop: Callable[[], bool] = lambda: False) -> dict[int, float]:
     """Seed `policy` with each of its budgets' seconds per request-step at each of `batch_sizes` (at most the
     scheduler's max batch size), measured on `sched` (idle: before the service serves; on its engine thread), each
     budget for at most `MAX_STEPS` steps and `max_seconds`, batch sizes in order until `total_seconds` have passed.
     Returns {budget: seconds} of those measured at batch 1 (a budget whose steps ran out of time before the policy's
     rules could time it is left to the requests). A failure is logged, not raised: the policy then learns from the
-    requests the rest of what it would have seeded."""
+    requests the rest of what it would have seeded. `should_stop` is asked between steps (a SIGTERM during
+    start-up): its throw-away requests are then aborted and released on the target before it returns (left there,
+    a stopped draft's 64 requests held 800 of a target's pages until its idle release 120 s later, QA)."""
     measured: dict[int, float] = {}
     t0 = time.perf_counter()
-    held, timings, wait = sched.policy, sched.timings, sched.max_queue_wait_s
+    held, timings, wait, hand_out = sched.policy, sched.timings, sched.max_queue_wait_s, sched.before_decode
     sched.timings = StepTimings()  # the service's step metrics start from its first real step
     sched.max_queue_wait_s = 0.0  # pools too small for a batch size: refused at once, not waited for
+    # and the refusal comes back from `step` (the service hands admission events to streams before the decode: a
+    # batch size the pools took in part was timed at the part, without a word, QA)
+    sched.before_decode = None
     done: list[str] = []
+    n, failed = 0, False
     try:
         with attached(untraced_context()):
             for n in [n for n in batch_sizes if 1 <= n <= sched.max_batch_size]:
@@ -75,7 +87,7 @@ def calibrate(sched, policy: SpeculationPolicy, vocab_size: int, max_seconds: fl
                     break
                 at_n = {}
                 for budget in policy.budgets:
-                    seconds = _measure(sched, budget, vocab_size, max_seconds, n)
+                    seconds = _measure(sched, budget, vocab_size, max_seconds, n, should_stop)
                     if seconds is not None:
                         at_n[budget] = seconds
                         policy.seed(n, budget, seconds)
@@ -84,17 +96,27 @@ def calibrate(sched, policy: SpeculationPolicy, vocab_size: int, max_seconds: fl
                 if at_n:
                     times = ", ".join(f"{budget_name(b)} {1e3 * s:.3f}" for b, s in at_n.items())
                     done.append(f"at batch {n}: {times}")
+    except CalibrationStopped:
+        log.info("speculation calibration stopped: the service is stopping")
+        return measured
     except SpecdecError as exc:
-        log.warning("speculation calibration stopped (%s): the policy measures the rest on the first requests", exc)
+        failed = True
+        log.warning("speculation calibration stopped at %d throw-away request%s at once (%s): the policy measures "
+                    "the rest on the first requests", n, "s" * (n > 1), exc)
     finally:
-        sched.policy, sched.timings, sched.max_queue_wait_s = held, timings, wait
+        sched.policy, sched.timings, sched.max_queue_wait_s, sched.before_decode = held, timings, wait, hand_out
     if done:
         log.info("speculation calibration in %.2f s, ms per request-step %s", time.perf_counter() - t0,
                  "; ".join(done))
+    elif n and not failed:
+        log.info("speculation calibration measured no budget in %.2f s (contexts of %d tokens leave its requests "
+                 "too few steps?): the policy measures them on the first requests", time.perf_counter() - t0,
+                 sched.max_context)
     return measured
 
 
-def _measure(sched, budget: int, vocab_size: int, max_seconds: float, n: int = 1) -> float | None:
+def _measure(sched, budget: int, vocab_size: int, max_seconds: float, n: int = 1,
+             should_stop: Callable[[], bool] = lambda: False) -> float | None:
     """Seconds per request-step of `budget` for `n` throw-away requests in one batch: a policy whose menu is that
     budget alone times the steps (its own rules leave out warm-up, ramp and ending calls)."""
     probe = SpeculationPolicy((budget,), history=[])
@@ -110,6 +132,8 @@ def _measure(sched, budget: int, vocab_size: int, max_seconds: float, n: int = 1
     enough = probe.min_samples + EXTRA_SAMPLES if n > 1 else MAX_STEPS + 1
     try:
         for _ in range(MAX_STEPS):
+            if should_stop():
+                raise CalibrationStopped("the service is stopping")
             _raise_failure(sched.step())
             if not any(rid in sched.running for rid in rids) and not sched.waiting \
                     or time.perf_counter() - start > max_seconds or probe.samples.get(key, 0) >= enough:

@@ -15,7 +15,7 @@ ALWAYS_OPEN = ("/grpc.health.", "/grpc.reflection.")
 class ReadinessGate(grpc.aio.ServerInterceptor):
     def __init__(self, service: str):
         self.service = service
-        self.reason = f"{service} is loading its model"
+        self.reason = f"{service} is starting (loading its model, warming up)"
         self.is_open = False
 
     def open(self) -> None:

@@ -87,6 +87,11 @@ class EngineLoop:
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
 
+    @property
+    def stopping(self) -> bool:
+        """`stop` was asked (a long call on the engine thread, start-up calibration, checks it to end early)."""
+        return self._stopping
+
     # ---- asyncio side -------------------------------------------------------------------------------------
     async def call(self, fn: Callable, *args) -> Any:
         """Run fn(*args) on the engine thread between steps."""

@@ -44,9 +44,10 @@ class ServiceThread:
         self.port = port
         self._ready.set()
 
-    def start(self, timeout_s: float = 120.0) -> ServiceThread:
+    def start(self, timeout_s: float = 120.0, wait: bool = True) -> ServiceThread:
+        """Start serving; `wait`: until it is ready (False: return at once, e.g. to stop it during its start-up)."""
         self._thread.start()
-        if not self._ready.wait(timeout_s) or self.error:
+        if wait and (not self._ready.wait(timeout_s) or self.error):
             raise RuntimeError(f"service did not start: {self.error!r}")
         return self
 

@@ -33,7 +33,8 @@ CASES = [
     *[(c, "--request-idle-seconds", ["-1", "nan"], {"0": 0.0, "0.5": 0.5}) for c in MODEL_SERVICES],  # 0 = never
     ("serve-draft", "--target-wait-seconds", ["-1", "inf"], {"0": 0.0, "30": 30.0}),
     *[(c, "--simulate-accept-len", ["-1", "0.5", "nan"], {"0": 0.0, "1": 1.0, "5": 5.0}) for c in MODEL_SERVICES],
-    ("serve-draft", "--target", ["localhost:70000", "localhost:0", "nohost", "localhost:", ":50052"],
+    ("serve-draft", "--target", ["localhost:70000", "localhost:0", "nohost", "localhost:", ":50052",
+                                 "127.0.0.1:63010:63010", "host name:1", "h:\u00b2", "a,b:1"],
      {"in-process": "in-process", "localhost:1": "localhost:1", "[::1]:50052": "[::1]:50052"}),
     ("generate", "--timeout", ["-1", "0", "nan"], {"0.5": 0.5, "30": 30.0}),
     ("serve-draft", "--calibration-max-batch", ["-1", "1.5"], {"0": 0, "64": 64}),
@@ -115,6 +116,8 @@ def test_a_pairs_addresses_are_checked_like_the_drafts_target():
 
     assert str(PairAddress.parse("d:50051=[::1]:50052")) == "d:50051=[::1]:50052"
     for spec, said in [("d:70000=t:50052", "'d:70000': port 70000 is out of range 1-65535"),
-                       ("=t:0", "'t:0': port 0 is out of range"), ("d=t:1", "'d' is not HOST:PORT")]:
+                       ("=t:0", "'t:0': port 0 is out of range"), ("d=t:1", "'d' is not HOST:PORT"),
+                       ("a:1=b:2=c:3", "'b:2=c' is not a host name"), ("A=B,C=D", "'A' is not HOST:PORT"),
+                       ("=127.0.0.1:\u00b2", "is not HOST:PORT")]:
         with pytest.raises(ConfigError, match=said):
             PairAddress.parse(spec)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
+from repo_paths import TINY
 from services_stack import start_draft, start_target
 
 from specdec.rpc.channel import make_channel
@@ -254,6 +256,50 @@ def test_adaptive_speculation_service_is_lossless(stack, prompts):
         assert spec == plain and draft_free
     finally:
         auto.stop()
+
+
+def test_a_draft_stopped_while_it_calibrates_leaves_nothing_on_its_target(stack):
+    """SIGTERM to a draft process while it calibrates (its throw-away requests on the target): the calibration ends
+    between steps and releases them, so the target's pages are free at once. QA: `close` did not reach the engine
+    loop during start-up, the process exited, and its 64 throw-away requests held 800 of the target's pages until
+    the target's idle release, 120 s later."""
+    import signal
+    import subprocess
+    import sys
+
+    from repo_paths import REPO
+
+    target, _ = stack
+    argv = [sys.executable, "-m", "specdec", "serve-draft", "--model", str(TINY / "draft"), "--target-model",
+            str(TINY / "target"), "--target", target.addr, "--port", "0", "--drain-seconds", "1",
+            "--max-batch-size", "16", "--calibration-max-batch", "16"]
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        # (2 or more: calibration's batch sizes above 1, not the verify warm-up's one request before it)
+        while _target_info(target).num_running < 2 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.02)
+        assert _target_info(target).num_running >= 2, "the calibration's requests never reached the target"
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert "calibration stopped: the service is stopping" in err, err[-2000:]
+    while (info := _target_info(target)).num_running and time.monotonic() - t0 < 5:  # (a Prefill cancelled in
+        time.sleep(0.05)  # flight is released by the target once it lands)
+    assert info.num_running == 0 and info.kv.pages_unreserved == info.kv.pages_free == info.kv.pages_total
+    assert time.monotonic() - t0 < 5  # (the target's idle release would have taken 120 s)
+
+
+def _target_info(target):
+    from draft_service.target_client import TargetClient
+
+    client = TargetClient(target.addr)
+    try:
+        return client.model_info()
+    finally:
+        client.close()
 
 
 def test_speculation_off_decodes_plainly_through_verify_without_features(stack, prompts):

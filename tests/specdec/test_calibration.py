@@ -192,14 +192,18 @@ def test_a_batch_size_the_pools_cannot_hold_ends_calibration_without_waiting(cap
     policy = SpeculationPolicy(budget_menu(draft.spec.num_draft_tokens))
     sched = Scheduler(target, draft, target.max_context, 16, feature_layers_for(draft), policy=policy,
                       max_queue_wait_s=30.0)
+    handed = []
+    sched.before_decode = handed.extend  # as the service's engine loop takes admission events (QA: a batch size
+    # taken in part was timed at the part, its refusals handed to streams that did not exist)
     free = target.kv.num_free_pages
     t0 = time.perf_counter()
     with caplog.at_level(logging.INFO, logger="specdec.engine.calibration"):
         calibrate(sched, policy, target.model.cfg.vocab_size, max_seconds=120, batch_sizes=batch_sizes_up_to(16))
     assert time.perf_counter() - t0 < 25  # (a wait for pages would have taken its 30 s)
     assert "calibration stopped" in caplog.text and "KV" in caplog.text
-    assert policy._is_measured(1, 0) and (16, 0) not in policy.seconds
-    assert sched.max_queue_wait_s == 30.0
+    assert "stopped at 4 throw-away requests at once (KV pool full" in caplog.text  # 2 of 4 fit: no seeds at 4
+    assert policy._is_measured(1, 0) and policy._is_measured(2, 0) and (4, 0) not in policy.seconds
+    assert sched.max_queue_wait_s == 30.0 and sched.before_decode == handed.extend and not handed
     _idle(sched, target, draft, free)
 
 
@@ -263,3 +267,23 @@ def test_a_calibrated_bucket_borrows_the_nearest_measured_yield_and_chooses_at_o
     for _ in range(3):
         p.record(32, FULL, tokens=32 * 2, seconds=32 * 0.0012, derived={2: 32 * 2})
     assert p.tokens[(32, FULL)] < 2.5
+
+
+def test_a_stop_during_calibration_ends_it_and_releases_its_requests(caplog):
+    """`should_stop` (the engine loop stopping: a SIGTERM during start-up) is asked between steps: calibration
+    returns at once with its throw-away requests released on the target (a stopped draft's requests held a
+    target's pages until its idle release, 120 s later, QA)."""
+    target, draft = tiny_target(), tiny_draft()
+    policy = SpeculationPolicy(budget_menu(draft.spec.num_draft_tokens))
+    sched = Scheduler(target, draft, target.max_context, 8, feature_layers_for(draft), policy=policy)
+    free = target.kv.num_free_pages
+    steps = []
+    real_step = sched.step
+    sched.step = lambda: (steps.append(len(target.requests)), real_step())[1]
+    with caplog.at_level(logging.INFO, logger="specdec.engine.calibration"):
+        calibrate(sched, policy, target.model.cfg.vocab_size, max_seconds=120, batch_sizes=(1, 2, 4, 8),
+                  should_stop=lambda: len(steps) >= 3)
+    assert "calibration stopped: the service is stopping" in caplog.text
+    assert len(steps) <= 3 + 16 and not policy.seconds  # no budget finished timing
+    assert target.kv.num_unreserved_pages == target.kv.num_total_pages
+    _idle(sched, target, draft, free)
