@@ -44,10 +44,9 @@ class ServiceThread:
         self.port = port
         self._ready.set()
 
-    def start(self, timeout_s: float = 120.0, wait: bool = True) -> ServiceThread:
-        """Start serving; `wait`: until it is ready (False: return at once, e.g. to stop it during its start-up)."""
+    def start(self, timeout_s: float = 120.0) -> ServiceThread:
         self._thread.start()
-        if wait and (not self._ready.wait(timeout_s) or self.error):
+        if not self._ready.wait(timeout_s) or self.error:
             raise RuntimeError(f"service did not start: {self.error!r}")
         return self
 
