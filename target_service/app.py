@@ -74,7 +74,10 @@ def engine_loop(engine, max_batch_size: int, max_queue_wait_s: float, plain_step
                       "target-engine", engine.device, lock=lock)
     kv = engine.kv  # gauges read at scrape time: Verify and Prefill run between steps, not in them
     metrics.track(kv_pages=kv.gauges,
-                  running=lambda: len(engine.requests), waiting=lambda: len(loop.scheduler.waiting))
+                  running=lambda: len(engine.requests),
+                  # plain Generate's queue and the drafts' requests waiting for pages (QA: a draft's request waiting
+                  # for the target's pages was counted by GetModelInfo but not by this gauge)
+                  waiting=lambda: engine.page_queue.count_with(s.request_id for s in list(loop.scheduler.waiting)))
     if request_idle_s > 0:
         loop.chore_every_s = min(5.0, request_idle_s / 4)
         loop.chore = IdleRelease(engine, request_idle_s, loop.chore_every_s)

@@ -34,6 +34,12 @@ class PageQueue:
         now = self._clock()
         return sum(not self._lapsed(seen, now) for seen in list(self._seen.values()))
 
+    def count_with(self, others: Iterable[str]) -> int:
+        """Distinct requests among those waiting now and `others` (a caller's own queue, whose blocked requests
+        also hold places here): the target's `num_requests_waiting` (read from any thread: it changes nothing)."""
+        now = self._clock()
+        return len({rid for rid, seen in list(self._seen.items()) if not self._lapsed(seen, now)} | set(others))
+
     def ahead(self, rid: str, besides: Collection[str] = ()) -> int:
         """How many waiting requests come before `rid` (all of them if it does not wait yet), not counting those
         in `besides` (admitted already)."""

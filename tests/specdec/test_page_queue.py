@@ -196,3 +196,20 @@ def test_a_scheduler_gives_up_the_place_of_a_request_it_stops_waiting_for(engine
     assert "w" not in engine.page_queue
     engine.release("a")
     ask(engine, "next")
+
+
+def test_the_targets_waiting_count_takes_both_queues_each_request_once(engine, clock):
+    """`num_requests_waiting` on the target: plain Generate's queue and drafts' requests waiting for pages, a Generate
+    request blocked in both counted once, a lapsed place not at all (QA: a draft's request waiting for the target's
+    pages was in GetModelInfo's count but not in the gauge)."""
+    ask(engine, "a")
+    ask(engine, "b")
+    refused(engine, "draft-1")  # a draft's request: a place in the page queue only
+    sched = Scheduler(engine, None, engine.max_context, 4, max_queue_wait_s=30.0)
+    sched.add("w", PROMPT, SamplingParams(max_new_tokens=20, ignore_eos=True))
+    sched.add("w2", PROMPT, SamplingParams(max_new_tokens=20, ignore_eos=True))
+    sched.step()  # "w" refused: in both queues; "w2" behind it in the scheduler's
+    assert "w" in engine.page_queue and len(sched.waiting) == 2
+    assert engine.page_queue.count_with(s.request_id for s in sched.waiting) == 3
+    clock.now += 1.0  # the draft stopped asking: its place lapsed (and w's, whose next step asks again)
+    assert engine.page_queue.count_with(s.request_id for s in sched.waiting) == 2
