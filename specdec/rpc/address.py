@@ -12,9 +12,16 @@ MAX_PORT = 65535
 _HOST = re.compile(r"[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.%A-Za-z]+\]")
 
 
+# gRPC's own target URIs (`dns:///svc:50052` for DNS round-robin, `unix:/path` ...) are passed on as they are
+URI_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
+
+
 def address_problem(addr: str) -> str | None:
     """What is wrong with `addr` as HOST:PORT (None: nothing): a host that is no DNS name, IPv4 address or
-    bracketed IPv6 address (a space, a comma list, `a:1:2`), or a port that is not 1-65535 in ASCII digits."""
+    bracketed IPv6 address (a space, a comma list, `a:1:2`), or a port that is not 1-65535 in ASCII digits. A gRPC
+    target URI (`URI_SCHEMES`) is left to gRPC."""
+    if addr.startswith(URI_SCHEMES):
+        return None
     host, _, port = addr.rpartition(":")
     if not host or not (port.isascii() and port.isdigit()):
         return f"{addr!r} is not HOST:PORT"

@@ -5,6 +5,7 @@ is given."""
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 from deploy_helpers import (
@@ -63,7 +64,7 @@ def test_every_rendered_command_line_parses_with_the_specdec_cli(case, extra):
         for c in pod_spec(doc)["containers"]:
             if c["name"] not in SPECDEC_CONTAINERS | {"generate"}:
                 continue
-            args = c["args"]
+            args = [_expand(a, c) for a in c["args"]]
             options = cli_options(args[0])
             names = [a.split("=", 1)[0] for a in args[1:] if a.startswith("--")]
             assert not [n for n in names if n not in options], (c["name"], sorted(options))
@@ -74,6 +75,13 @@ def test_every_rendered_command_line_parses_with_the_specdec_cli(case, extra):
             checked.add(c["name"])
     expected = SPECDEC_CONTAINERS | {"generate"}
     assert checked == (expected - {"target"} if case == "colocated" else expected)  # colocated: the draft runs both
+
+
+def _expand(arg: str, container: dict) -> str:
+    """`arg` as the process gets it: Kubernetes expands `$(NAME)` from the container's env (a split pair's draft
+    names its target `...-$(POD_INDEX)...`, the pod index from a label); a value known only at run time reads 0."""
+    env = {e["name"]: e.get("value", "0") for e in container.get("env", [])}
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), arg)
 
 
 # ---------- TLS: the draft is a client of its target ----------

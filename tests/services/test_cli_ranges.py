@@ -35,7 +35,8 @@ CASES = [
     *[(c, "--simulate-accept-len", ["-1", "0.5", "nan"], {"0": 0.0, "1": 1.0, "5": 5.0}) for c in MODEL_SERVICES],
     ("serve-draft", "--target", ["localhost:70000", "localhost:0", "nohost", "localhost:", ":50052",
                                  "127.0.0.1:63010:63010", "host name:1", "h:\u00b2", "a,b:1"],
-     {"in-process": "in-process", "localhost:1": "localhost:1", "[::1]:50052": "[::1]:50052"}),
+     {"in-process": "in-process", "localhost:1": "localhost:1", "[::1]:50052": "[::1]:50052",
+      "dns:///target.ns.svc:50052": "dns:///target.ns.svc:50052", "unix:/run/target.sock": "unix:/run/target.sock"}),
     ("generate", "--timeout", ["-1", "0", "nan"], {"0.5": 0.5, "30": 30.0}),
     ("serve-draft", "--calibration-max-batch", ["-1", "1.5"], {"0": 0, "64": 64}),
     *[(c, "--num-pages", ["-1", "1.5", "abc"], {"0": 0, "600": 600}) for c in MODEL_SERVICES],  # 0 = from memory
