@@ -235,7 +235,7 @@ def calibration_max_batch(args, opts) -> int:
     """`--calibration-max-batch`, by default the max batch size on a GPU (its start-up has seconds to spare: graph
     capture takes longer) and 1 on a CPU (the README's first command starts a stack for one request); at most the
     max batch size (said when it cuts a value given)."""
-    given = getattr(args, "calibration_max_batch", None)
+    given = args.calibration_max_batch
     if given is None:
         return opts.max_batch_size if str(opts.device).startswith("cuda") else 1
     if args.speculation != "auto":

@@ -70,7 +70,7 @@ def budget_name(budget: int) -> str:
 @dataclass
 class SpeculationPolicy:
     budgets: tuple[int, ...] = (0, FULL)
-    explore_every: int = 16  # first interval (in target steps) between re-measurements of the budgets not chosen
+    explore_every: int = 16  # first interval (in choices) between re-measurements of the budgets not chosen
     max_explore_every: int = 256
     # target steps one plain choice runs (the scheduler's --plain-steps): an interval counts choices, but none is
     # longer than `max_explore_every` target steps. Counted in choices alone, a plain choice of 16 steps (H200)

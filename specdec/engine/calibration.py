@@ -38,12 +38,12 @@ from specdec.telemetry.tracing import attached, untraced_context
 log = logging.getLogger(__name__)
 PROMPT_LEN = 64
 MAX_STEPS = 12  # scheduler steps a budget runs at most
+MAX_SECONDS = 3.0  # and seconds
 # at batch sizes above 1, a budget stops once this many more steps than the policy's minimum are timed, and its time
 # is their median: calibrating 1-128 requests of an 8B shape through two processes on an H200 took the draft's
 # start-up from 20 to 39 s with every budget running its 12 steps; and of 5 steps one stall (a shared CPU) moved
 # the policy's running mean 3-7x (plain at batch 2: 10.5 ms a request-step against 3.6)
 EXTRA_SAMPLES = 2
-MAX_SECONDS = 3.0  # and seconds
 TOTAL_SECONDS = 30.0  # the most a calibration of several batch sizes takes (it ends after the batch size under way)
 
 

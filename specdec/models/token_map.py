@@ -8,9 +8,9 @@ outside the map is never proposed but is still produced by the target whenever i
 acceptance where the text needs a token outside the map (measured in docs/benchmarks.md).
 
 The file is JSON: `{"token_ids": [...]}` (what `specdec token-map` writes) or a bare list of target token ids,
-distinct, inside the target's vocabulary. `specdec token-map` writes one: the most frequent tokens of a corpus under the target's tokenizer, or the draft
-vocabulary of an EAGLE-3 head trained for the same target. An EAGLE-3 head has its own draft vocabulary and takes no
-map.
+distinct, inside the target's vocabulary. `specdec token-map` writes one: the most frequent tokens of a corpus
+under the target's tokenizer, or the draft vocabulary of an EAGLE-3 head trained for the same target. An EAGLE-3
+head has its own draft vocabulary and takes no map.
 """
 
 from __future__ import annotations

@@ -10,8 +10,6 @@ import re
 MAX_PORT = 65535
 # a DNS name or IPv4 address (letters, digits, dots, dashes, underscores), or an IPv6 address in brackets
 _HOST = re.compile(r"[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.%A-Za-z]+\]")
-
-
 # gRPC's own target URIs (`dns:///svc:50052` for DNS round-robin, `unix:/path` ...) are passed on as they are
 URI_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
 

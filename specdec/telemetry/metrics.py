@@ -265,7 +265,7 @@ class ServiceMetrics:
         waiting: Callable[[], int] | None = None,
     ) -> None:
         """Read gauges when scraped instead of setting them: `kv_pages() -> (used, free[, unreserved])`
-        (`KVCache.gauges`; without unreserved it reads as free), `running()`, `waiting()`. They run on the scrape
+        (`PagedKVCache.gauges`; without unreserved it reads as free), `running()`, `waiting()`. They run on the scrape
         thread, so they should only read plain counters (a `len`)."""
         if kv_pages is not None:
             self._kv_used.set_function(lambda: kv_pages()[0])
