@@ -1,7 +1,7 @@
 """One request's token stream over its pair, continuing elsewhere when a service fails under it.
 
 The request starts on its pair's draft (speculative) or, without speculation or with the draft down, on the
-pair's target. When the draft fails (down, broken stream, aborted by the service) the request continues on
+pair's target. When the draft fails (down, broken stream, an error status) the request continues on
 the same pair's target with plain `Generate` over `prompt + tokens already produced` and the remaining token
 budget; when the target fails, it continues the same way on another pair. The caller sees one stream of token
 deltas. Greedy decoding is deterministic, so the text is exactly what an uninterrupted run gives; sampled
@@ -118,7 +118,9 @@ class FallbackGeneration:
         async with contextlib.aclosing(stream):
             async for chunk in _unless_hung(stream, hung):
                 if chunk.finish is not None and chunk.finish.reason == FINISH_ABORT:
-                    raise StreamBroken(f"{pair}: the service aborted the request")
+                    # an Abort call on the service named this request (an operator's; a failing service ends a
+                    # stream with an error status instead): the request ends there, and the part stays in
+                    log.info("request %s was aborted on %s (an Abort call); its stream ends", rid, pair)
                 self.generated.extend(chunk.token_ids)
                 yield chunk
                 if chunk.finish is not None:

@@ -73,13 +73,13 @@ class PagedKVCache:
         self.aside: list[int] = []  # pages taken out of service for good (CUDA-graph padding rows)
 
     # ---- request lifetime -------------------------------------------------------------------------------
-    def add(self, rid: str, max_tokens: int = 0, pool_name: str = "KV pool") -> None:
+    def add(self, rid: str, max_tokens: int = 0, pool_name: str = "KV pool", fixed: int | None = None) -> None:
         """Start a request that may grow to `max_tokens` tokens; OutOfPages if that cannot be promised now,
         InvalidInput if it never could (more than the whole pool: waiting for pages would only run out the queue
-        wait, then blame a full pool that was empty, QA)."""
+        wait, then blame a full pool that was empty, QA). `fixed`: `check_could_hold`'s."""
         if rid in self.tables:
             raise DuplicateRequest(f"request {rid!r} already holds KV pages")
-        self.check_could_hold(max_tokens, pool_name)
+        self.check_could_hold(max_tokens, pool_name, fixed)
         pages = self.pages_for(max_tokens)
         if self.reserved + pages > self.num_total_pages:
             raise OutOfPages(f"{pool_name} full: request needs {pages} pages, "
@@ -94,13 +94,23 @@ class PagedKVCache:
         """Would a request of `max_tokens` fit in this pool were it empty of requests?"""
         return self.pages_for(max_tokens) <= self.num_total_pages - len(self.aside)
 
-    def check_could_hold(self, max_tokens: int, pool_name: str = "KV pool") -> None:
-        """InvalidInput unless `could_ever_hold`: no wait for pages would admit the request."""
-        if not self.could_ever_hold(max_tokens):
-            raise InvalidInput(f"{pool_name} too small for this request: it needs {self.pages_for(max_tokens)} pages "
-                               f"of {self.page_size} tokens ({max_tokens} token slots: its prompt, max_new_tokens and "
-                               f"one draft tree), the whole pool holds {self.num_total_pages - len(self.aside)}; ask "
-                               "for fewer new tokens")
+    def check_could_hold(self, max_tokens: int, pool_name: str = "KV pool", fixed: int | None = None) -> None:
+        """InvalidInput unless `could_ever_hold`: no wait for pages would admit the request. `fixed`: the slots that
+        do not depend on max_new_tokens (the prompt and one draft tree), so the message says what to change: a
+        1030-token prompt in a 1024-token pool was told to ask for fewer new tokens (QA)."""
+        if self.could_ever_hold(max_tokens):
+            return
+        holds = self.num_total_pages - len(self.aside)
+        head = (f"{pool_name} too small for this request: it needs {self.pages_for(max_tokens)} pages of "
+                f"{self.page_size} tokens ({max_tokens} token slots: its prompt, max_new_tokens and one draft tree), "
+                f"the whole pool holds {holds}")
+        if fixed is None:
+            raise InvalidInput(f"{head}; ask for fewer new tokens or send a shorter prompt")
+        room = holds * self.page_size - fixed
+        if room < 1:
+            raise InvalidInput(f"{head}; the prompt and one draft tree alone take {fixed} slots: send a shorter "
+                               "prompt")
+        raise InvalidInput(f"{head}; ask for at most {room} new tokens")
 
     def release(self, rid: str) -> None:
         table = self.tables.pop(rid, None)

@@ -122,6 +122,10 @@ class SpeculationPolicy:
     # chain are the h-budget's tree; a request that accepted a drafts would have accepted min(a, h)), so those
     # yields are counted from every step (`record`'s `derived`) and a smaller budget's time is all it must measure
     derives_yields: bool = False
+    # tokens a request-step of the whole tree commits at most: its depth (--num-steps) plus the target's own token
+    # (the scheduler sets it; 0: unknown). A budget whose time alone, at that yield, loses to plain decoding's
+    # measured rate counts as measured (`_cannot_win`): nothing its acceptance could be makes it win
+    max_step_tokens: int = 0
     # a list: every record is appended to it, (kind, batch size, budget, tokens, seconds, steps, yielding, chosen at,
     # time.perf_counter()), and the scheduler's admissions as ("admission", start, seconds, admitted) (diagnosis:
     # benchmarks, and the draft service's SPECDEC_POLICY_HISTORY)
@@ -198,8 +202,33 @@ class SpeculationPolicy:
 
     def _is_measured(self, b: int, budget: int) -> bool:
         key = (b, budget)
-        return self._timed(b, budget) and (
-            budget == 0 or self.counted.get(key, 0) >= self.min_request_steps)  # a plain step yields 1 per step
+        return self._timed(b, budget) and (budget == 0  # a plain step yields 1 per step
+                                           or self.counted.get(key, 0) >= self.min_request_steps
+                                           or self._cannot_win(b, budget))
+
+    def _ceiling(self, budget: int) -> int:
+        """The most tokens a request-step of `budget` commits: the drafts of one path (at most the tree's depth, at
+        most the budget's nodes) and the target's token after them; 0: the depth is unknown."""
+        if not self.max_step_tokens:
+            return 0
+        return self.max_step_tokens if budget == FULL else min(budget, self.max_step_tokens - 1) + 1
+
+    def _cannot_win(self, b: int, budget: int) -> bool:
+        """Does `budget`'s measured time at bucket `b` lose to plain decoding's measured rate even if every draft
+        token were accepted? Its yield then need not be measured: it is taken as that ceiling (so its rate stays an
+        upper bound) until its own steps measure it. On a GPU the bundled tiny target's step is host-bound: at batch 1
+        a whole-chain step took ~5 ms against plain decoding's 0.42 ms a token, and the policy ran 16 whole-chain
+        steps (its yield's `min_request_steps`) of a fresh draft's first 128-token request to learn that, which left
+        the request at 0.54-0.65x of the target's `Generate` (H200, session 30)."""
+        key, plain = (b, budget), (b, 0)
+        ceiling = self._ceiling(budget)
+        if not ceiling or plain not in self.rates or not self._timed(b, 0) or key not in self.seconds:
+            return False
+        if ceiling / self.seconds[key] >= self.rates[plain]:
+            return False
+        if key not in self.tokens:
+            self.rates[key] = ceiling / self.seconds[key]
+        return True
 
     def _timed(self, b: int, budget: int) -> bool:
         return self.samples.get((b, budget), 0) >= self.min_samples

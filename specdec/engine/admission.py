@@ -124,7 +124,8 @@ class Admission:
 
     def _prefill_input(self, state: RunState) -> PrefillInput:
         if self.draft is not None:
-            self.draft.add(state.request_id, len(state.prompt_ids) + state.sampling.max_new_tokens)
+            self.draft.add(state.request_id, len(state.prompt_ids) + state.sampling.max_new_tokens,
+                           len(state.prompt_ids))
         return PrefillInput(state.request_id, state.prompt_ids, state.sampling, self.feature_layers,
                             self.draft is not None, trace_context=_prefill_trace(state),
                             feature_rows=self._prompt_feature_rows(state), queue_for_pages=self.max_queue_wait_s > 0)

@@ -139,10 +139,11 @@ class DraftEngine:
     def temp_slots(self) -> int:
         return (self.spec.num_steps - 1) * self.spec.topk
 
-    def add(self, rid: str, max_total_len: int) -> None:
+    def add(self, rid: str, max_total_len: int, prompt_len: int | None = None) -> None:
         if rid in self.requests:
             raise DuplicateRequest(f"request {rid!r} is already running on the draft")
-        self.kv.add(rid, min(max_total_len, self.max_context) + self.temp_slots + 1, "draft KV pool")
+        fixed = None if prompt_len is None else prompt_len + self.temp_slots + 1
+        self.kv.add(rid, min(max_total_len, self.max_context) + self.temp_slots + 1, "draft KV pool", fixed)
         self.requests[rid] = DraftRequest(0)
 
     def release(self, rid: str) -> None:

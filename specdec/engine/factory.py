@@ -71,16 +71,28 @@ def _num_pages(opts: EngineOptions, bytes_per_page: int, max_context: int) -> in
     return max(1, min(wanted, CPU_KV_BUDGET_BYTES // bytes_per_page))
 
 
+def _warn_of_limits(pool_name: str, opts: EngineOptions, pages: int, max_context: int) -> None:
+    """Settings that start but refuse requests a user would expect served (QA: `--num-pages 1` started SERVING with a
+    16-token pool)."""
+    if pages * opts.page_size < max_context:
+        log.warning("the %s (%d pages of %d tokens) holds less than one request of the whole context (%d tokens): "
+                    "longer requests are refused (--num-pages)", pool_name, pages, opts.page_size, max_context)
+
+
 def build_target(path: str, opts: EngineOptions) -> TargetEngine:
     opts.validate()
     cfg = ModelConfig.from_hf(path)
     max_context = min(opts.max_context or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    if opts.max_context > cfg.max_position_embeddings:  # (QA: 10,000,000 was cut to 2048 without a word)
+        log.warning("--max-context %d is more than the model's %d positions: serving %d", opts.max_context,
+                    cfg.max_position_embeddings, max_context)
     dtype = resolve_dtype(opts.dtype, opts.device)
     model = load_target(path, dtype, opts.device, dummy=opts.dummy_weights)
     itemsize = torch.tensor([], dtype=dtype).element_size()
     per_page = 2 * cfg.num_layers * opts.page_size * cfg.num_kv_heads * cfg.head_dim * itemsize
     pages = _num_pages(opts, per_page, max_context)
     log.info("target KV pool: %d pages of %d tokens (%.1f MiB)", pages, opts.page_size, pages * per_page / 2**20)
+    _warn_of_limits("target KV pool", opts, pages, max_context)
     if opts.simulate_accept_len:
         log.warning("SIMULATED ACCEPTANCE (--simulate-accept-len %.2f): outputs are NOT the target model's; "
                     "for benchmarking only", opts.simulate_accept_len)
@@ -107,6 +119,7 @@ def build_draft(path: str, target_path: str, spec: SpecConfig, opts: EngineOptio
     per_page = 2 * opts.page_size * cfg.num_kv_heads * cfg.head_dim * itemsize
     pages = _num_pages(opts, per_page, max_context)
     log.info("draft KV pool: %d pages of %d tokens", pages, opts.page_size)
+    _warn_of_limits("draft KV pool", opts, pages, max_context)
     graphs = opts.cuda_graphs and opts.device.startswith("cuda") and opts.attention_backend == "flashinfer"
     engine = DraftEngine(model, spec, pages, opts.page_size, opts.attention_backend, max_context,
                          device=opts.device, cuda_graphs=graphs, max_batch_size=opts.max_batch_size)

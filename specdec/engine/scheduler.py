@@ -77,6 +77,8 @@ class Scheduler(Admission):
             policy.plain_call_steps = plain_steps  # its re-measurement intervals count target steps
         if policy is not None and draft is not None and draft.spec.topk == 1:
             policy.derives_yields = True  # chains: a step tells the smaller budgets' yields (`_derived`)
+        if policy is not None and draft is not None:
+            policy.max_step_tokens = draft.spec.num_steps + 1  # a path of the tree and the target's token
         self.step_spans = step_spans or StepSpanSampler(0.0)  # default: no step spans
         # a request refused for lack of KV pages waits (FIFO) up to this long, then fails OutOfPages; 0: at once
         self.max_queue_wait_s = max_queue_wait_s

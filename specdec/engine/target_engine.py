@@ -148,7 +148,7 @@ class TargetEngine:
         (InvalidInput: it would hold up the others for its whole wait). Places of requests admitted already (with
         it, in the same call: they leave the queue once it succeeds) do not count as waiting before it."""
         rid = inp.request_id
-        self.kv.check_could_hold(max_tokens)
+        self.kv.check_could_hold(max_tokens, fixed=len(inp.prompt_ids) + self.max_draft_tokens + 1)
         ahead = self.page_queue.ahead(rid, besides=self.requests)
         try:
             if ahead:

@@ -62,6 +62,7 @@ class _Behaviour:
         self.seen = Seen()
         self.fail_after_chunks: int | None = None  # abort the stream with UNAVAILABLE after this many chunks
         self.hang_after_chunks: int | None = None  # stop producing (until cancelled) after this many chunks
+        self.abort_after_chunks: int | None = None  # end with FINISH_REASON_ABORT (an Abort call) after this many
         self.delay_s = 0.0
         self.taken_ids: set[str] = set()  # ids other requests run under: ALREADY_EXISTS
 
@@ -80,6 +81,9 @@ class _Behaviour:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "fake service went away")
                 if n == self.hang_after_chunks:
                     await asyncio.sleep(3600)
+                if n == self.abort_after_chunks:
+                    yield [], common_pb2.FINISH_REASON_ABORT
+                    return
                 await asyncio.sleep(self.delay_s)
                 yield chunk, (reason if n == len(chunks) - 1 else None)
         except (asyncio.CancelledError, GeneratorExit):

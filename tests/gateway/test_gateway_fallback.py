@@ -48,6 +48,23 @@ def test_gateway_draft_failing_mid_stream_continues_on_the_target(fake_model, mo
     assert not gateway.router.pairs[0].draft_up  # taken out until a health check finds it again
 
 
+def test_an_abort_call_on_the_draft_ends_the_stream_and_keeps_the_draft_in(fake_model, model_dir):
+    """A draft's stream that ends with FINISH_REASON_ABORT was named by an Abort call (an operator's): the client's
+    stream ends there with finish reason abort; it is not continued on the target, and the draft is not marked down
+    (before, one aborted request took a healthy draft out of routing until its next health check, QA)."""
+
+    async def body():
+        async with fake_stack(fake_model, model_dir) as (pairs, gateway, stub):
+            pairs[0].draft.abort_after_chunks = 2
+            result = await collect(stub.Generate(request(request_id="r1")))
+            return pairs, gateway, result
+
+    pairs, gateway, (text, ids, final, _) = run(body())
+    assert ids == fake_model.script[:6] and final.finish_reason == common_pb2.FINISH_REASON_ABORT
+    assert final.fallbacks == 0 and final.completion_tokens == 6
+    assert not pairs[0].target.seen.requests and gateway.router.pairs[0].draft_up
+
+
 def test_a_continuation_id_a_client_runs_under_already_takes_the_next_one(fake_model, model_dir):
     """A client may name a request `r1~1` itself: request r1's continuation on the target then goes as r1~3."""
     async def body():

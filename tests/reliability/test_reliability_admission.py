@@ -84,7 +84,7 @@ def test_reliability_admission_gives_up_after_the_limit(stack):
         collect(never)
     # refused at once, named for what it is (it used to wait out the 20 s limit, then say "KV pool full")
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and time.monotonic() - t0 < 5
-    assert "too small for this request" in err.value.details() and "ask for fewer new tokens" in err.value.details()
+    assert "too small for this request" in err.value.details() and "ask for at most" in err.value.details()
     holder.cancel()
     for ch in (ch1, ch2, ch3):
         ch.close()

@@ -113,6 +113,7 @@ def test_calibration_seeds_every_budget_and_leaves_the_scheduler_as_it_was(dev_p
     target, draft = tiny_target(), tiny_draft()
     policy = SpeculationPolicy(budget_menu(draft.spec.num_draft_tokens))
     sched = Scheduler(target, draft, target.max_context, 4, feature_layers_for(draft), policy=policy)
+    policy.max_step_tokens = 0  # (no yield ceiling: see test_calibration_at_several_batch_sizes_seeds_each_bucket)
     free = target.kv.num_free_pages
     with caplog.at_level(logging.INFO, logger="specdec.engine.calibration"):
         measured = calibrate(sched, policy, target.model.cfg.vocab_size, max_seconds=120)  # (a loaded machine)
@@ -163,6 +164,8 @@ def test_calibration_at_several_batch_sizes_seeds_each_bucket(caplog):
     target, draft = tiny_target(), tiny_draft()
     policy = SpeculationPolicy(budget_menu(draft.spec.num_draft_tokens))
     sched = Scheduler(target, draft, target.max_context, 4, feature_layers_for(draft), policy=policy)
+    policy.max_step_tokens = 0  # no yield ceiling: stalls on a loaded CPU can put a chain's time out of its reach
+    # (`test_a_budget_that_could_not_win_at_any_acceptance_is_not_measured_on_requests`)
     free = target.kv.num_free_pages
     with caplog.at_level(logging.INFO, logger="specdec.engine.calibration"):
         measured = calibrate(sched, policy, target.model.cfg.vocab_size, max_seconds=120,
@@ -267,6 +270,34 @@ def test_a_calibrated_bucket_borrows_the_nearest_measured_yield_and_chooses_at_o
     for _ in range(3):
         p.record(32, FULL, tokens=32 * 2, seconds=32 * 0.0012, derived={2: 32 * 2})
     assert p.tokens[(32, FULL)] < 2.5
+
+
+def test_a_budget_that_could_not_win_at_any_acceptance_is_not_measured_on_requests():
+    """A speculative budget whose calibrated time loses to plain decoding even with every draft accepted (a chain of
+    5: 6 tokens a step at most) counts as measured: a fresh draft follows plain decoding from its first step. On a
+    GPU the tiny pair's whole-chain step took ~5 ms against 0.42 ms a plain token, and the policy ran 16 whole-chain
+    steps of the first request to learn its yield (0.54-0.65x of Generate, H200). A budget that could win is still
+    measured on the requests; its own steps replace the ceiling."""
+
+    def calibrated(full_s: float, half_s: float = 0.004) -> SpeculationPolicy:
+        p = SpeculationPolicy(budget_menu(5), min_samples=3)
+        p.derives_yields, p.max_step_tokens = True, 6
+        for budget, seconds in ((0, 0.00042), (2, half_s), (FULL, full_s)):
+            p.seed(1, budget, seconds)
+        return p
+
+    p = calibrated(0.005)
+    assert p.plain_leads(1) and p.choose(1) == 0
+    assert p.rates[(1, FULL)] == pytest.approx(6 / 0.005) and p.rates[(1, 2)] == pytest.approx(3 / 0.004)
+    assert [p.choose(1) for _ in range(8)] == [0] * 8
+    p.record(1, FULL, tokens=2, seconds=0.005)  # a re-measurement: its own yield, never above the ceiling
+    assert p.tokens[(1, FULL)] == 2 and p.choose(1) == 0
+    fast = calibrated(0.002, 0.0015)  # 3000 tok/s at 6 tokens a step could beat plain's 2381 (the half chain's
+    # 3 tokens, 2000, could not): the whole chain's yield is measured, and with it the half chain's
+    assert not fast.plain_leads(1) and fast.choose(1) == FULL
+    unknown = calibrated(0.005)
+    unknown.max_step_tokens = 0  # the depth not known: measured as before
+    assert unknown.choose(1) == FULL
 
 
 def test_a_stop_during_calibration_ends_it_and_releases_its_requests(caplog):

@@ -42,3 +42,20 @@ def test_engine_options_name_each_count_out_of_range(fields, said):
     EngineOptions(num_pages=0, max_context=0).validate()
     with pytest.raises(ConfigError, match=said):
         EngineOptions(**fields).validate()
+
+
+def test_settings_that_would_refuse_requests_are_warned_of_at_start(caplog):
+    """A --max-context over the model's positions is served at the model's (said, not silently), and a pool that
+    cannot hold one request of the whole context starts with a WARNING naming --num-pages (QA: `--num-pages 1` started
+    SERVING with a 16-token pool)."""
+    import logging
+
+    from repo_paths import TINY
+
+    from specdec.engine.factory import EngineOptions, build_target
+
+    with caplog.at_level(logging.WARNING, logger="specdec.engine.factory"):
+        engine = build_target(str(TINY / "target"), EngineOptions(num_pages=1, max_context=10_000_000))
+    assert engine.max_context == engine.cfg.max_position_embeddings
+    assert f"--max-context 10000000 is more than the model's {engine.max_context} positions" in caplog.text
+    assert "target KV pool (1 pages of 16 tokens) holds less than one request of the whole context" in caplog.text

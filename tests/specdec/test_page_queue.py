@@ -126,8 +126,12 @@ def test_waiting_requests_admitted_together_do_not_wait_for_each_other(engine, c
 
 def test_a_request_no_pool_could_hold_does_not_hold_up_the_others(engine, clock):
     ask(engine, "a")
-    with pytest.raises(InvalidInput, match="too small for this request: it needs 30 pages"):
+    with pytest.raises(InvalidInput, match="too small for this request: it needs 30 pages") as err:
         ask(engine, "huge", new_tokens=400)  # 30 pages of a 12-page pool: refused at once, takes no place
+    assert str(err.value).endswith("ask for at most 117 new tokens")  # 192 slots - 10 prompt - 65 tree
+    long = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    with pytest.raises(InvalidInput, match="send a shorter prompt"):  # the prompt alone is too long
+        engine.prefill([PrefillInput("long", list(range(3, 203)), long, ())])
     assert len(engine.page_queue) == 0
     ask(engine, "b")
 
