@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 
 import grpc
@@ -44,6 +45,9 @@ _BY_CODE = {grpc.StatusCode[cls.status]: cls
             for cls in (InvalidInput, UnknownRequest, DuplicateRequest, OutOfPages, NotReady, OutOfOrder, Cancelled)}
 
 
+UNREACHABLE = grpc.StatusCode.UNAVAILABLE  # a call that did not reach the target (gone, restarting, refused)
+
+
 class MalformedReply(SpecdecError):
     """The target answered with something the draft cannot use (INTERNAL: not the caller's fault)."""
 
@@ -80,19 +84,27 @@ class TargetClient:
         # request id -> its Prefill RPC while `prefill_each` waits for it (`cancel_prefill`, from another thread)
         self._admitting: dict[str, grpc.Future] = {}
         self._admitting_lock = threading.Lock()
+        # called (from any thread) when a Prefill, Verify or Release did not reach the target: `TargetWatch.nudge`
+        self.on_unreachable: Callable[[], None] | None = None
 
     def _raw(self, name: str, request_cls):
         return self.channel.unary_unary(TARGET_SERVICE_PATH + name, request_serializer=request_cls.SerializeToString,
                                         response_deserializer=None, _registered_method=True)
 
-    def _call(self, method, request, timeout_s: float | None = None):
+    def _call(self, method, request, timeout_s: float | None = None, watched: bool = True):
         """One blocking call; under a trace (a sampled step, a request's prefill) it carries `traceparent` and
-        gets a CLIENT span (the aio interceptors do not apply to this blocking channel)."""
+        gets a CLIENT span (the aio interceptors do not apply to this blocking channel). `watched`: a failure to
+        reach the target is told to `on_unreachable` (not the watch's own calls)."""
         try:
             with blocking_call_metadata(getattr(method, "_method", TARGET_SERVICE_PATH)) as metadata:
                 return method(request, timeout=timeout_s or self.timeout_s, metadata=metadata or None)
         except grpc.RpcError as exc:
-            raise _translate(exc) from None
+            raise self._failed(exc, watched) from None
+
+    def _failed(self, exc: grpc.RpcError, watched: bool = True) -> SpecdecError:
+        if watched and self.on_unreachable is not None and getattr(exc, "code", lambda: None)() == UNREACHABLE:
+            self.on_unreachable()
+        return _translate(exc)
 
     def _start(self, method, request, trace_context=None):
         """Send a call without waiting; `_wait` collects it. Under `trace_context` (a request's) it carries that
@@ -102,8 +114,7 @@ class TargetClient:
             metadata = stack.enter_context(blocking_call_metadata(getattr(method, "_method", TARGET_SERVICE_PATH)))
         return stack, method.future(request, timeout=self.timeout_s, metadata=metadata or None)
 
-    @staticmethod
-    def _wait(started):
+    def _wait(self, started):
         stack, future = started
         try:
             with stack:
@@ -111,7 +122,7 @@ class TargetClient:
         except grpc.FutureCancelledError:
             raise Cancelled("the request's client left during its admission") from None
         except grpc.RpcError as exc:
-            raise _translate(exc) from None
+            raise self._failed(exc) from None
 
     def prefill(self, inputs: list[PrefillInput]) -> list[PrefillOutput]:
         """All or nothing: the first failure is raised after what the others admitted was released."""
@@ -230,7 +241,8 @@ class TargetClient:
         self._call(self.stub.Release, target_pb2.ReleaseRequest(request_ids=[request_id]))
 
     def model_info(self, timeout_s: float | None = None) -> target_pb2.TargetServiceGetModelInfoResponse:
-        return self._call(self.stub.GetModelInfo, target_pb2.TargetServiceGetModelInfoRequest(), timeout_s)
+        return self._call(self.stub.GetModelInfo, target_pb2.TargetServiceGetModelInfoRequest(), timeout_s,
+                          watched=False)
 
     def close(self) -> None:
         self.channel.close()

@@ -6,17 +6,20 @@ as another model (a rolling update with another `--model`) was never checked aga
 draft then threw away (`malformed features: ... expected last dimension 384`), the gateway took the draft out of
 rotation, its health check put it back 1.5 s later, and so on for every request (QA).
 
-So the draft asks its target's GetModelInfo every `WATCH_S`. Unanswered `MISSES_DOWN` times in a row, or answered by
-a target that does not fit the draft (the start-up checks: `draft_service.app.target_mismatch`), the draft reports
-NOT_SERVING under its service's name and the overall "" (the gateway then serves the pair's requests on its target
-plainly, or on another pair); a target that answers and fits makes it SERVING again. The process's `liveness` name
-stays SERVING: a Kubernetes liveness probe does not restart the draft for its target's absence. Each change is
-logged once.
+So the draft asks its target's GetModelInfo every `WATCH_S` (every `RECHECK_S` after an unanswered one, and at once
+when one of its requests' calls did not reach the target: `nudge`; before, a killed target's draft reported SERVING
+for 2-4 s, and the gateway sent it requests that failed and fell back, QA). Unanswered `MISSES_DOWN` times in a
+row, or answered by a target that does not fit the draft (the start-up checks: `draft_service.app.target_mismatch`),
+the draft reports NOT_SERVING under its service's name and the overall "" (the gateway then serves the pair's
+requests on its target plainly, or on another pair); a target that answers and fits makes it SERVING again. The
+process's `liveness` name stays SERVING: a Kubernetes liveness probe does not restart the draft for its target's
+absence. Each change is logged once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -27,6 +30,7 @@ log = logging.getLogger(__name__)
 WATCH_S = 2.0  # between two GetModelInfo calls
 MISSES_DOWN = 2  # unanswered calls in a row before the draft reports NOT_SERVING (one can be a hiccup)
 ANSWER_S = 5.0  # how long a call waits for its answer
+RECHECK_S = 0.25  # between two calls once one went unanswered or a request's call missed the target (and at least)
 _UNANSWERED = "unanswered"
 
 
@@ -39,10 +43,24 @@ class TargetWatch:
         self.interval_s, self.misses_down, self.answer_s = interval_s, misses_down, answer_s
         self.down: str | None = None  # why the draft reports NOT_SERVING (None: it is ready)
         self._missed = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+
+    def nudge(self) -> None:
+        """A request's call did not reach the target (any thread): look now rather than at the next interval."""
+        loop, wake = self._loop, self._wake
+        if loop is not None and wake is not None:
+            with contextlib.suppress(RuntimeError):  # (the loop closed: the service is stopping)
+                loop.call_soon_threadsafe(wake.set)
 
     async def run(self, set_ready: Callable[[bool], Awaitable[None]]) -> None:
+        self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
         while True:
-            await asyncio.sleep(self.interval_s)
+            await asyncio.sleep(min(RECHECK_S, self.interval_s))  # one look per RECHECK_S at most, nudged or not
+            if not self._missed:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), max(0.0, self.interval_s - RECHECK_S))
+            self._wake.clear()
             await self.check(set_ready)
 
     async def check(self, set_ready: Callable[[bool], Awaitable[None]]) -> None:

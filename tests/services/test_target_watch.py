@@ -8,6 +8,8 @@ import asyncio
 import logging
 from types import SimpleNamespace
 
+import pytest
+
 from draft_service.target_watch import TargetWatch
 from specdec.errors import NotReady
 
@@ -66,3 +68,46 @@ def test_a_target_restarted_as_another_model_takes_the_draft_out_until_a_fitting
     # the misfit, then it going away (a new reason), then the misfit again: each change once, no line per call
     assert len(lines) == 3 and "serves other, hidden 512" in lines[0] and "does not answer" in lines[1]
     assert watch.down is None
+
+
+def test_a_request_that_missed_the_target_makes_the_watch_look_at_once():
+    """A request's call that did not reach the target nudges the watch: it looks at once and again `RECHECK_S` later,
+    so a killed target's draft reports NOT_SERVING within ~0.3 s of the first failed request, not 2-4 s (QA). Only
+    the requests' calls nudge: the watch's own GetModelInfo does not (it would loop on a dead target)."""
+    import time
+
+    from draft_service.target_client import TargetClient
+    from specdec.engine.requests import VerifyInput
+    from specdec.errors import SpecdecError
+
+    target = FakeTarget()
+    target.answers = [NotReady("target: failed to connect"), NotReady("target: failed to connect")]
+    watch = TargetWatch(target, lambda info: None, interval_s=30.0, misses_down=2)
+    reported: list[tuple[bool, float]] = []
+
+    async def scenario() -> None:
+        async def set_ready(up: bool) -> None:
+            reported.append((up, time.monotonic()))
+
+        task = asyncio.create_task(watch.run(set_ready))
+        await asyncio.sleep(0.5)  # no look yet: the interval is 30 s
+        assert len(target.answers) == 2
+        client = TargetClient("127.0.0.1:1", timeout_s=2.0)  # nothing listens there
+        client.on_unreachable = watch.nudge
+        with pytest.raises(SpecdecError):
+            client.model_info(1.0)  # the watch's own kind of call: no nudge
+        await asyncio.sleep(0.5)
+        assert len(target.answers) == 2
+        started = time.monotonic()
+        with pytest.raises(SpecdecError):
+            await asyncio.to_thread(client.verify, [VerifyInput("r", [], [])])
+        client.close()
+        for _ in range(100):
+            if reported:
+                break
+            await asyncio.sleep(0.05)
+        task.cancel()
+        assert reported and not reported[0][0] and reported[0][1] - started < 2.0
+        assert not target.answers  # the nudge's look and the one RECHECK_S after it: two misses in a row
+
+    asyncio.run(scenario())
