@@ -18,6 +18,7 @@ import grpc
 import grpc.aio
 from opentelemetry import context as otel_context
 
+from specdec.rpc.drain_gate import drain_message
 from specdec.rpc.metadata import left_status, request_id_from
 from specdec.telemetry import ServiceMetrics, bind_request_id
 from specdec.telemetry.tracing import attached
@@ -134,12 +135,14 @@ def _has_final(response: Any) -> bool:
 
 
 def _details(context: grpc.aio.ServicerContext) -> str:
-    """The message the call ended with, if it set one (an abort's: why a request was refused)."""
+    """The message the call ended with, if it set one (an abort's: why a request was refused), or the drain's that
+    ended it (set on the context only after this wrapper saw the cancel)."""
     try:
         details = context.details()
     except Exception:  # noqa: BLE001 - a context that cannot tell: the line goes without it
-        return ""
-    return details.decode(errors="replace") if isinstance(details, bytes) else (details or "")
+        details = ""
+    details = details.decode(errors="replace") if isinstance(details, bytes) else (details or "")
+    return details or drain_message(context) or ""
 
 
 def _log_call(

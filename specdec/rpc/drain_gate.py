@@ -22,13 +22,19 @@ from specdec.rpc.handlers import around, behaviour_of, rebuilt
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
 
-# the ids of the contexts of the calls `end_running` ended and that still run (`ended_by_drain`)
-_ENDED: set[int] = set()
+# the ids of the contexts of the calls `end_running` ended and that still run -> the message they end with
+_ENDED: dict[int, str] = {}
 
 
 def ended_by_drain(context) -> bool:
     """Whether a drain's end is what stopped this call (for the status the access log and spans record)."""
     return id(context) in _ENDED
+
+
+def drain_message(context) -> str | None:
+    """The message a call a drain's end stopped goes with (its client's UNAVAILABLE), for wrappers that see only its
+    cancel (the gateway's access log read it from the context, which the gate sets later, QA)."""
+    return _ENDED.get(id(context))
 
 
 class _Call:
@@ -81,7 +87,7 @@ class DrainGate(grpc.aio.ServerInterceptor):
         cancel at the send would reach grpc's code, which closes the stream without a status of ours)."""
         self._ended = message
         for call in list(self._calls):
-            _ENDED.add(id(call.context))
+            _ENDED[id(call.context)] = message
             if call.in_handler:
                 call.task.cancel()
 
@@ -121,7 +127,7 @@ class DrainGate(grpc.aio.ServerInterceptor):
             await context.abort(grpc.StatusCode.UNAVAILABLE, self._ended)
         finally:
             self._calls.discard(call)
-            _ENDED.discard(id(context))
+            _ENDED.pop(id(context), None)
             if not self._calls:
                 self._idle.set()
 
