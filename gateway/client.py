@@ -15,7 +15,7 @@ Errors are `grpc.RpcError`s with the gateway's status and message (`exc.code()`,
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -120,22 +120,24 @@ class GatewayClient:
         min_p: float | None = None,
         seed: int | None = None,
         ignore_eos: bool | None = None,
-        stop: Sequence[str] = (),
+        stop: str | Sequence[str] = (),
         stop_token_ids: Sequence[int] = (),
         no_speculation: bool = False,
         request_id: str = "",
         spec: Mapping[str, int] | None = None,
     ) -> GenerationStream:
-        """Stream a completion of `prompt` (text) or a chat reply (`[{"role": ..., "content": ...}, ...]`). `spec`:
-        this request's own smaller tree (`num_steps`, `topk`, `num_draft_tokens`, each up to the draft service's).
-        A value the request message cannot hold (a negative seed, a string temperature, an unknown `spec` key, a
-        chat message without content) raises `InvalidInput` here; the gateway checks the rest (INVALID_ARGUMENT)."""
+        """Stream a completion of `prompt` (text) or a chat reply (`[{"role": ..., "content": ...}, ...]`). `stop`: one
+        stop string or a list of them. `spec`: this request's own smaller tree (`num_steps`, `topk`,
+        `num_draft_tokens`, each up to the draft service's). A value the request message cannot hold (a negative
+        seed, a string temperature, an unknown `spec` key, a chat message without content, a stop that is not a
+        str) raises `InvalidInput` here; the gateway checks the rest (INVALID_ARGUMENT)."""
         sampling = _sampling(stop_token_ids=stop_token_ids, max_new_tokens=max_new_tokens, temperature=temperature,
                              top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, ignore_eos=ignore_eos)
         chat = None if isinstance(prompt, str) else _chat(prompt)
+        stops = _stop_strings(stop)
         try:  # protobuf refuses these as ValueError / TypeError
             request = gateway_pb2.GatewayServiceGenerateRequest(
-                sampling=sampling, stop=list(stop), no_speculation=no_speculation, request_id=request_id
+                sampling=sampling, stop=stops, no_speculation=no_speculation, request_id=request_id
             )
             if spec is not None:
                 request.spec.CopyFrom(common_pb2.SpecParams(**spec))
@@ -162,7 +164,11 @@ class GatewayClient:
         return list(self._unary(self._stub.Tokenize, request).token_ids)
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
-        return self._unary(self._stub.Detokenize, gateway_pb2.DetokenizeRequest(token_ids=list(token_ids))).text
+        try:  # protobuf's own TypeError names no argument
+            request = gateway_pb2.DetokenizeRequest(token_ids=list(token_ids))
+        except (ValueError, TypeError) as exc:
+            raise InvalidInput(f"bad request: token_ids must be a list of int token ids ({exc})") from exc
+        return self._unary(self._stub.Detokenize, request).text
 
     def list_models(self) -> list[gateway_pb2.ModelCard]:
         return list(self._unary(self._stub.ListModels, gateway_pb2.ListModelsRequest()).models)
@@ -195,9 +201,24 @@ def _sampling(**fields) -> common_pb2.SamplingParams:
     return sampling
 
 
+def _stop_strings(stop: str | Sequence[str]) -> list[str]:
+    """A str is one stop string (as in OpenAI's API): `list("fib(")` made four one-character ones (QA)."""
+    if isinstance(stop, str):
+        return [stop]
+    stops = list(stop) if isinstance(stop, Iterable) else [stop]
+    bad = [s for s in stops if not isinstance(s, str)]
+    if bad:
+        raise InvalidInput(f"bad request: stop must be a str or a list of str, not {type(bad[0]).__name__} "
+                           f"{bad[0]!r:.80}")
+    return stops
+
+
 def _chat(messages: Messages) -> gateway_pb2.ChatMessages:
     """A chat as the request holds it; a message that is not a dict of text `role` and `content` is `InvalidInput`
     naming the message and the key (QA: a message without content said only `KeyError: 'content'`)."""
+    if not isinstance(messages, Sequence):  # None or a number raised a bare TypeError; a dict gave its keys
+        raise InvalidInput(f"bad request: the input must be a str or a list of chat messages, not "
+                           f"{type(messages).__name__}")
     for i, message in enumerate(messages):
         _check_message(i, message)
     return gateway_pb2.ChatMessages(

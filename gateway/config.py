@@ -13,6 +13,10 @@ DEFAULT_MAX_NEW_TOKENS = 128  # when a request does not say (capped by the limit
 # Tokenize held the event loop ~3 s building and sending its 21M ids, and a 50 MB chat took 5-6 s of CPU to be
 # refused. 4 Mi characters is ~1M tokens of code, beyond any context served today.
 DEFAULT_MAX_INPUT_CHARS = 4 << 20
+# messages of one chat, checked before any work per message: the template renders each in Python (holding the GIL
+# even on a worker thread), and 1M one-character messages (11 MB) took 9.5 s of CPU to be refused as too long while
+# the gateway's other calls waited behind them (QA). 4096 render in ~16 ms.
+MAX_CHAT_MESSAGES = 4096
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_MODEL_NAME_CHARS = 256

@@ -4,7 +4,9 @@ Special-token strings typed by a user (`<|separator|>`, `<|eos|>`) stay plain te
 chat template itself inserts control tokens.
 
 A large input is tokenized on a worker thread (tiktoken releases the GIL), so one client's big prompt does not
-stall every other stream and the health checks on the event loop; a small one is tokenized in place.
+stall every other stream and the health checks on the event loop; a small one is tokenized in place. A chat
+counts its messages towards "large" too (the template's work per message), and may have at most
+`MAX_CHAT_MESSAGES` of them, counted before any is read.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from gateway.config import MAX_CHAT_MESSAGES
 from specdec.errors import InvalidInput
 from specdec.tokenizer import Tokenizer
 from specdec.v1 import gateway_pb2
@@ -23,6 +26,10 @@ CHAT_ROLES = ("system", "user", "assistant")
 # 16k, 37 ms at 1M). From 16k characters a prompt would hold the loop for ~9 hops' worth: below that the hop
 # is not worth it, above it blocking grows without bound.
 OFF_LOOP_MIN_CHARS = 16_384
+# The chat template's work per message, in characters whose encoding costs as much: ~4 us a message (4096
+# one-character messages: 16 ms), the encoding of ~70-140 characters. So 128+ short messages go off the loop too;
+# counting their contents alone kept 4096 of them on it.
+MESSAGE_COST_CHARS = 128
 
 
 @dataclass(frozen=True)
@@ -34,7 +41,13 @@ class RequestInput:
 
     @property
     def num_chars(self) -> int:
+        """What --max-input-chars counts: the text, or a chat's contents."""
         return len(self.text) if self.text is not None else sum(len(m["content"]) for m in self.messages)
+
+    @property
+    def cost_chars(self) -> int:
+        """The work of encoding it, in characters: a chat's messages cost the template's work each."""
+        return self.num_chars + MESSAGE_COST_CHARS * len(self.messages)
 
 
 @dataclass(frozen=True)
@@ -55,8 +68,8 @@ def read_input(request: gateway_pb2.GatewayServiceGenerateRequest | gateway_pb2.
 
 
 async def encode_input(tokenizer: Tokenizer, request: RequestInput) -> EncodedInput:
-    """Token ids of `request`; off the event loop from `OFF_LOOP_MIN_CHARS` characters."""
-    if request.num_chars < OFF_LOOP_MIN_CHARS:
+    """Token ids of `request`; off the event loop from `OFF_LOOP_MIN_CHARS` characters' worth of work."""
+    if request.cost_chars < OFF_LOOP_MIN_CHARS:
         return _encode(tokenizer, request)
     return await asyncio.to_thread(_encode, tokenizer, request)
 
@@ -68,8 +81,11 @@ def _encode(tokenizer: Tokenizer, request: RequestInput) -> EncodedInput:
 
 
 def chat_messages(chat: gateway_pb2.ChatMessages) -> tuple[dict, ...]:
-    if not chat.messages:
+    num_messages = len(chat.messages)  # O(1): a chat with too many is refused before any of them is read
+    if not num_messages:
         raise InvalidInput("chat has no messages")
+    if num_messages > MAX_CHAT_MESSAGES:
+        raise InvalidInput(f"chat has {num_messages} messages; at most {MAX_CHAT_MESSAGES} are allowed")
     for i, message in enumerate(chat.messages):
         if message.role not in CHAT_ROLES:
             raise InvalidInput(f"chat message {i}: role {message.role!r} is not one of {', '.join(CHAT_ROLES)}")

@@ -7,6 +7,7 @@ import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -15,7 +16,7 @@ from opentelemetry import trace
 
 from gateway.auth import client_identity
 from gateway.config import GatewayLimits
-from gateway.downstream import Finish
+from gateway.downstream import Chunk, Finish
 from gateway.fallback import FINISH_STOP, FallbackGeneration, GenerationPlan
 from gateway.interceptors import name_request_id
 from gateway.limits import (
@@ -32,6 +33,7 @@ from gateway.router import Router
 from gateway.stream import TextStream
 from specdec.rpc.errors import map_servicer_errors
 from specdec.rpc.metadata import downstream_timeout, request_id_from
+from specdec.sampling_params import MAX_STOP_TOKEN_IDS
 from specdec.spec_params import asked_tree_shape, check_fits
 from specdec.telemetry import bind_request_id, get_tracer
 from specdec.tokenizer import Tokenizer
@@ -61,18 +63,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         trace.get_current_span().set_attribute("specdec.request_id", request_id)  # the one it goes by, generated too
         name_request_id(request_id)
         with bind_request_id(request_id):
-            plan, stop = await self._plan(request, request_id)
+            plan, stops = await self._plan(request, request_id)
             with self._slots.hold(client_identity(context, self._clients_by_key)):
                 generation = FallbackGeneration(self._router, plan, lambda: downstream_timeout(context))
                 try:
-                    async for response in self._stream(generation, plan, stop, started):
+                    async for response in self._stream(generation, plan, stops, started):
                         yield response
                 except grpc.aio.AioRpcError as exc:  # a downstream refusal (bad input, KV full, deadline)
                     await pass_on(context, exc)
 
-    async def _plan(self, request, request_id: str) -> tuple[GenerationPlan, tuple[str, ...]]:
-        """Validate the request and turn it into what the pair runs, the cheap checks before tokenizing; raises
-        InvalidInput."""
+    async def _plan(self, request, request_id: str) -> tuple[GenerationPlan, GatewayStops]:
+        """Validate the request and turn it into what the pair runs and where the gateway itself stops it, the
+        cheap checks before tokenizing; raises InvalidInput."""
         spec = request.spec if request.HasField("spec") else None
         if spec is not None:
             asked = asked_tree_shape(spec)  # on every route: with no_speculation too
@@ -83,8 +85,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         )
         stop = check_stop_strings(request.stop)
         encoded = await self._encode_prompt(request)
-        stop_ids = self._stop_token_ids(encoded, sampling.stop_token_ids, sampling.ignore_eos)
-        finish_ids = stop_ids if sampling.ignore_eos else (*stop_ids, *self._tokenizer.eos_token_ids)
+        stop_ids, own_stop_ids = self._stop_token_ids(encoded, sampling.stop_token_ids, sampling.ignore_eos)
+        finish_ids = (*stop_ids, *own_stop_ids, *(() if sampling.ignore_eos else self._tokenizer.eos_token_ids))
         plan = GenerationPlan(
             request_id=request_id,
             prompt_ids=encoded.token_ids,
@@ -93,7 +95,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             finish_token_ids=frozenset(finish_ids),
             spec=spec,
         )
-        return plan, stop
+        return plan, GatewayStops(stop, own_stop_ids)
 
     async def _encode_prompt(self, request) -> EncodedInput:
         prompt, max_context_len = read_input(request), self._max_context_len()
@@ -108,11 +110,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         check_prompt_length(len(encoded.token_ids), self._limits, max_context_len)
         return encoded
 
-    def _stop_token_ids(self, encoded: EncodedInput, requested: tuple[int, ...], ignore_eos: bool) -> tuple[int, ...]:
-        """A chat reply also ends at the template's turn-end marker (unless the client ignores eos)."""
+    def _stop_token_ids(
+        self, encoded: EncodedInput, requested: tuple[int, ...], ignore_eos: bool
+    ) -> tuple[tuple[int, ...], frozenset[int]]:
+        """(stop ids the services get, stop ids the gateway stops the stream at itself). A chat reply also ends at
+        the template's `chat_stop_token_ids` (unless the client ignores eos): they go downstream with the client's
+        ids (deduplicated) as far as `MAX_STOP_TOKEN_IDS` holds them, which the services check again; the rest
+        only the gateway knows. Adding them all refused a chat with the documented maximum of 1024 ids (QA)."""
+        requested = tuple(dict.fromkeys(requested))
         if not encoded.is_chat or ignore_eos:
-            return requested
-        return tuple(dict.fromkeys([*requested, *self._tokenizer.chat_stop_token_ids]))
+            return requested, frozenset()
+        added = [i for i in self._tokenizer.chat_stop_token_ids if i not in requested]
+        room = max(MAX_STOP_TOKEN_IDS - len(requested), 0)
+        return (*requested, *added[:room]), frozenset(added[room:])
 
     def _max_context_len(self) -> int:
         """The smallest context of the pairs up, or while none is, of those that answered once (ListModels kept
@@ -121,23 +131,28 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         return min((p.max_context_len for p in pairs if p.max_context_len), default=0)
 
     async def _stream(
-        self, generation: FallbackGeneration, plan: GenerationPlan, stop: tuple[str, ...], started: float
+        self, generation: FallbackGeneration, plan: GenerationPlan, stops: GatewayStops, started: float
     ) -> AsyncIterator[gateway_pb2.GatewayServiceGenerateResponse]:
-        text = TextStream(self._tokenizer, stop)
+        text = TextStream(self._tokenizer, stops.strings)
         first_text_at: float | None = None
+        first_ids_at: float | None = None
         async with contextlib.aclosing(generation.run()) as chunks:
             async for chunk in chunks:
-                delta = text.push(chunk.token_ids)
-                if text.stopped or chunk.finish is not None:
+                token_ids, finish = stops.cut(chunk)
+                delta = text.push(token_ids)
+                if text.stopped or finish is not None:
                     delta += text.flush()  # (nothing after a stop; it may find a stop string held till the end)
-                finish = Finish(FINISH_STOP) if text.stopped else chunk.finish
+                finish = Finish(FINISH_STOP) if text.stopped else finish
+                ids = token_ids[: text.used]  # a stop string ends the ids at the token that completed it
                 if delta and first_text_at is None:
                     first_text_at = time.monotonic()
-                ids = chunk.token_ids[: text.used]  # a stop string ends the ids at the token that completed it
+                if ids and first_ids_at is None:
+                    first_ids_at = time.monotonic()
                 response = gateway_pb2.GatewayServiceGenerateResponse(text=delta, token_ids=ids)
                 if finish is not None:
                     unused = len(chunk.token_ids) - len(ids)
-                    response.final.CopyFrom(self._stats(generation, plan, finish, started, first_text_at, unused))
+                    first_at = first_text_at or first_ids_at  # no text sent: when its first ids went out
+                    response.final.CopyFrom(self._stats(generation, plan, finish, started, first_at, unused))
                     yield response
                     return  # leaving the loop closes the downstream stream (a stop string cancels it)
                 if delta or chunk.token_ids:
@@ -149,7 +164,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         plan: GenerationPlan,
         finish: Finish,
         started: float,
-        first_text_at: float | None,
+        first_sent_at: float | None,
         unused: int = 0,
     ) -> gateway_pb2.GatewayStats:
         now = time.monotonic()
@@ -157,10 +172,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         return gateway_pb2.GatewayStats(
             finish_reason=finish.reason,
             prompt_tokens=len(plan.prompt_ids),
-            completion_tokens=len(generation.generated) - unused,  # not those past a stop string
+            completion_tokens=len(generation.generated) - unused,  # not those past a stop string or stop id
             tau=finish.tau if speculative else 0.0,
             accepted_per_position=list(finish.accepted_per_position) if speculative else [],
-            time_to_first_token_s=(first_text_at or now) - started,
+            time_to_first_token_s=(first_sent_at or now) - started,
             total_s=now - started,
             speculative=speculative,
             request_id=plan.request_id,
@@ -188,6 +203,22 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         card = gateway_pb2.ModelCard(id=self._served_model_name or Path(target).name, target=target, draft=draft,
                                      max_context_len=self._max_context_len(), pairs_up=len(up))
         return gateway_pb2.ListModelsResponse(models=[card])
+
+
+@dataclass(frozen=True)
+class GatewayStops:
+    """Where the gateway itself ends a stream: at stop strings, and at stop ids the services were not given (a
+    chat template's beyond `MAX_STOP_TOKEN_IDS`)."""
+
+    strings: tuple[str, ...]
+    token_ids: frozenset[int] = frozenset()
+
+    def cut(self, chunk: Chunk) -> tuple[tuple[int, ...], Finish | None]:
+        """The chunk's ids through the first of `token_ids`, finishing there (STOP); else the chunk as it is."""
+        for n, token_id in enumerate(chunk.token_ids, 1):
+            if token_id in self.token_ids:
+                return chunk.token_ids[:n], Finish(FINISH_STOP)
+        return chunk.token_ids, chunk.finish
 
 
 async def pass_on(context: grpc.aio.ServicerContext, exc: grpc.aio.AioRpcError) -> None:

@@ -1,0 +1,52 @@
+"""The Python client's arguments: a str `stop` is one stop string, and values of the wrong type are `InvalidInput`
+(a ValueError naming the argument) before any call, not a bare TypeError from protobuf."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from conftest import SCRIPT_TEXT
+from gateway_fakes import fake_stack, run
+
+from gateway.client import GatewayClient
+from specdec.errors import InvalidInput
+
+STOP = "(n - 2"  # several tokens into the script's text; split into characters, " " ends it at once
+
+
+def test_a_str_stop_is_one_stop_string(fake_model, model_dir):
+    """QA: `stop="fib("` was sent as the stops f, i, b, ( (`list(stop)`): the text ended at its first "f"."""
+    async def body():
+        async with fake_stack(fake_model, model_dir) as (_, gateway, _):
+            return await asyncio.to_thread(complete_both, f"127.0.0.1:{gateway.port}")
+
+    def complete_both(addr: str):
+        with GatewayClient(addr, timeout_s=20) as client:
+            return [client.complete("def fib(n):", max_new_tokens=100, stop=stop) for stop in (STOP, [STOP])]
+
+    (text, stats), (listed_text, listed_stats) = run(body())
+    assert text == listed_text == SCRIPT_TEXT[: SCRIPT_TEXT.index(STOP)] and "fib(n - 1)" in text
+    assert stats.completion_tokens == listed_stats.completion_tokens and stats.finish_reason == "stop"
+
+
+@pytest.mark.parametrize(("stop", "shown"), [(["fib(", 3], "int 3"), ([None], "NoneType None"), (5, "int 5"),
+                                             ([b"fib("], "bytes b'fib('")])
+def test_a_stop_that_is_not_text_is_invalid_input(stop, shown):
+    with GatewayClient("127.0.0.1:1") as client, pytest.raises(InvalidInput) as raised:
+        client.generate("def fib(n):", stop=stop)
+    assert str(raised.value) == f"bad request: stop must be a str or a list of str, not {shown}"
+
+
+@pytest.mark.parametrize(("call", "arg", "message"), [
+    ("detokenize", [1.5], "bad request: token_ids must be a list of int token ids"),
+    ("detokenize", None, "bad request: token_ids must be a list of int token ids"),
+    ("tokenize", None, "bad request: the input must be a str or a list of chat messages, not NoneType"),
+    ("tokenize", 42, "bad request: the input must be a str or a list of chat messages, not int"),
+    ("generate", None, "bad request: the input must be a str or a list of chat messages, not NoneType"),
+])
+def test_tokenize_detokenize_and_generate_refuse_wrong_types_as_invalid_input(call, arg, message):
+    """QA: `detokenize([1.5])` and `tokenize(None)` raised protobuf's (or enumerate's) bare TypeError."""
+    with GatewayClient("127.0.0.1:1") as client, pytest.raises(InvalidInput) as raised:
+        getattr(client, call)(arg)
+    assert str(raised.value).startswith(message) and isinstance(raised.value, ValueError)
