@@ -20,8 +20,10 @@ not parse (`decode_guard`: grpc itself answers UNKNOWN and logs a traceback).
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import signal
+import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -142,10 +144,25 @@ def _bind(server: grpc.aio.Server, host: str, port: int, tls: TlsConfig | None) 
         else:
             bound = server.add_secure_port(address, tls.server_credentials())
     except RuntimeError as exc:
-        raise ConfigError(f"cannot listen on {address}: {exc}") from exc
+        raise ConfigError(f"cannot listen on {address}: {_why_not_bound(host, port) or exc}") from exc
     if bound == 0:
-        raise ConfigError(f"cannot listen on {address} (in use or not a local address?)")
+        why = _why_not_bound(host, port) or "in use or not a local address?"
+        raise ConfigError(f"cannot listen on {address}: {why}")
     return bound
+
+
+def _why_not_bound(host: str, port: int) -> str | None:
+    """Why a socket cannot listen at host:port, asked of the OS (gRPC's own error says "Failed to bind ... set
+    GRPC_VERBOSITY=debug" for a port in use, QA); None when it could (the cause was gRPC's)."""
+    bare = host.strip("[]")
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in bare else socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((bare, port))
+    except OSError as exc:
+        return {errno.EADDRINUSE: f"port {port} is already in use (another process listens there)",
+                errno.EADDRNOTAVAIL: f"{host} is not an address of this machine",
+                errno.EACCES: f"no permission to listen on port {port}"}.get(exc.errno, exc.strerror or str(exc))
+    return None
 
 
 def run_server_forever(main: Callable[[asyncio.Event], Awaitable[None]], use_uvloop: bool = True) -> None:

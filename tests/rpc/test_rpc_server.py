@@ -275,3 +275,21 @@ def test_a_call_arriving_during_the_grace_period_gets_unavailable_and_the_drain_
             assert time.monotonic() - t0 < 5 and handle.gate.in_flight == 0
 
     run(body())
+
+
+def test_a_port_in_use_is_named_as_such():
+    """A port another process listens on: the start-up error says so (gRPC's own said "Failed to bind ... set
+    GRPC_VERBOSITY=debug", QA); an address that is not this machine's is named too."""
+    import socket
+
+    from specdec.errors import ConfigError
+    from specdec.rpc.server import start_server
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port}: port {port} is already in use"):
+            run(start_server([], [TARGET], "127.0.0.1", port))
+    with pytest.raises(ConfigError, match="192.0.2.1 is not an address of this machine"):
+        run(start_server([], [TARGET], "192.0.2.1", 0))
