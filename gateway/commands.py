@@ -20,7 +20,7 @@ DEFAULT_LOCAL_ADDR = "localhost:50050"
 
 def run_up(args: argparse.Namespace) -> int:
     """Start the three services, print their addresses, restart any that dies (`LocalStack.supervise`) until
-    Ctrl-C (or one that keeps dying), stop them."""
+    Ctrl-C, SIGTERM or SIGHUP (or one that keeps dying), stop them."""
     config = StackConfig(
         target_dir=args.target,
         draft_dir=None if args.draft.lower() == "none" else args.draft,
@@ -61,23 +61,24 @@ def _serve_until_stopped(stack: LocalStack) -> int:
 
 @contextlib.contextmanager
 def sigterm_as_interrupt():
-    """SIGTERM (`kill`, a process manager, a test's timeout) raises KeyboardInterrupt, so a local stack stops as
-    on Ctrl-C: by default SIGTERM ends this process at once and leaves the services, which run in sessions of
-    their own, running and holding their ports."""
+    """SIGTERM (`kill`, a process manager, a test's timeout) and SIGHUP (a closed terminal, a dropped SSH session)
+    raise KeyboardInterrupt, so a local stack stops as on Ctrl-C, in order. By default either ends this process at
+    once, and the services, which run in sessions of their own, stop only when their `parent_watch` sees it gone."""
 
     def interrupt(signum, frame) -> None:
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    previous = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def run_generate(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as cleanup:
-        cleanup.enter_context(sigterm_as_interrupt())  # SIGTERM as Ctrl-C: exit 130, the request cancelled
+        cleanup.enter_context(sigterm_as_interrupt())  # SIGTERM, SIGHUP as Ctrl-C: exit 130, the request cancelled
         try:
             addr = args.addr or _local_gateway(args.device, cleanup)
             api_key = _first_key(args.api_key_file) if args.api_key_file else None

@@ -5,6 +5,8 @@
 
 Each service runs as `python -m specdec serve-*` in its own session, so a terminal's Ctrl-C reaches only this
 process, which then stops them in order (gateway, draft, target) with SIGTERM, and SIGKILL after a grace period.
+Should this process die without stopping them (SIGKILL), each stops itself: it is started with
+`EXIT_WITH_PARENT_ENV` naming this process (`specdec.rpc.parent_watch`).
 `supervise` restarts a service whose process exits, as Kubernetes restarts a container: meanwhile the gateway
 serves what it can (a dead draft: its target's plain decoding; the gateway's health loop takes the service back
 once it answers SERVING again). One that keeps dying within `QUICK_S` of each start is restarted after 1, 2, 4,
@@ -31,6 +33,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.errors import ConfigError, NotReady
+from specdec.rpc.parent_watch import child_env
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BUNDLED_MODELS = REPO_ROOT / "models" / "tiny-code"
@@ -47,6 +50,8 @@ RESTARTS = 5  # deaths in a row, each within QUICK_S of its start, after which `
 QUICK_S = 60.0
 MAX_BACKOFF_S = 16.0
 STOP_GRACE_S = 35.0  # each service's time to drain on stop: above their default --drain-seconds (30)
+# what stops a stack as Ctrl-C does: a closed terminal or a dropped SSH session sends SIGHUP
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @dataclass
@@ -84,6 +89,18 @@ class StackConfig:
 
     def addr(self, service: str) -> str:
         return f"{self.host}:{getattr(self, f'{service}_port')}"
+
+    def ports(self) -> dict[str, int]:
+        """The port of each service it starts. ConfigError if two share one: the second failed to bind only
+        after the models had loaded."""
+        ports = {name: getattr(self, f"{name}_port") for name in self.commands()}
+        first = {}
+        for name, port in ports.items():
+            if port in first:
+                raise ConfigError(f"--{first[port]}-port and --{name}-port are both {port}: each service needs a "
+                                  "port of its own")
+            first[port] = name
+        return ports
 
     def commands(self) -> dict[str, list[str]]:
         """The `specdec serve-*` command line of each service, in start order."""
@@ -139,8 +156,7 @@ class LocalStack:
         """Start every service and wait until each reports SERVING; on failure stop them all and raise."""
         deadline = time.monotonic() + timeout_s
         commands = self.config.commands()
-        for name in commands:  # a port someone else serves on: its health checks would answer for ours
-            port = getattr(self.config, f"{name}_port")
+        for name, port in self.config.ports().items():  # one someone else serves on would answer health for ours
             if _answers(self.config.host, port):
                 raise NotReady(f"port {port} for the {name} is already in use on {self.config.host} (another "
                                f"`specdec up`?); choose another with --{name}-port")
@@ -157,7 +173,9 @@ class LocalStack:
 
     def _spawn(self, name: str, command: list[str], now: float | None = None) -> None:
         with interrupts_deferred():  # recorded before an interrupt can unwind: `stop` then stops it too
-            self._procs[name] = subprocess.Popen(command, start_new_session=True, **self._output(name))
+            self._procs[name] = subprocess.Popen(
+                command, start_new_session=True, env=child_env(), **self._output(name)
+            )  # each ends itself should this process die without stopping it (`parent_watch`)
         now = time.monotonic() if now is None else now
         life = self._lives.setdefault(name, _Life(now))
         life.started, life.due = now, None
@@ -282,12 +300,13 @@ def _answers(host: str, port: int) -> bool:
 
 @contextlib.contextmanager
 def interrupts_deferred():
-    """Hold Ctrl-C and SIGTERM back until the block has run, then deliver the first one to the handler that was
-    there (`specdec generate` raises KeyboardInterrupt for both). A service is spawned into a session of its own:
+    """Hold back Ctrl-C, SIGTERM and SIGHUP (`STOP_SIGNALS`) until the block has run, then deliver the first one
+    to the handler that was there (`specdec up` and `generate` raise KeyboardInterrupt for each). A service is
+    spawned into a session of its own:
     an interrupt inside `Popen`, or before its process is recorded, lost it, and it outlived the stack holding its
     port (seen once in ~20 runs of the SIGTERM-during-start-up test on a loaded CPU). Main thread only (signal
     handlers live there); elsewhere a no-op."""
-    signals = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is not None]
+    signals = [s for s in STOP_SIGNALS if signal.getsignal(s) is not None]
     if threading.current_thread() is not threading.main_thread() or not signals:
         yield
         return

@@ -9,14 +9,16 @@ import sys
 from typing import NoReturn
 
 from specdec.errors import SpecdecError
+from specdec.rpc.parent_watch import exit_with_parent
 from specdec.rpc.server import run_server_forever
 from specdec.telemetry import setup_logging
 
 
 def run_cli_service(args, serve) -> NoReturn:
     """Run the service until it has drained and stopped, then end the process: exit 0, or 2 after a start-up
-    error (one line, `error: ...`)."""
+    error (one line, `error: ...`). Started by `specdec up`, it also ends when `up` does (`exit_with_parent`)."""
     setup_logging(getattr(args, "log_level", "INFO"), getattr(args, "log_format", "text"))
+    exit_with_parent(getattr(args, "drain_seconds", 30.0))
     code = 0
     try:
         run_server_forever(lambda shutdown: serve(args, shutdown))
