@@ -18,7 +18,7 @@ import grpc.aio
 from gateway.config import GatewayConfig, GatewayLimits, PairAddress
 from gateway.serve import start_gateway
 from specdec.rpc.server import start_server
-from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, gateway_pb2_grpc, target_pb2, target_pb2_grpc
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, gateway_pb2, gateway_pb2_grpc, target_pb2, target_pb2_grpc
 
 EOS = 2
 STOP = common_pb2.FINISH_REASON_STOP
@@ -179,6 +179,15 @@ async def fake_stack(model: FakeModel, model_dir: str, num_pairs: int = 1, **gat
         for pair in pairs:
             await pair.draft_handle.stop(None)
             await pair.target_handle.stop(None)
+
+
+async def hanging_stream(pairs, stub):
+    """A Generate whose draft hangs after its first chunk, that chunk read: a stream in flight."""
+    pairs[0].draft.hang_after_chunks = 1
+    call = stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(
+        prompt="def fib(n):", sampling=common_pb2.SamplingParams(max_new_tokens=100)))
+    await call.read()
+    return call
 
 
 def run(coro, timeout_s: float = 30):

@@ -10,7 +10,7 @@ import time
 import grpc
 import grpc.aio
 import pytest
-from gateway_fakes import collect, fake_stack, run, status_of
+from gateway_fakes import collect, fake_stack, hanging_stream, run, status_of
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.prompts import OFF_LOOP_MIN_CHARS
@@ -302,10 +302,7 @@ def test_a_cancelled_streams_access_line_carries_the_generated_request_id(fake_m
 
     async def body():
         async with fake_stack(fake_model, model_dir) as (pairs, _, stub):
-            pairs[0].draft.hang_after_chunks = 1
-            call = stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(
-                prompt="def fib(n):", sampling=common_pb2.SamplingParams(max_new_tokens=100)))
-            await call.read()
+            call = await hanging_stream(pairs, stub)
             call.cancel()
             await asyncio.sleep(0.3)
             return pairs[0].draft.seen.requests

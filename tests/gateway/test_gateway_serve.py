@@ -37,16 +37,11 @@ def test_a_stream_its_drain_ends_is_logged_with_the_drains_reason(fake_model, mo
     """The client of a stream cut at the end of the gateway's drain gets UNAVAILABLE with the reason, and the access
     log line says it too (it read `UNAVAILABLE in 32.904 s, 370 messages` without one: the gate sets the message on
     the context after the log's wrapper saw the cancel, QA)."""
-    from gateway_fakes import fake_stack, status_of
-
-    from specdec.v1 import common_pb2, gateway_pb2
+    from gateway_fakes import fake_stack, hanging_stream, status_of
 
     async def body():
         async with fake_stack(fake_model, model_dir) as (pairs, gateway, stub):
-            pairs[0].draft.hang_after_chunks = 1
-            call = stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(
-                prompt="def fib(n):", sampling=common_pb2.SamplingParams(max_new_tokens=100)))
-            await call.read()
+            call = await hanging_stream(pairs, stub)
             stopping = asyncio.create_task(gateway.stop(grace_s=0.3))
             status = await status_of(call)
             await stopping

@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from test_local_stack_processes import children_of, cmdline, wait_for
+from test_local_stack_processes import children_of, cmdline, up_process, wait_for, wait_serving
 
 from gateway.commands import sigterm_as_interrupt
 from gateway.local_stack import HEALTH_NAMES, LocalStack, StackConfig, _is_serving, interrupts_deferred
@@ -121,11 +121,9 @@ def test_up_with_two_services_on_one_port_exits_at_once():
 def start_up() -> tuple[subprocess.Popen, StackConfig, list[int]]:
     """`specdec up` on free ports, once it serves; and its services' pids."""
     cfg = StackConfig.free_ports()
-    cmd = [sys.executable, "-m", "specdec", "up", "--gateway-port", str(cfg.gateway_port),
-           "--draft-port", str(cfg.draft_port), "--target-port", str(cfg.target_port)]
-    up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    up = up_process(cfg)
     try:
-        wait_for(lambda: _is_serving(cfg.addr("gateway"), HEALTH_NAMES["gateway"]), 240, "the stack serves")
+        wait_serving(cfg)
     except BaseException:
         stop_everything(up, children_of(up.pid))
         raise

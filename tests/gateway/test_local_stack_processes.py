@@ -39,14 +39,23 @@ def wait_for(check, timeout_s: float, what: str) -> None:
         time.sleep(0.2)
 
 
+def up_process(cfg: StackConfig) -> subprocess.Popen:
+    """`specdec up` on `cfg`'s ports, started (wait for it to serve with `wait_serving`)."""
+    cmd = [sys.executable, "-m", "specdec", "up", "--gateway-port", str(cfg.gateway_port),
+           "--draft-port", str(cfg.draft_port), "--target-port", str(cfg.target_port)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def wait_serving(cfg: StackConfig) -> None:
+    wait_for(lambda: _is_serving(cfg.addr("gateway"), HEALTH_NAMES["gateway"]), 240, "the stack serves")
+
+
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the draft's process through /proc")
 def test_up_restarts_a_killed_draft_and_the_gateway_serves_throughout():
     cfg = StackConfig.free_ports()
-    cmd = [sys.executable, "-m", "specdec", "up", "--gateway-port", str(cfg.gateway_port),
-           "--draft-port", str(cfg.draft_port), "--target-port", str(cfg.target_port)]
-    up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    up = up_process(cfg)
     try:
-        wait_for(lambda: _is_serving(cfg.addr("gateway"), HEALTH_NAMES["gateway"]), 240, "the stack serves")
+        wait_serving(cfg)
         fragment = f"serve-draft --model {cfg.draft_dir}"
         (draft,) = [p for p in pids_running(fragment) if f"--port {cfg.draft_port}" in cmdline(p)]
         with GatewayClient(cfg.addr("gateway"), timeout_s=60) as client:
