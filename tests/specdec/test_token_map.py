@@ -41,7 +41,9 @@ def test_a_restricted_head_has_the_full_heads_logits_at_the_maps_tokens(tmp_path
     ids = [95, 3, 40, 7, 0, 61]
     small.restrict_vocab(ids)
     hidden = torch.randn(5, cfg["hidden_size"])
-    assert torch.equal(small.compute_logits(hidden), full.compute_logits(hidden)[:, ids])
+    # (equal up to rounding: a BLAS may take another kernel for a 6-row weight than for a 96-row one; this machine's
+    # differed in the last bit)
+    torch.testing.assert_close(small.compute_logits(hidden), full.compute_logits(hidden)[:, ids], rtol=1e-6, atol=1e-6)
     assert small.to_target_ids(torch.arange(len(ids))).tolist() == ids
     assert small.cfg.draft_vocab_size == len(ids) and full.lm_head.weight.shape[0] == 96  # the original left whole
     eagle3 = load_draft(make_eagle(tmp_path / "e3", cfg, "eagle3", draft_vocab=32), target, torch.float32)
