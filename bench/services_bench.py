@@ -462,8 +462,10 @@ def environment() -> dict:
     with contextlib.suppress(OSError, StopIteration):
         cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                    if line.startswith("model name"))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                            text=True).stdout.strip()
+    git = lambda *a: subprocess.run(["git", *a], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    commit = git("rev-parse", "--short", "HEAD")
+    if commit and git("status", "--porcelain", "--untracked-files=no"):  # the code is not that commit's (a copied
+        commit += "+changes"  # tree whose .git is older, as the device tool's can be: rows said bc29fa2 for b200534)
     return dict(cpu=cpu, num_cpus=os.cpu_count(), torch=torch.__version__, torch_threads=torch.get_num_threads(),
                 python=platform.python_version(), commit=commit or "unknown",
                 load_avg=[round(x, 2) for x in os.getloadavg()])
