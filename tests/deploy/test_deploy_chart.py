@@ -100,12 +100,26 @@ def test_values_schema_is_self_contained_and_enforced():
           "--set", "gateway.autoscaling.maxReplicas=2"], "minReplicas 5 exceeds maxReplicas 2"),
         (["--set", "draft.numDraftTokens=65"], "numDraftTokens"),  # the target verifies at most 64
         (["--set", "target.gpus=2"], "gpus"),  # no tensor parallelism: a second GPU would sit idle
+        # values the services refuse at start (CrashLoopBackOff on a cluster, QA): refused at render
+        (["--set", "draft.numSteps=2"], "draft.numDraftTokens 5 exceeds what draft.numSteps 2 of draft.topk 1 can "
+                                        "grow (2)"),
+        (["--set", "draft.numDraftTokens=64"], "can grow (5)"),
+        (["--set", "target.pageSize=7"], "pageSize"),  # a power of two
     ],
 )
 def test_incomplete_settings_fail_with_a_message(overrides, message):
     proc = run_helm(*template_args("default", *overrides), check=False)
     assert proc.returncode != 0
     assert message in proc.stderr
+
+
+def test_the_tree_and_pool_values_the_services_take_render():
+    docs = render("default", "--set", "draft.numSteps=4", "--set", "draft.topk=4", "--set", "draft.numDraftTokens=12",
+                  "--set", "target.pageSize=32", "--set", "target.numPages=0")
+    pair = one(docs, "StatefulSet", f"{FULL}-pair")
+    draft, target = container(pair, "draft"), container(pair, "target")
+    assert (flag(draft, "num-steps"), flag(draft, "topk"), flag(draft, "num-draft-tokens")) == ("4", "4", "12")
+    assert (flag(target, "page-size"), flag(target, "num-pages")) == ("32", "0")  # 0: sized from memory
 
 
 # ---------- the default: CPU, bundled tiny model, one pair Pod ----------

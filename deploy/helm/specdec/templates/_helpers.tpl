@@ -493,6 +493,10 @@ volumes:
 {{- if and $v.tracing.enabled (not $v.tracing.otlpEndpoint) (not $v.tracing.jaeger.enabled) -}}
 {{- fail "tracing.enabled=true needs tracing.otlpEndpoint or tracing.jaeger.enabled=true" -}}
 {{- end -}}
+{{- $most := add $v.draft.topk (mul (sub $v.draft.numSteps 1) $v.draft.topk $v.draft.topk) -}}
+{{- if gt (int $v.draft.numDraftTokens) (int $most) -}}
+{{- fail (printf "draft.numDraftTokens %v exceeds what draft.numSteps %v of draft.topk %v can grow (%v): the draft would refuse to start" $v.draft.numDraftTokens $v.draft.numSteps $v.draft.topk $most) -}}
+{{- end -}}
 {{- if and $v.gateway.autoscaling.enabled (gt (int $v.gateway.autoscaling.minReplicas) (int $v.gateway.autoscaling.maxReplicas)) -}}
 {{- fail (printf "gateway.autoscaling.minReplicas %v exceeds maxReplicas %v" $v.gateway.autoscaling.minReplicas $v.gateway.autoscaling.maxReplicas) -}}
 {{- end -}}
