@@ -36,7 +36,20 @@ from specdec.errors import ConfigError, NotReady
 from specdec.rpc.parent_watch import child_env
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-BUNDLED_MODELS = REPO_ROOT / "models" / "tiny-code"
+BUNDLED_MODELS_ENV = "SPECDEC_BUNDLED_MODELS"  # where the bundled tiny pair lies when not beside the package
+
+
+def bundled_models() -> Path:
+    """The bundled tiny pair: `$SPECDEC_BUNDLED_MODELS`, else beside the package (a checkout, an editable install),
+    else the images' copy. A plain `pip install .` puts the package in site-packages, where the default pointed at
+    a folder that does not exist (QA: a bare `docker run ... up`)."""
+    candidates = [os.environ.get(BUNDLED_MODELS_ENV, ""), REPO_ROOT / "models" / "tiny-code",
+                  "/opt/specdec/models/tiny-code"]
+    found = next((Path(c) for c in candidates if c and Path(c).is_dir()), None)
+    return found or REPO_ROOT / "models" / "tiny-code"
+
+
+BUNDLED_MODELS = bundled_models()
 DEFAULT_TARGET_DIR = BUNDLED_MODELS / "target"
 DEFAULT_DRAFT_DIR = BUNDLED_MODELS / "draft"
 DEFAULT_PORTS = {"gateway": 50050, "draft": 50051, "target": 50052}

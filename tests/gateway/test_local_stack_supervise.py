@@ -171,3 +171,16 @@ def test_a_colocated_stack_has_no_target_process_and_needs_a_draft():
     assert gateway[gateway.index("--pair") + 1] == f"{cfg.addr('draft')}={cfg.addr('draft')}"
     with pytest.raises(ConfigError, match="needs a draft"):
         StackConfig(colocated=True, draft_dir=None).commands()
+
+
+def test_the_bundled_models_are_found_wherever_the_package_is_installed(tmp_path, monkeypatch):
+    """Beside the package in a checkout; `$SPECDEC_BUNDLED_MODELS` first where set (a plain `pip install .` puts the
+    package in site-packages, away from the models: QA)."""
+    from gateway.local_stack import BUNDLED_MODELS_ENV, REPO_ROOT, bundled_models
+
+    monkeypatch.delenv(BUNDLED_MODELS_ENV, raising=False)
+    assert bundled_models() == REPO_ROOT / "models" / "tiny-code" and (bundled_models() / "target").is_dir()
+    monkeypatch.setenv(BUNDLED_MODELS_ENV, str(tmp_path))
+    assert bundled_models() == tmp_path
+    monkeypatch.setenv(BUNDLED_MODELS_ENV, str(tmp_path / "missing"))
+    assert bundled_models() == REPO_ROOT / "models" / "tiny-code"
