@@ -224,7 +224,8 @@ class Scheduler(Admission):
         trace = sampled, parent, links = self._step_trace([self.running[rid] for rid in rids])
         if speculate:
             self._catch_up(rids, trace)
-        with self.step_spans.span("draft.propose", sampled, links, parent, batch_size=len(rids)) as span:
+        # (a plain call proposes nothing: no propose span, as its phase metric records none, QA)
+        with self.step_spans.span("draft.propose", sampled and speculate, links, parent, batch_size=len(rids)) as span:
             trees = self._propose(rids, budget) if speculate else [_EMPTY] * len(rids)
             plain = 1 if speculate else self._plain_steps_per_call(micro)
             # a plain call brings back the features of each request's last token only (see `_hold`)

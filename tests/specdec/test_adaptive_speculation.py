@@ -579,3 +579,31 @@ def test_no_re_measurement_interval_is_longer_than_max_explore_every_target_step
     _drive(p, 1, far, steps=80)
     far[FULL] = 400.0  # speculation turns 40x faster: its re-measurements pull its yield up until it leads
     assert _drive(p, 1, far, steps=120)[-5:] == [FULL] * 5
+
+
+def test_a_plain_call_records_no_propose_span(dev_prompts, tiny_tokenizer):
+    """A plain call proposes nothing: its step has a `draft.verify` span (num_draft_tokens 0) and no `draft.propose`
+    one, as its `propose` phase metric records nothing (QA: 33 propose spans against 12 observations)."""
+    from opentelemetry import context as otel_context
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from specdec.telemetry import StepSpanSampler
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    target, draft = tiny_target(), tiny_draft()
+    policy = SpeculationPolicy((0,))  # a menu of plain decoding alone
+    sched = Scheduler(target, draft, target.max_context, 4, feature_layers_for(draft), policy=policy,
+                      step_spans=StepSpanSampler(1.0, provider.get_tracer("steps")))
+    tracer = provider.get_tracer("test")
+    with tracer.start_as_current_span("request"):  # a traced request: its steps' spans join its trace
+        sched.add("r", tiny_tokenizer.encode(dev_prompts[0])[-40:], SamplingParams(max_new_tokens=12),
+                  trace_context=otel_context.get_current())
+    while sched.has_work:
+        sched.step()
+    names = [s.name for s in exporter.get_finished_spans()]
+    assert "draft.verify" in names and "draft.propose" not in names
+    assert all(s.attributes["num_draft_tokens"] == 0 for s in exporter.get_finished_spans() if s.name == "draft.verify")
