@@ -52,8 +52,12 @@ class MalformedReply(SpecdecError):
     """The target answered with something the draft cannot use (INTERNAL: not the caller's fault)."""
 
 
+def _code(exc: grpc.RpcError) -> grpc.StatusCode:
+    return exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+
+
 def _translate(exc: grpc.RpcError) -> SpecdecError:
-    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    code = _code(exc)
     details = exc.details() if hasattr(exc, "details") else str(exc)
     cls = _BY_CODE.get(code, SpecdecError)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -102,7 +106,7 @@ class TargetClient:
             raise self._failed(exc, watched) from None
 
     def _failed(self, exc: grpc.RpcError, watched: bool = True) -> SpecdecError:
-        if watched and self.on_unreachable is not None and getattr(exc, "code", lambda: None)() == UNREACHABLE:
+        if watched and self.on_unreachable is not None and _code(exc) == UNREACHABLE:
             self.on_unreachable()
         return _translate(exc)
 

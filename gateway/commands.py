@@ -11,7 +11,7 @@ import time
 import grpc
 
 from gateway.client import GatewayClient, GenerationStats
-from gateway.local_stack import LocalStack, StackConfig, is_gateway_serving, temporary_stack
+from gateway.local_stack import STOP_SIGNALS, LocalStack, StackConfig, is_gateway_serving, temporary_stack
 from specdec.errors import SpecdecError
 from specdec.rpc.tls import TlsConfig
 
@@ -68,7 +68,7 @@ def sigterm_as_interrupt():
     def interrupt(signum, frame) -> None:
         raise KeyboardInterrupt
 
-    previous = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {s: signal.signal(s, interrupt) for s in STOP_SIGNALS if s != signal.SIGINT}  # (SIGINT raises it)
     try:
         yield
     finally:

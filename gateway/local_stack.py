@@ -43,10 +43,9 @@ def bundled_models() -> Path:
     """The bundled tiny pair: `$SPECDEC_BUNDLED_MODELS`, else beside the package (a checkout, an editable install),
     else the images' copy. A plain `pip install .` puts the package in site-packages, where the default pointed at
     a folder that does not exist (QA: a bare `docker run ... up`)."""
-    candidates = [os.environ.get(BUNDLED_MODELS_ENV, ""), REPO_ROOT / "models" / "tiny-code",
-                  "/opt/specdec/models/tiny-code"]
-    found = next((Path(c) for c in candidates if c and Path(c).is_dir()), None)
-    return found or REPO_ROOT / "models" / "tiny-code"
+    beside = REPO_ROOT / "models" / "tiny-code"
+    candidates = [os.environ.get(BUNDLED_MODELS_ENV, ""), beside, "/opt/specdec/models/tiny-code"]
+    return next((Path(c) for c in candidates if c and Path(c).is_dir()), beside)
 
 
 BUNDLED_MODELS = bundled_models()

@@ -142,8 +142,9 @@ class DraftEngine:
     def add(self, rid: str, max_total_len: int, prompt_len: int | None = None) -> None:
         if rid in self.requests:
             raise DuplicateRequest(f"request {rid!r} is already running on the draft")
-        fixed = None if prompt_len is None else prompt_len + self.temp_slots + 1
-        self.kv.add(rid, min(max_total_len, self.max_context) + self.temp_slots + 1, "draft KV pool", fixed)
+        slots = self.temp_slots + 1  # a proposal's temporary nodes, and the root's
+        fixed = None if prompt_len is None else prompt_len + slots
+        self.kv.add(rid, min(max_total_len, self.max_context) + slots, "draft KV pool", fixed)
         self.requests[rid] = DraftRequest(0)
 
     def release(self, rid: str) -> None:

@@ -120,9 +120,14 @@ class TargetEngine:
         if bad is not None:
             raise InvalidInput(f"prompt token id {bad} outside the vocabulary [0, {self.cfg.vocab_size})")
 
+    @property
+    def _tree_slots(self) -> int:
+        """Slots a request holds past its tokens: one full tree's (and a plain chunk's run past its limit)."""
+        return self.max_draft_tokens + 1
+
     def _max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
         """Worst case: every generated token plus one full tree of temporary slots."""
-        return min(prompt_len + params.max_new_tokens, self.max_context) + self.max_draft_tokens + 1
+        return min(prompt_len + params.max_new_tokens, self.max_context) + self._tree_slots
 
     def _admit(self, inp: PrefillInput) -> TargetRequest:
         if inp.request_id in self.requests:
@@ -148,7 +153,7 @@ class TargetEngine:
         (InvalidInput: it would hold up the others for its whole wait). Places of requests admitted already (with
         it, in the same call: they leave the queue once it succeeds) do not count as waiting before it."""
         rid = inp.request_id
-        self.kv.check_could_hold(max_tokens, fixed=len(inp.prompt_ids) + self.max_draft_tokens + 1)
+        self.kv.check_could_hold(max_tokens, fixed=len(inp.prompt_ids) + self._tree_slots)
         ahead = self.page_queue.ahead(rid, besides=self.requests)
         try:
             if ahead:

@@ -28,7 +28,7 @@ _ENDED: dict[int, str] = {}
 
 def ended_by_drain(context) -> bool:
     """Whether a drain's end is what stopped this call (for the status the access log and spans record)."""
-    return id(context) in _ENDED
+    return drain_message(context) is not None
 
 
 def drain_message(context) -> str | None:
