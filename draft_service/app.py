@@ -186,7 +186,7 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
         loop.on_step = lambda events: (_observe(metrics, engine, events), phases.observe(metrics))
         kv = engine.kv
         metrics.track(kv_pages=kv.gauges,
-                      running=lambda: len(sched.running), waiting=lambda: len(sched.waiting))
+                      running=lambda: len(sched.running), waiting=lambda: len(sched.waiting) + len(sched.admitting))
         loop.start()
         state.update(loop=loop, client=client)  # (a stop during calibration: `close` ends it and its requests)
         if policy is not None:  # each budget's time, before the first requests pay to learn it

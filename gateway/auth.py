@@ -17,6 +17,7 @@ import grpc.aio
 
 from gateway.interceptors import BehaviorInterceptor
 from specdec.errors import ConfigError
+from specdec.rpc.errors import end_call
 
 AUTH_HEADER = "authorization"
 SCHEME = "bearer "
@@ -66,21 +67,27 @@ class ApiKeyInterceptor(BehaviorInterceptor):
     def __init__(self, keys: tuple[bytes, ...]) -> None:
         self._keys = keys
 
-    async def _check(self, context: grpc.aio.ServicerContext) -> None:
+    def _allowed(self, context: grpc.aio.ServicerContext) -> bool:
+        """Does the call carry a key? If not, its status is set and the wrapper returns (`end_call`: a refused
+        call's request is freed with it)."""
         token = bearer_token(context)
         if token is None or not key_matches(token, self._keys):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, REJECTION)
+            end_call(context, grpc.StatusCode.UNAUTHENTICATED, REJECTION)
+            return False
+        return True
 
     def wrap_unary(self, behavior, method: str):
         async def checked(request, context):
-            await self._check(context)
+            if not self._allowed(context):
+                return None
             return await behavior(request, context)
 
         return checked
 
     def wrap_stream(self, behavior, method: str):
         async def checked(request, context):
-            await self._check(context)
+            if not self._allowed(context):
+                return
             async with contextlib.aclosing(behavior(request, context)) as responses:
                 async for response in responses:
                     yield response

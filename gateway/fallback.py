@@ -67,6 +67,7 @@ class FallbackGeneration:
             lease = self._router.acquire(self._plan.speculative, fit=self._fits)
             span.set_attribute("specdec.pair", str(lease.pair))
             span.set_attribute("speculative", self._plan.speculative and self._drafts(lease.pair))
+        failure: Exception | None = None
         try:
             use_draft = self._plan.speculative and self._drafts(lease.pair)
             max_attempts = 2 * len(self._router.pairs) + 1
@@ -100,6 +101,7 @@ class FallbackGeneration:
                 lease, use_draft = self._recover(lease, rid, use_draft, failure)
             raise StreamBroken(f"request {self._plan.request_id} failed on {max_attempts} attempts")
         finally:
+            failure = None  # raised from this frame, it would hold the frame through its traceback (a cycle)
             self._router.release(lease)
 
     async def _attempt(self, lease: Lease, rid: str, use_draft: bool) -> AsyncIterator[Chunk]:

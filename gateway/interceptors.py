@@ -95,7 +95,8 @@ class AccessLogInterceptor(BehaviorInterceptor):
                     exc = error
                     raise
                 finally:
-                    _log_call(method, status_of(exc, context), started, why=_details(context))
+                    code, exc = status_of(exc, context), None  # not kept: its traceback holds this frame (a cycle)
+                    _log_call(method, code, started, why=_details(context))
 
         return logged
 
@@ -119,10 +120,11 @@ class AccessLogInterceptor(BehaviorInterceptor):
                     exc = error
                     raise
                 finally:
+                    code, exc = status_of(exc, context), None  # not kept: its traceback holds this frame (a cycle)
                     # a request id the gateway generated: the servicer named it before any response
                     rid = incoming_request_id(request, context) or next(iter(named), None)
                     with attached(call_context), bind_request_id(rid):
-                        _log_call(method, status_of(exc, context), started, count, final, _details(context))
+                        _log_call(method, code, started, count, final, _details(context))
 
         return logged
 
@@ -199,8 +201,9 @@ class MetricsInterceptor(BehaviorInterceptor):
                 exc = error
                 raise
             finally:
+                code, exc = status_of(exc, context), None  # not kept: its traceback holds this frame (a cycle)
                 self._set_running(-1)
-                self._observe(status_of(exc, context), time.monotonic() - started, first_text_s, final)
+                self._observe(code, time.monotonic() - started, first_text_s, final)
                 # a refused request has no final stats: its prompt was not served (tokens streamed: none)
                 self._metrics.count_tokens(final.prompt_tokens if final is not None else 0, generated)
 

@@ -12,6 +12,7 @@ counts its messages towards "large" too (the template's work per message), and m
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway.config import MAX_CHAT_MESSAGES
@@ -67,16 +68,28 @@ def read_input(request: gateway_pb2.GatewayServiceGenerateRequest | gateway_pb2.
     return RequestInput(getattr(request, which))
 
 
-async def encode_input(tokenizer: Tokenizer, request: RequestInput) -> EncodedInput:
-    """Token ids of `request`; off the event loop from `OFF_LOOP_MIN_CHARS` characters' worth of work."""
+# check(characters, at least this many tokens) before any text is encoded; raises to refuse the input
+BoundCheck = Callable[[int, int], None]
+
+
+async def encode_input(tokenizer: Tokenizer, request: RequestInput, check: BoundCheck | None = None) -> EncodedInput:
+    """Token ids of `request`; off the event loop from `OFF_LOOP_MIN_CHARS` characters' worth of work. `check`
+    sees the input's least number of tokens first (`Tokenizer.min_num_tokens`): a text's before the hop, a chat's
+    once the template has rendered it (a chat of 4 M characters was encoded whole, ~2 M ids, before its length
+    was refused: QA)."""
+    if check is not None and request.text is not None:
+        check(len(request.text), tokenizer.min_num_tokens(request.text))
     if request.cost_chars < OFF_LOOP_MIN_CHARS:
-        return _encode(tokenizer, request)
-    return await asyncio.to_thread(_encode, tokenizer, request)
+        return _encode(tokenizer, request, check)
+    return await asyncio.to_thread(_encode, tokenizer, request, check)
 
 
-def _encode(tokenizer: Tokenizer, request: RequestInput) -> EncodedInput:
+def _encode(tokenizer: Tokenizer, request: RequestInput, check: BoundCheck | None) -> EncodedInput:
     if request.text is None:
-        return EncodedInput(tuple(tokenizer.apply_chat_template(list(request.messages))), is_chat=True)
+        pieces = tokenizer.chat_pieces(list(request.messages))
+        if check is not None:
+            check(sum(len(p) for p in pieces if isinstance(p, str)), tokenizer.min_num_chat_tokens(pieces))
+        return EncodedInput(tuple(tokenizer.encode_chat_pieces(pieces)), is_chat=True)
     return EncodedInput(tuple(tokenizer.encode(request.text)), is_chat=False)
 
 

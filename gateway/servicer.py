@@ -28,10 +28,10 @@ from gateway.limits import (
     check_stop_strings,
     resolve_sampling,
 )
-from gateway.prompts import EncodedInput, encode_input, read_input
+from gateway.prompts import EncodedInput, RequestInput, encode_input, read_input
 from gateway.router import Router
 from gateway.stream import TextStream
-from specdec.rpc.errors import map_servicer_errors
+from specdec.rpc.errors import end_call, map_servicer_errors
 from specdec.rpc.metadata import downstream_timeout, request_id_from
 from specdec.sampling_params import MAX_STOP_TOKEN_IDS
 from specdec.spec_params import asked_tree_shape, check_fits
@@ -70,7 +70,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     async for response in self._stream(generation, plan, stops, started):
                         yield response
                 except grpc.aio.AioRpcError as exc:  # a downstream refusal (bad input, KV full, deadline)
-                    await pass_on(context, exc)
+                    pass_on(context, exc)
 
     async def _plan(self, request, request_id: str) -> tuple[GenerationPlan, GatewayStops]:
         """Validate the request and turn it into what the pair runs and where the gateway itself stops it, the
@@ -100,14 +100,20 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     async def _encode_prompt(self, request) -> EncodedInput:
         prompt, max_context_len = read_input(request), self._max_context_len()
         check_input_chars(prompt.num_chars, self._limits)  # first: the documented limit, and the cheapest check
-        if prompt.text is not None:  # a text too long to fit is refused before tokenizing it
-            min_tokens = self._tokenizer.min_num_tokens(prompt.text)
-            check_prompt_chars(len(prompt.text), min_tokens, self._limits, max_context_len)
-        # the span covers the tokenizing alone: a refused request's error belongs to its server span, not here
-        with get_tracer().start_as_current_span("gateway.tokenize") as span:
-            encoded = await encode_input(self._tokenizer, prompt)
-            span.set_attribute("num_prompt_tokens", len(encoded.token_ids))
+        encoded = await self._tokenize(prompt, max_context_len)
         check_prompt_length(len(encoded.token_ids), self._limits, max_context_len)
+        return encoded
+
+    async def _tokenize(self, prompt: RequestInput, max_context_len: int) -> EncodedInput:
+        """A prompt that cannot fit even at its least number of tokens is refused before it is encoded."""
+        def fits(num_chars: int, min_tokens: int) -> None:
+            check_prompt_chars(num_chars, min_tokens, self._limits, max_context_len)
+
+        # the span covers the tokenizing alone: a refused request's error belongs to its server span, not here
+        with get_tracer().start_as_current_span("gateway.tokenize", record_exception=False,
+                                                set_status_on_exception=False) as span:
+            encoded = await encode_input(self._tokenizer, prompt, fits)
+            span.set_attribute("num_prompt_tokens", len(encoded.token_ids))
         return encoded
 
     def _stop_token_ids(
@@ -221,19 +227,11 @@ class GatewayStops:
         return chunk.token_ids, chunk.finish
 
 
-async def pass_on(context: grpc.aio.ServicerContext, exc: grpc.aio.AioRpcError) -> None:
-    """End the client's call with a downstream service's status, unless the call has ended already: its deadline
-    passed or it cancelled, and the downstream error is the echo of that. An abort then fails inside grpc
-    ("Abort already called!"), which was logged as an unhandled ERROR with a traceback for 8 of 200 expired
-    deadlines in QA."""
-    if context.done() or context.cancelled():
-        return
-    try:
-        await context.abort(exc.code(), exc.details() or exc.code().name)
-    except grpc.aio.AbortError:
-        raise
-    except Exception:
-        if context.done() or context.cancelled():  # it ended while the abort went out
-            return
-        raise
+def pass_on(context: grpc.aio.ServicerContext, exc: grpc.aio.AioRpcError) -> None:
+    """End the client's call with a downstream service's status (sent when the handler returns: `end_call`),
+    unless the call has ended already: its deadline passed or it cancelled, and the downstream error is the echo
+    of that (an abort then failed inside grpc, "Abort already called!", logged as an unhandled ERROR for 8 of 200
+    expired deadlines in QA)."""
+    if not (context.done() or context.cancelled()):
+        end_call(context, exc.code(), exc.details() or exc.code().name)
 

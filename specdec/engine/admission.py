@@ -87,25 +87,28 @@ class Admission:
         self._joining = min(self.max_batch_size, len(self.running) + len(self.waiting))
         self._prompt_window = self._window(min(len(self.waiting), self.max_batch_size - len(self.running)))
         while self.waiting and len(self.running) < self.max_batch_size:
-            group = self._next_group()
-            answers = self._prefill_each(group)  # a remote target: each request answered alone, all at once
-            outs = self._prefill_together(group) if answers is None else None
-            blocked = False
-            if outs is None:  # a single request, or the group failed: one by one, so a failure stays its own
-                outs = []
-                for i, state in enumerate(group):
-                    out = self._prefill_one(state, events, answers[i] if answers else None)
-                    if out is _BLOCKED:  # waits (FIFO) until pages free up or the limit passes
-                        if answers:
-                            self._undo_answers(group[i + 1 :], answers[i + 1 :])
-                        self.waiting.extendleft(reversed(group[i:]))
-                        self._block_waiting()
-                        blocked = True
-                        break
-                    outs.append(out)
-            for state, out in zip(group, outs, strict=False):
-                if out is not None:
-                    self._start(state, out, events, extend)
+            group = self.admitting = self._next_group()  # (the gauges count them as waiting)
+            try:
+                answers = self._prefill_each(group)  # a remote target: each request answered alone, all at once
+                outs = self._prefill_together(group) if answers is None else None
+                blocked = False
+                if outs is None:  # a single request, or the group failed: one by one, so a failure stays its own
+                    outs = []
+                    for i, state in enumerate(group):
+                        out = self._prefill_one(state, events, answers[i] if answers else None)
+                        if out is _BLOCKED:  # waits (FIFO) until pages free up or the limit passes
+                            if answers:
+                                self._undo_answers(group[i + 1 :], answers[i + 1 :])
+                            self.waiting.extendleft(reversed(group[i:]))
+                            self._block_waiting()
+                            blocked = True
+                            break
+                        outs.append(out)
+                for state, out in zip(group, outs, strict=False):
+                    if out is not None:
+                        self._start(state, out, events, extend)
+            finally:
+                self.admitting = []
             if blocked:
                 break
         if extend:

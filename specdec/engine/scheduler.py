@@ -86,6 +86,7 @@ class Scheduler(Admission):
         self.max_context, self.max_batch_size = max_context, max_batch_size
         self.feature_layers = feature_layers
         self.waiting: deque[RunState] = deque()
+        self.admitting: list[RunState] = []  # taken off `waiting`, their prefill under way (`Admission._admit`)
         self.running: dict[str, RunState] = {}
         self._aborts: set[str] = set()
         self.timings = timings if timings is not None else StepTimings()

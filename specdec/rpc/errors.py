@@ -39,14 +39,24 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, detail[:_MAX_INTERNAL_MESSAGE]
 
 
-async def abort_with(context: grpc.aio.ServicerContext, exc: Exception, method: str = "?") -> None:
-    """Abort the call with the status `exc` maps to (logging unexpected errors' tracebacks). Always raises."""
+def end_with(context: grpc.aio.ServicerContext, exc: Exception, method: str = "?") -> None:
+    """End the call with the status `exc` maps to (logging unexpected errors' tracebacks); the handler then
+    returns. Not `context.abort`: its AbortError stays on the call's state, which the frames of its traceback
+    reach through their `context` (a cycle), so every frame of a refused call, and what they held (a request's
+    text, its token ids), lived until the garbage collector's next full pass: a gateway refusing 8 chats of 4 M
+    characters at a time, 5 times, grew from 0.1 to 3.3 GB (QA)."""
     code, message = status_for(exc)
     if code is grpc.StatusCode.INTERNAL:
         log.error("unhandled error in %s", method, exc_info=exc)
     else:
         log.debug("%s -> %s: %s", method, code.name, message)
-    await context.abort(code, message)
+    end_call(context, code, message)
+
+
+def end_call(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+    """The call's status, sent when its handler returns (see `end_with`)."""
+    context.set_code(code)
+    context.set_details(message)
 
 
 def map_errors(method):
@@ -63,7 +73,7 @@ def map_errors(method):
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:
-                await abort_with(context, exc, name)
+                end_with(context, exc, name)
 
         return streaming
     if inspect.iscoroutinefunction(method):
@@ -75,7 +85,8 @@ def map_errors(method):
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:
-                await abort_with(context, exc, name)
+                end_with(context, exc, name)
+                return None
 
         return unary
     raise TypeError(f"map_errors needs an async def or async generator method, got {name}")

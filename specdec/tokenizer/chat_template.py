@@ -63,15 +63,20 @@ class ChatTemplate:
     def encode(
         self, messages: list[dict], add_generation_prompt: bool, encode_ordinary: Callable[[str], list[int]]
     ) -> list[int]:
+        return encode_pieces(self.pieces(messages, add_generation_prompt), encode_ordinary)
+
+    def pieces(self, messages: list[dict], add_generation_prompt: bool) -> list[str | int]:
+        """The rendered chat cut where the template wrote special tokens: their ids, and between them the texts
+        to encode as ordinary text. (Counting them bounds the chat's tokens before any is encoded.)"""
         nonce = secrets.token_hex(8)
         rendered = self.render(messages, add_generation_prompt, nonce)
-        ids: list[int] = []
+        out: list[str | int] = []
         for index, piece in enumerate(self._marker_pattern().split(rendered)):
             if index % 2:  # a special token written by the template itself
-                ids.append(self.special_tokens[piece])
+                out.append(self.special_tokens[piece])
             elif piece:
-                ids.extend(encode_ordinary(self._unescape_text(piece, nonce)))
-        return ids
+                out.append(self._unescape_text(piece, nonce))
+        return out
 
     def _escape_text(self, nonce: str) -> Callable[[str], str]:
         if not nonce or not self.special_tokens:
@@ -88,6 +93,17 @@ class ChatTemplate:
 
     def _marker_pattern(self) -> re.Pattern[str]:
         return _alternation(tuple(self.special_tokens))
+
+
+def encode_pieces(pieces: list[str | int], encode_ordinary: Callable[[str], list[int]]) -> list[int]:
+    """Token ids of `ChatTemplate.pieces`."""
+    ids: list[int] = []
+    for piece in pieces:
+        if isinstance(piece, int):
+            ids.append(piece)
+        else:
+            ids.extend(encode_ordinary(piece))
+    return ids
 
 
 def _sentinel(nonce: str, index: int) -> str:

@@ -15,7 +15,7 @@ import tiktoken
 
 from specdec.errors import InvalidInput
 from specdec.tokenizer.bpe_vocab import BpeVocab
-from specdec.tokenizer.chat_template import ChatTemplate
+from specdec.tokenizer.chat_template import ChatTemplate, encode_pieces
 from specdec.tokenizer.vocab_export import export_vocab
 
 AllowedSpecial = Literal["all", "default"] | set[str] | frozenset[str] | None
@@ -130,6 +130,17 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a chat; message text never yields special tokens, only the template's markers do."""
         return self.chat_template.encode(messages, add_generation_prompt, self.encode_ordinary)
+
+    def chat_pieces(self, messages: list[dict], add_generation_prompt: bool = True) -> list[str | int]:
+        """A chat rendered and cut for encoding (`ChatTemplate.pieces`); `encode_chat_pieces` finishes it."""
+        return self.chat_template.pieces(messages, add_generation_prompt)
+
+    def encode_chat_pieces(self, pieces: list[str | int]) -> list[int]:
+        return encode_pieces(pieces, self.encode_ordinary)
+
+    def min_num_chat_tokens(self, pieces: list[str | int]) -> int:
+        """A lower bound on `len(self.encode_chat_pieces(pieces))` without encoding (see `min_num_tokens`)."""
+        return sum(1 if isinstance(piece, int) else self.min_num_tokens(piece) for piece in pieces)
 
     def render_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The chat as text (for logs and debugging; encode with `apply_chat_template`)."""

@@ -41,8 +41,8 @@ def test_a_chat_with_too_many_messages_is_refused_before_any_is_read(fake_model,
     monkeypatch.setattr(prompts, "CHAT_ROLES", CountedRoles(prompts.CHAT_ROLES))
     monkeypatch.setattr(CountedRoles, "checked", 0)
     rendered = []
-    real_template = Tokenizer.apply_chat_template
-    monkeypatch.setattr(Tokenizer, "apply_chat_template",
+    real_template = Tokenizer.chat_pieces
+    monkeypatch.setattr(Tokenizer, "chat_pieces",
                         lambda self, messages, *a: rendered.append(len(messages)) or real_template(self, messages, *a))
     huge = chat_request(200_000)
 
@@ -72,14 +72,14 @@ def test_a_chat_of_many_short_messages_is_encoded_off_the_event_loop(fake_model,
     """The template's work grows with the number of messages, not only with their text: 4096 one-character
     messages (4096 characters, under the 16k that sends a text to a worker thread) took ~20 ms on the event
     loop. With their rendering made to take 1.5 s, a small Generate sent meanwhile answers at once."""
-    real_template = Tokenizer.apply_chat_template
+    real_template = Tokenizer.chat_pieces
 
     def slow_template(self, messages, *args):
         if len(messages) > 1:
             time.sleep(1.5)
         return real_template(self, messages, *args)
 
-    monkeypatch.setattr(Tokenizer, "apply_chat_template", slow_template)
+    monkeypatch.setattr(Tokenizer, "chat_pieces", slow_template)
 
     async def body():
         async with fake_stack(fake_model, model_dir) as (_, _, stub):

@@ -194,3 +194,21 @@ def test_a_steps_admissions_go_out_before_its_decode(dev_prompts, tiny_tokenizer
             sched.abort(f"d{i}")
         while sched.has_work:
             sched.step()
+
+
+def test_requests_under_admission_are_counted_as_waiting(dev_prompts, tiny_tokenizer):
+    """While a group's prefill is under way its requests are neither queued nor running: the draft's gauges showed
+    3 running and 0 waiting while 30 prompts were being prefilled (QA). `admitting` holds them until they start."""
+    engine = tiny_target()
+    draft = tiny_draft()
+    seen = []
+
+    class WatchingTarget(CountingTarget):
+        def prefill(self, inputs):
+            seen.append((len(sched.waiting), len(sched.admitting), len(sched.running)))
+            return super().prefill(inputs)
+
+    sched = Scheduler(WatchingTarget(engine), draft, engine.max_context, 8, feature_layers_for(draft))
+    out = _run(sched, _prompts(dev_prompts, tiny_tokenizer, 5), SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert seen == [(0, 5, 0)] and len(out) == 5
+    assert sched.admitting == [] and not sched.waiting and not sched.running
