@@ -25,8 +25,15 @@ class Aborted(Exception):
 
 
 class FakeContext:
-    async def abort(self, code, message):
-        raise Aborted(code, message)
+    """A call's status, as the servicer sets it when it refuses the call (`specdec.rpc.errors.end_call`)."""
+
+    code = message = None
+
+    def set_code(self, code):
+        self.code = code
+
+    def set_details(self, message):
+        self.message = message
 
 
 @pytest.fixture
@@ -49,11 +56,18 @@ def _request(rid: str, prompt: list[int]) -> target_pb2.PrefillRequest:
 
 async def _together(servicer: TargetServicer, loop: EngineLoop, requests: list) -> list:
     """All requests queued before the engine thread starts, so they meet in one batch."""
-    tasks = [asyncio.ensure_future(servicer.Prefill(r, FakeContext())) for r in requests]
+    replies = await _calls(servicer.Prefill, loop, requests)
+    return [r if isinstance(r, Aborted) else target_pb2.PrefillResponse.FromString(r) for r in replies]
+
+
+async def _calls(method, loop: EngineLoop, requests: list) -> list:
+    """Each request's encoded reply, or Aborted with the status the servicer set (it returns None then)."""
+    contexts = [FakeContext() for _ in requests]
+    tasks = [asyncio.ensure_future(method(r, c)) for r, c in zip(requests, contexts, strict=True)]
     await asyncio.sleep(0.05)
     loop.start()
-    replies = await asyncio.gather(*tasks, return_exceptions=True)  # encoded replies (or the abort)
-    return [r if isinstance(r, Exception) else target_pb2.PrefillResponse.FromString(r) for r in replies]
+    replies = await asyncio.gather(*tasks)
+    return [Aborted(c.code, c.message) if r is None else r for r, c in zip(replies, contexts, strict=True)]
 
 
 def test_prefills_arriving_together_run_as_one_forward(target):
@@ -182,16 +196,10 @@ def test_a_refused_verify_beside_others_fails_alone_and_runs_nothing_twice(targe
 
     calls = [plain_call("a", 1), plain_call("b", 1), plain_call("a", 9), plain_call("nope", 1)]
 
-    async def together():
-        tasks = [asyncio.ensure_future(servicer.Verify(c, FakeContext())) for c in calls]
-        await asyncio.sleep(0.05)
-        loop.start()
-        return await asyncio.gather(*tasks, return_exceptions=True)
-
     loop = EngineLoop(None, "target-engine")
     servicer = TargetServicer(engine, loop, "tiny")
     try:
-        a, b, overtaking, unknown = asyncio.run(together())
+        a, b, overtaking, unknown = asyncio.run(_calls(servicer.Verify, loop, calls))
     finally:
         loop.stop()
     assert list(target_pb2.VerifyResponse.FromString(a).results[0].tokens) == ref[:4]
