@@ -13,9 +13,9 @@ from specdec.errors import InvalidInput
 from specdec.sampling_params import SamplingParams
 
 
-def _admit(target, budgets: dict[str, int]) -> None:
+def _admit(target, budgets: dict[str, int], layers: tuple[int, ...] = ()) -> None:
     target.prefill([PrefillInput(rid, list(range(300 + 7 * i, 340 + 7 * i)),
-                                 SamplingParams(max_new_tokens=n, ignore_eos=True))
+                                 SamplingParams(max_new_tokens=n, ignore_eos=True), layers)
                     for i, (rid, n) in enumerate(budgets.items())])
 
 
@@ -100,13 +100,15 @@ def test_a_request_reaching_max_new_tokens_inside_a_call_does_not_split_it():
     target.release("free")
 
 
-def test_a_plain_call_asking_for_its_last_feature_rows_gets_those_of_the_whole_call():
-    """`feature_rows` = 2 on a 5-step call: a request that runs on gets its last 2 steps' features, one that ends
-    inside the call (at its second token) its only row, the same values as the call with every row."""
+@pytest.mark.parametrize("layers", [(), (1, 2)])  # the final hidden state (EAGLE-1), two layers' inputs (EAGLE-3)
+def test_a_plain_call_asking_for_its_last_feature_rows_gets_those_of_the_whole_call(layers):
+    """`feature_rows` = 2 on a 5-step call: a request that runs on gets its last 2 steps' features, the same
+    values as the call with every row; one that ends inside the call (at its second token) gets none (a finished
+    result carries no rows), so only the last 2 steps copy features."""
     target = tiny_target()
     got = []
     for rows in (0, 2):
-        _admit(target, {"long": 12, "short": 3})
+        _admit(target, {"long": 12, "short": 3}, layers)
         got.append({o.request_id: o for o in target.verify([VerifyInput(r, [], []) for r in ("long", "short")],
                                                           plain_steps=5, feature_rows=rows)})
         target.release("long")
@@ -114,7 +116,7 @@ def test_a_plain_call_asking_for_its_last_feature_rows_gets_those_of_the_whole_c
     assert full["long"].tokens == last["long"].tokens and full["short"].tokens == last["short"].tokens
     assert full["long"].features.shape[0] == 5 and last["long"].features.shape[0] == 2
     assert torch.equal(last["long"].features, full["long"].features[-2:])
-    assert len(full["short"].tokens) == 2 and torch.equal(last["short"].features, full["short"].features[-2:])
+    assert len(full["short"].tokens) == 2 and full["short"].features.shape[0] == 2 and last["short"].features is None
 
 
 @pytest.mark.parametrize("steps,tokens,match", [(0, [], "outside"), (MAX_PLAIN_STEPS + 1, [], "outside"),
