@@ -40,7 +40,7 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
         help="a draft/target pair (repeatable); '=TARGET_ADDR' is a target without a draft",
     )
     p.add_argument("--served-model-name", default="", metavar="NAME",
-                   help="the model id ListModels reports (default: the target's model name, e.g. its path)")
+                   help="the model id ListModels reports (default: the target's model name: its model directory's name)")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
     p.add_argument("--port", type=port(), default=DEFAULT_PORTS["gateway"],
                    help="port (0 = any free port; default 50050)")
