@@ -106,7 +106,7 @@ def _register_generate(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, help="sample from the k most likely tokens")
     p.add_argument("--top-p", type=float, help="nucleus sampling mass")
     p.add_argument("--min-p", type=float, help="drop tokens under this fraction of the top probability")
-    p.add_argument("--seed", type=int, help="seed for reproducible sampling")
+    p.add_argument("--seed", type=int, help="seed of the sampling: the same text again on the same path (draft and tree shape; docs/gateway.md, Seeds)")
     p.add_argument("--num-draft-tokens", type=int, metavar="N",
                    help="this request's own smaller tree: at most N draft tokens a step (up to the draft's own)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
