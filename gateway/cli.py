@@ -40,7 +40,7 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
         help="a draft/target pair (repeatable); '=TARGET_ADDR' is a target without a draft",
     )
     p.add_argument("--served-model-name", default="", metavar="NAME",
-                   help="the model id ListModels reports (default: the target's model name: its model directory's name)")
+                   help="the model id ListModels reports (default: the target's model directory's name)")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
     p.add_argument("--port", type=port(), default=DEFAULT_PORTS["gateway"],
                    help="port (0 = any free port; default 50050)")
@@ -106,7 +106,8 @@ def _register_generate(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, help="sample from the k most likely tokens")
     p.add_argument("--top-p", type=float, help="nucleus sampling mass")
     p.add_argument("--min-p", type=float, help="drop tokens under this fraction of the top probability")
-    p.add_argument("--seed", type=int, help="seed of the sampling: the same text again on the same path (draft and tree shape; docs/gateway.md, Seeds)")
+    p.add_argument("--seed", type=int,
+                   help="sampling seed: the same text again on the same path (draft, tree shape; docs/gateway.md)")
     p.add_argument("--num-draft-tokens", type=int, metavar="N",
                    help="this request's own smaller tree: at most N draft tokens a step (up to the draft's own)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
