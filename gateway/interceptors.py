@@ -63,6 +63,22 @@ def status_of(exc: BaseException | None, context: grpc.aio.ServicerContext) -> g
     return grpc.StatusCode.OK if exc is None else grpc.StatusCode.UNKNOWN
 
 
+class OnEnd:
+    """`with OnEnd(context, report):` calls `report(status)` once the block ends, however it ends (`status_of`).
+    It keeps no reference to the exception: a wrapper's frame holding the exception it re-raises is in that
+    exception's traceback, a cycle that kept a refused call's request alive until a full garbage collection."""
+
+    def __init__(self, context: grpc.aio.ServicerContext, report) -> None:
+        self._context, self._report = context, report
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, exc, traceback) -> bool:
+        self._report(status_of(exc, self._context))
+        return False
+
+
 def incoming_request_id(request: Any, context: grpc.aio.ServicerContext) -> str | None:
     return getattr(request, "request_id", "") or request_id_from(context)
 
@@ -87,44 +103,35 @@ class AccessLogInterceptor(BehaviorInterceptor):
 
     def wrap_unary(self, behavior, method: str):
         async def logged(request, context):
-            started, exc = time.monotonic(), None
-            with bind_request_id(incoming_request_id(request, context)):
-                try:
-                    return await behavior(request, context)
-                except BaseException as error:
-                    exc = error
-                    raise
-                finally:
-                    code, exc = status_of(exc, context), None  # not kept: its traceback holds this frame (a cycle)
-                    _log_call(method, code, started, why=_details(context))
+            started = time.monotonic()
+            with bind_request_id(incoming_request_id(request, context)), \
+                    OnEnd(context, lambda code: _log_call(method, code, started, why=_details(context))):
+                return await behavior(request, context)
 
         return logged
 
     def wrap_stream(self, behavior, method: str):
         async def logged(request, context):
-            started, exc, count, final = time.monotonic(), None, 0, None
+            started, count, final = time.monotonic(), 0, None
             # the call's trace, for its line: a stream the client cancelled is closed from outside the call's
             # context (its line lacked the trace id, 3 of 9 cancelled streams in QA)
             call_context = otel_context.get_current()
             named: list[str] = []
             _NAMED_ID.set(named)  # (this call's own context: the handler runs in it)
-            with bind_request_id(incoming_request_id(request, context)):
-                try:
-                    async with contextlib.aclosing(behavior(request, context)) as responses:
-                        async for response in responses:
-                            count += 1
-                            if final is None and _has_final(response):
-                                final = response.final
-                            yield response
-                except BaseException as error:
-                    exc = error
-                    raise
-                finally:
-                    code, exc = status_of(exc, context), None  # not kept: its traceback holds this frame (a cycle)
-                    # a request id the gateway generated: the servicer named it before any response
-                    rid = incoming_request_id(request, context) or next(iter(named), None)
-                    with attached(call_context), bind_request_id(rid):
-                        _log_call(method, code, started, count, final, _details(context))
+
+            def report(code: grpc.StatusCode) -> None:
+                # a request id the gateway generated: the servicer named it before any response
+                rid = incoming_request_id(request, context) or next(iter(named), None)
+                with attached(call_context), bind_request_id(rid):
+                    _log_call(method, code, started, count, final, _details(context))
+
+            with bind_request_id(incoming_request_id(request, context)), OnEnd(context, report):
+                async with contextlib.aclosing(behavior(request, context)) as responses:
+                    async for response in responses:
+                        count += 1
+                        if final is None and _has_final(response):
+                            final = response.final
+                        yield response
 
         return logged
 
@@ -186,9 +193,16 @@ class MetricsInterceptor(BehaviorInterceptor):
 
     def wrap_stream(self, behavior, method: str):
         async def measured(request, context):
-            started, exc, first_text_s, final, generated = time.monotonic(), None, None, None, 0
+            started, first_text_s, final, generated = time.monotonic(), None, None, 0
+
+            def report(code: grpc.StatusCode) -> None:
+                self._set_running(-1)
+                self._observe(code, time.monotonic() - started, first_text_s, final)
+                # a refused request has no final stats: its prompt was not served (tokens streamed: none)
+                self._metrics.count_tokens(final.prompt_tokens if final is not None else 0, generated)
+
             self._set_running(+1)
-            try:
+            with OnEnd(context, report):
                 async with contextlib.aclosing(behavior(request, context)) as responses:
                     async for response in responses:
                         if first_text_s is None and getattr(response, "text", ""):
@@ -197,15 +211,6 @@ class MetricsInterceptor(BehaviorInterceptor):
                         if response.HasField("final"):
                             final = response.final
                         yield response
-            except BaseException as error:
-                exc = error
-                raise
-            finally:
-                code, exc = status_of(exc, context), None  # not kept: its traceback holds this frame (a cycle)
-                self._set_running(-1)
-                self._observe(code, time.monotonic() - started, first_text_s, final)
-                # a refused request has no final stats: its prompt was not served (tokens streamed: none)
-                self._metrics.count_tokens(final.prompt_tokens if final is not None else 0, generated)
 
         return measured
 

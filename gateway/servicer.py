@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -106,9 +107,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     async def _tokenize(self, prompt: RequestInput, max_context_len: int) -> EncodedInput:
         """A prompt that cannot fit even at its least number of tokens is refused before it is encoded."""
-        def fits(num_chars: int, min_tokens: int) -> None:
-            check_prompt_chars(num_chars, min_tokens, self._limits, max_context_len)
-
+        fits = functools.partial(check_prompt_chars, limits=self._limits, max_context_len=max_context_len)
         # the span covers the tokenizing alone: a refused request's error belongs to its server span, not here
         with get_tracer().start_as_current_span("gateway.tokenize", record_exception=False,
                                                 set_status_on_exception=False) as span:

@@ -478,8 +478,10 @@ class TargetEngine:
             req.kv_len += k
             kept, reason = self._commit_tokens(inp.request_id, req, tokens[r])
             rows = split_features(feats, r, len(kept)) if feats else None
-            if chunk is not None:
-                rows = tails[r] if len(kept) == k else chunk[r, : len(kept)] if not first else None
+            if chunk is not None and len(kept) == k:
+                rows = tails[r]
+            elif chunk is not None:  # it finished in the chunk: its rows when the chunk copied them all
+                rows = None if first else chunk[r, : len(kept)]
             outputs.append(VerifyOutput(inp.request_id, kept, 0, rows, reason))
         return outputs
 

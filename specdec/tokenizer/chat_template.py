@@ -60,11 +60,6 @@ class ChatTemplate:
         except jinja2.TemplateError as exc:
             raise InvalidInput(f"chat template failed: {exc}") from exc
 
-    def encode(
-        self, messages: list[dict], add_generation_prompt: bool, encode_ordinary: Callable[[str], list[int]]
-    ) -> list[int]:
-        return encode_pieces(self.pieces(messages, add_generation_prompt), encode_ordinary)
-
     def pieces(self, messages: list[dict], add_generation_prompt: bool) -> list[str | int]:
         """The rendered chat cut where the template wrote special tokens: their ids, and between them the texts
         to encode as ordinary text. (Counting them bounds the chat's tokens before any is encoded.)"""

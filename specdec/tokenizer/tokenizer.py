@@ -129,7 +129,7 @@ class Tokenizer:
     # -- chat and export ------------------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a chat; message text never yields special tokens, only the template's markers do."""
-        return self.chat_template.encode(messages, add_generation_prompt, self.encode_ordinary)
+        return self.encode_chat_pieces(self.chat_pieces(messages, add_generation_prompt))
 
     def chat_pieces(self, messages: list[dict], add_generation_prompt: bool = True) -> list[str | int]:
         """A chat rendered and cut for encoding (`ChatTemplate.pieces`); `encode_chat_pieces` finishes it."""
