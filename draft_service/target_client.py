@@ -31,6 +31,7 @@ from specdec.rpc.target_codec import (
     verify_to_proto,
 )
 from specdec.rpc.tls import TlsConfig
+from specdec.rpc.tls_reload import FileWatch
 from specdec.rpc.wire import decode_with_tensor
 from specdec.telemetry.grpc_tracing import blocking_call_metadata
 from specdec.telemetry.tracing import attached
@@ -74,14 +75,10 @@ class TargetClient:
 
     def __init__(self, addr: str, tls: TlsConfig | None = None, timeout_s: float = 60.0, device=None,
                  feature_wire: str = "", features: bool = True):
-        opts = channel_options()
-        self.channel = (grpc.secure_channel(addr, tls.channel_credentials(), options=opts) if tls
-                        else grpc.insecure_channel(addr, options=opts))
-        self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
-        # the feature-carrying replies come back as bytes: the features are read where they lie (specdec.rpc.wire)
-        self._prefill_raw = self._raw("Prefill", target_pb2.PrefillRequest)
-        self._verify_raw = self._raw("Verify", target_pb2.VerifyRequest)
         self.addr, self.timeout_s, self.device = addr, timeout_s, device
+        self._tls_files = FileWatch(tls, f"channel to the target at {addr}") if tls is not None else None
+        self._retiring: list[tuple[threading.Timer, grpc.Channel]] = []  # renewed channels, closed after their calls
+        self._use(self._tls_files.taken.channel_credentials() if self._tls_files is not None else None)
         self.feature_wire = feature_wire  # asked of every Prefill: "" (compute dtype) or tensor_codec.FP8_ROWS
         self.feature_dim = 0  # set once the draft is built: the feature width it consumes (0: not checked)
         self.features = features  # its requests ask for features (False: `--speculation off`, none come back)
@@ -90,6 +87,28 @@ class TargetClient:
         self._admitting_lock = threading.Lock()
         # called (from any thread) when a Prefill, Verify or Release did not reach the target: `TargetWatch.nudge`
         self.on_unreachable: Callable[[], None] | None = None
+
+    def _use(self, credentials: grpc.ChannelCredentials | None) -> None:
+        opts = channel_options()
+        self.channel = (grpc.secure_channel(self.addr, credentials, options=opts) if credentials is not None
+                        else grpc.insecure_channel(self.addr, options=opts))
+        self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
+        # the feature-carrying replies come back as bytes: the features are read where they lie (specdec.rpc.wire)
+        self._prefill_raw = self._raw("Prefill", target_pb2.PrefillRequest)
+        self._verify_raw = self._raw("Verify", target_pb2.VerifyRequest)
+
+    def renew_channel(self) -> None:
+        """A new channel when the TLS files changed (a renewed certificate, which the target requires once the old
+        one expires); calls already sent finish on the old channel, closed once they must have (`timeout_s`)."""
+        material = self._tls_files.changed() if self._tls_files is not None else None
+        if material is None:
+            return
+        old = self.channel
+        self._use(material.channel_credentials())
+        timer = threading.Timer(self.timeout_s + 5.0, old.close)
+        timer.daemon = True
+        timer.start()
+        self._retiring = [(t, c) for t, c in self._retiring if t.is_alive()] + [(timer, old)]
 
     def _raw(self, name: str, request_cls):
         return self.channel.unary_unary(TARGET_SERVICE_PATH + name, request_serializer=request_cls.SerializeToString,
@@ -250,3 +269,6 @@ class TargetClient:
 
     def close(self) -> None:
         self.channel.close()
+        for timer, channel in self._retiring:
+            timer.cancel()
+            channel.close()

@@ -63,10 +63,15 @@ class TargetWatch:
             self._wake.clear()
             await self.check(set_ready)
 
+    def _look(self):
+        self.client.renew_channel()
+        return self.client.model_info(self.answer_s)
+
     async def check(self, set_ready: Callable[[bool], Awaitable[None]]) -> None:
-        """One look at the target; reports a change of readiness through `set_ready`."""
+        """One look at the target (on a new channel when the TLS files were renewed); reports a change of readiness
+        through `set_ready`."""
         try:
-            info = await asyncio.to_thread(self.client.model_info, self.answer_s)
+            info = await asyncio.to_thread(self._look)
         except SpecdecError as exc:
             self._missed += 1
             if self._missed < self.misses_down:

@@ -7,6 +7,7 @@ tells a service that is down or broke from a request the service refused (which 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import enum
 from collections.abc import AsyncIterator, Sequence
@@ -21,6 +22,7 @@ from specdec.rpc.channel import make_channel
 from specdec.rpc.metadata import request_id_metadata
 from specdec.rpc.sampling_codec import sampling_to_proto
 from specdec.rpc.tls import TlsConfig
+from specdec.rpc.tls_reload import FileWatch
 from specdec.sampling_params import SamplingParams
 from specdec.telemetry.grpc_tracing import client_interceptors
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
@@ -61,9 +63,10 @@ def is_backend_failure(exc: BaseException) -> bool:
     return isinstance(exc, grpc.aio.AioRpcError) and exc.code() in FAILURE_CODES
 
 
-def open_channel(addr: str, tls: TlsConfig | None) -> grpc.aio.Channel:
+def open_channel(addr: str, tls: TlsConfig | None, credentials: grpc.ChannelCredentials | None = None
+                 ) -> grpc.aio.Channel:
     """`make_channel`, plus the tracing interceptors when tracing is on (none when off)."""
-    return make_channel(addr, tls, interceptors=client_interceptors())
+    return make_channel(addr, tls, interceptors=client_interceptors(), credentials=credentials)
 
 
 class Health(enum.Enum):
@@ -78,6 +81,9 @@ class Health(enum.Enum):
 # health service that does not know the name (a draft address that is really a target's answers NOT_FOUND)
 _WRONG_SERVICE_CODES = frozenset({grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.NOT_FOUND})
 MAX_WHY_DETAILS = 200  # characters of a failed check's status message in `HealthCheck.why`
+# how long a channel replaced by `renew_channel` lets its streams finish (a 4096-token stream of a slow model is
+# minutes) before it cancels what is left
+RETIRE_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -93,9 +99,26 @@ class _ServiceClient:
     service_name = ""
 
     def __init__(self, addr: str, tls: TlsConfig | None = None) -> None:
-        self.addr = addr
-        self.channel = open_channel(addr, tls)
-        self._health = health_pb2_grpc.HealthStub(self.channel)
+        self.addr, self.tls = addr, tls
+        self._tls_files = FileWatch(tls, f"channel to {addr}") if tls is not None else None
+        self._retiring: dict[asyncio.Task, grpc.aio.Channel] = {}  # renewed channels closing after their calls
+        self._use(open_channel(addr, tls, self._tls_files.taken.channel_credentials() if tls is not None else None))
+
+    def _use(self, channel: grpc.aio.Channel) -> None:
+        self.channel = channel
+        self._health = health_pb2_grpc.HealthStub(channel)
+
+    def renew_channel(self) -> None:
+        """A new channel when the TLS files changed (a renewed certificate: the old one is refused by the server
+        once it expires); the old channel's calls finish on it, and it closes after them or `RETIRE_S`."""
+        material = self._tls_files.changed() if self._tls_files is not None else None
+        if material is None:
+            return
+        old = self.channel
+        self._use(open_channel(self.addr, self.tls, material.channel_credentials()))
+        task = asyncio.create_task(old.close(grace=RETIRE_S), name=f"retire-channel-{self.addr}")
+        self._retiring[task] = old
+        task.add_done_callback(self._retiring.pop)
 
     async def probe(self, timeout_s: float = 1.0) -> HealthCheck:
         """One health check: SERVING; NOT_SERVING (an answer saying so); WRONG_SERVICE (the server does not know
@@ -126,14 +149,17 @@ class _ServiceClient:
 
     async def close(self) -> None:
         await self.channel.close()
+        for task, channel in list(self._retiring.items()):
+            task.cancel()
+            await channel.close()
 
 
 class TargetClient(_ServiceClient):
     service_name = TARGET_SERVICE
 
-    def __init__(self, addr: str, tls: TlsConfig | None = None) -> None:
-        super().__init__(addr, tls)
-        self._stub = target_pb2_grpc.TargetServiceStub(self.channel)
+    def _use(self, channel: grpc.aio.Channel) -> None:
+        super()._use(channel)
+        self._stub = target_pb2_grpc.TargetServiceStub(channel)
 
     async def model_info(self, timeout_s: float = 2.0) -> target_pb2.TargetServiceGetModelInfoResponse:
         return await self._stub.GetModelInfo(target_pb2.TargetServiceGetModelInfoRequest(), timeout=timeout_s)
@@ -163,9 +189,9 @@ class TargetClient(_ServiceClient):
 class DraftClient(_ServiceClient):
     service_name = DRAFT_SERVICE
 
-    def __init__(self, addr: str, tls: TlsConfig | None = None) -> None:
-        super().__init__(addr, tls)
-        self._stub = draft_pb2_grpc.DraftServiceStub(self.channel)
+    def _use(self, channel: grpc.aio.Channel) -> None:
+        super()._use(channel)
+        self._stub = draft_pb2_grpc.DraftServiceStub(channel)
 
     async def model_info(self, timeout_s: float = 2.0) -> draft_pb2.DraftServiceGetModelInfoResponse:
         return await self._stub.GetModelInfo(draft_pb2.DraftServiceGetModelInfoRequest(), timeout=timeout_s)

@@ -165,6 +165,7 @@ class Router:
             await self._check_part(pair, Part.DRAFT, pair.draft)
 
     async def _check_part(self, pair: Pair, part: Part, client: TargetClient | DraftClient) -> None:
+        client.renew_channel()  # renewed TLS files: new connections present (and trust) the new certificates
         check = await client.probe()
         up = self._judge(pair, part, check)
         if up and not pair.is_up(part):

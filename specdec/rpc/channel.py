@@ -26,15 +26,19 @@ def make_channel(
     tls: TlsConfig | None = None,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     interceptors=None,
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> grpc.aio.Channel:
-    """An aio channel to `addr` ("host:port"); plaintext without `tls`. Close with `await channel.close()`.
+    """An aio channel to `addr` ("host:port"); plaintext without `tls` or `credentials` (already read from `tls`'s
+    files). Close with `await channel.close()`.
 
     interceptors: client interceptors, e.g. `specdec.telemetry.grpc_tracing.client_interceptors()`."""
     options = channel_options(max_message_bytes)
     interceptors = list(interceptors) if interceptors else None
-    if tls is None:
+    if credentials is None and tls is not None:
+        credentials = tls.channel_credentials()
+    if credentials is None:
         return grpc.aio.insecure_channel(addr, options=options, interceptors=interceptors)
-    return grpc.aio.secure_channel(addr, tls.channel_credentials(), options=options, interceptors=interceptors)
+    return grpc.aio.secure_channel(addr, credentials, options=options, interceptors=interceptors)
 
 
 async def wait_for_serving(

@@ -34,13 +34,15 @@ TEST_POD = f"{FULL}-test-generate"
 
 
 def mounted_secret_file(doc: dict, c: dict, path: str) -> tuple[str, str]:
-    """(Secret name, key) of the file at `path` in container `c`: it must lie in a Secret volume `c` mounts."""
+    """(Secret name, key) of the file at `path` in container `c`: it must lie in a Secret volume `c` mounts whole
+    (a `subPath` mount never sees the Secret's updates: a renewed certificate would not reach the service)."""
     volumes = {v["name"]: v for v in pod_spec(doc)["volumes"]}
     for mount in c["volumeMounts"]:
         prefix = mount["mountPath"].rstrip("/") + "/"
         if path.startswith(prefix):
             secret = volumes[mount["name"]].get("secret")
             assert secret, f"{c['name']}: {path} is on volume {mount['name']!r}, not a Secret"
+            assert "subPath" not in mount, f"{c['name']}: {path} is mounted by subPath"
             key = path.removeprefix(prefix)
             if "items" in secret:  # only the listed keys become files
                 assert key in [item["path"] for item in secret["items"]], (c["name"], path)

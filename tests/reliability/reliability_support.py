@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import os
 import signal
 import socket
@@ -17,11 +15,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from repo_paths import REPO, TINY
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "services"))
+from cert_factory import creds, make_certs  # noqa: E402
 from services_stack import ServiceThread, start_draft, start_target  # noqa: E402
 
 from specdec.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc  # noqa: E402
 
-__all__ = ["ServiceThread", "start_draft", "start_target"]
+__all__ = ["ServiceThread", "creds", "make_certs", "start_draft", "start_target"]
 
 TARGET_DIR, DRAFT_DIR = str(TINY / "target"), str(TINY / "draft")
 TARGET_HEALTH, DRAFT_HEALTH, GATEWAY_HEALTH = (
@@ -151,45 +150,3 @@ def draft_process(target_addr: str, *extra: str, log_dir: Path | None = None) ->
     return ServiceProcess(["serve-draft", "--model", DRAFT_DIR, "--target-model", TARGET_DIR,
                            "--target", target_addr, "--drain-seconds", "2", "--speculation", "always", *extra],
                           None, log_dir)
-
-
-# ---- certificates -------------------------------------------------------------------------------------------
-def make_certs(out: Path) -> dict[str, Path]:
-    """A test CA and, signed by it, 'server' (localhost/127.0.0.1, also usable as a client) and 'client' certs;
-    plus 'rogue', a self-signed cert the CA never issued. Returns stem paths (add .pem / .key)."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    now = datetime.datetime.now(datetime.UTC)
-
-    def issue(cn, key, issuer, issuer_key, ca=False):
-        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-        sans = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-        builder = (x509.CertificateBuilder().subject_name(name).issuer_name(issuer or name)
-                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                   .not_valid_before(now - datetime.timedelta(minutes=5))
-                   .not_valid_after(now + datetime.timedelta(days=1))
-                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-                   .add_extension(x509.SubjectAlternativeName(sans), critical=False))
-        return builder.sign(issuer_key, hashes.SHA256()), name
-
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {}
-
-    def write(stem, cert, key):
-        (out / f"{stem}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        (out / f"{stem}.key").write_bytes(key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
-        paths[stem] = out / stem
-
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_cert, ca_name = issue("specdec test CA", ca_key, None, ca_key, ca=True)
-    write("ca", ca_cert, ca_key)
-    for stem in ("server", "client"):
-        key = ec.generate_private_key(ec.SECP256R1())
-        write(stem, issue(f"specdec {stem}", key, ca_name, ca_key)[0], key)
-    rogue_key = ec.generate_private_key(ec.SECP256R1())
-    write("rogue", issue("rogue", rogue_key, None, rogue_key)[0], rogue_key)
-    return paths

@@ -16,6 +16,7 @@ from reliability_support import (
     GATEWAY_HEALTH,
     SERVING,
     TARGET_HEALTH,
+    creds,
     health,
     make_certs,
     start_draft,
@@ -28,15 +29,6 @@ from gateway.auth import key_matches
 from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, target_pb2, target_pb2_grpc
 
 KEY = "sk-test-0123456789abcdef"
-
-
-def creds(certs, ca="ca", identity: str | None = "client") -> grpc.ChannelCredentials:
-    read = lambda p: p.read_bytes()  # noqa: E731
-    return grpc.ssl_channel_credentials(
-        root_certificates=read(certs[ca].with_suffix(".pem")),
-        private_key=read(certs[identity].with_suffix(".key")) if identity else None,
-        certificate_chain=read(certs[identity].with_suffix(".pem")) if identity else None,
-    )
 
 
 def tls_flags(certs, prefix: str = "", identity: str = "server") -> list[str]:

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
-import ipaddress
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from cert_factory import make_certs
 
 from specdec.errors import InvalidInput, OutOfPages, UnknownRequest
 from specdec.rpc.errors import map_servicer_errors
@@ -113,53 +112,8 @@ def grpcurl() -> str:
 
 
 @pytest.fixture(scope="session")
-def certs(tmp_path_factory) -> dict[str, str]:
-    """PEM files of a test CA, a server certificate for localhost/127.0.0.1 and a client certificate."""
-    x509 = pytest.importorskip("cryptography.x509")
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    out = tmp_path_factory.mktemp("certs")
-    now = datetime.datetime.now(datetime.UTC)
-
-    def name(cn: str):
-        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-    def issue(cn, key, issuer_name, issuer_key, *, ca=False, sans=(), usage=None):
-        builder = (
-            x509.CertificateBuilder()
-            .subject_name(name(cn))
-            .issuer_name(issuer_name)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-        )
-        if sans:
-            builder = builder.add_extension(x509.SubjectAlternativeName(list(sans)), critical=False)
-        if usage:
-            builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-        return builder.sign(issuer_key, hashes.SHA256())
-
-    def write(stem, cert, key):
-        (out / f"{stem}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        pem_key = key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-        (out / f"{stem}.key").write_bytes(pem_key)
-
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = issue("specdec test CA", ca_key, name("specdec test CA"), ca_key, ca=True)
-    write("ca", ca, ca_key)
-    server_key = ec.generate_private_key(ec.SECP256R1())
-    sans = (x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1")))
-    server = issue(
-        "localhost", server_key, ca.subject, ca_key, sans=sans, usage=ExtendedKeyUsageOID.SERVER_AUTH
-    )
-    write("server", server, server_key)
-    client_key = ec.generate_private_key(ec.SECP256R1())
-    client = issue("client", client_key, ca.subject, ca_key, usage=ExtendedKeyUsageOID.CLIENT_AUTH)
-    write("client", client, client_key)
-    return {stem: str(out / stem) for stem in ("ca", "server", "client")}
+def certs(tmp_path_factory) -> dict[str, Path]:
+    """Stems (add .pem / .key) of a test CA, a server certificate for localhost/127.0.0.1 and a client certificate
+    (`cert_factory.make_certs`)."""
+    pytest.importorskip("cryptography.x509")
+    return make_certs(tmp_path_factory.mktemp("certs"))
