@@ -31,7 +31,7 @@ from specdec.rpc.target_codec import (
     verify_to_proto,
 )
 from specdec.rpc.tls import TlsConfig
-from specdec.rpc.tls_reload import FileWatch
+from specdec.rpc.tls_reload import tls_watch
 from specdec.rpc.wire import decode_with_tensor
 from specdec.telemetry.grpc_tracing import blocking_call_metadata
 from specdec.telemetry.tracing import attached
@@ -76,7 +76,7 @@ class TargetClient:
     def __init__(self, addr: str, tls: TlsConfig | None = None, timeout_s: float = 60.0, device=None,
                  feature_wire: str = "", features: bool = True):
         self.addr, self.timeout_s, self.device = addr, timeout_s, device
-        self._tls_files = FileWatch(tls, f"channel to the target at {addr}") if tls is not None else None
+        self._tls_files = tls_watch(tls, f"channel to the target at {addr}") if tls is not None else None
         self._retiring: list[tuple[threading.Timer, grpc.Channel]] = []  # renewed channels, closed after their calls
         self._use(self._tls_files.taken.channel_credentials() if self._tls_files is not None else None)
         self.feature_wire = feature_wire  # asked of every Prefill: "" (compute dtype) or tensor_codec.FP8_ROWS

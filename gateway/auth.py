@@ -3,6 +3,10 @@
 Keys are compared in constant time (`hmac.compare_digest`, against every key, whatever matches), so the
 time a check takes does not tell a caller how much of a key was right. A call without a valid key ends with
 UNAUTHENTICATED before it reaches the servicer. Health checks are not covered (probes carry no key).
+
+The file is read again when it changes (`ApiKeyFile`, looked at once a second at most): a key added works and a
+key removed is refused from the first call after that, without a restart (a rotated Secret, a revoked key). A new
+version with no key, or that cannot be read, is refused with a WARNING and the keys before stay in force.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -18,6 +24,7 @@ import grpc.aio
 from gateway.interceptors import BehaviorInterceptor
 from specdec.errors import ConfigError
 from specdec.rpc.errors import end_call
+from specdec.rpc.file_watch import FileWatch
 
 AUTH_HEADER = "authorization"
 SCHEME = "bearer "
@@ -34,6 +41,23 @@ def load_api_keys(path: str | Path) -> tuple[bytes, ...]:
     if not keys:
         raise ConfigError(f"the API key file {path} holds no key")
     return keys
+
+
+class ApiKeyFile:
+    """The keys of `--api-key-file` as they are now: `keys()` (the file looked at again once `LOOK_S` has passed)."""
+
+    LOOK_S = 1.0
+
+    def __init__(self, path: str | Path) -> None:
+        self._watch = FileWatch([str(path)], lambda: load_api_keys(path), f"the API key file {path}")
+        self._next_look = time.monotonic() + self.LOOK_S
+
+    def keys(self) -> tuple[bytes, ...]:
+        now = time.monotonic()
+        if now >= self._next_look:
+            self._next_look = now + self.LOOK_S
+            self._watch.changed()
+        return self._watch.taken
 
 
 def key_matches(presented: bytes, keys: tuple[bytes, ...]) -> bool:
@@ -64,14 +88,15 @@ def bearer_token(context: grpc.aio.ServicerContext) -> bytes | None:
 
 
 class ApiKeyInterceptor(BehaviorInterceptor):
-    def __init__(self, keys: tuple[bytes, ...]) -> None:
-        self._keys = keys
+    def __init__(self, keys: tuple[bytes, ...] | ApiKeyFile) -> None:
+        """`keys`: fixed ones, or an `ApiKeyFile` read again when it changes."""
+        self._keys: Callable[[], tuple[bytes, ...]] = keys.keys if isinstance(keys, ApiKeyFile) else lambda: keys
 
     def _allowed(self, context: grpc.aio.ServicerContext) -> bool:
         """Does the call carry a key? If not, its status is set and the wrapper returns (`end_call`: a refused
         call's request is freed with it)."""
         token = bearer_token(context)
-        if token is None or not key_matches(token, self._keys):
+        if token is None or not key_matches(token, self._keys()):
             end_call(context, grpc.StatusCode.UNAUTHENTICATED, REJECTION)
             return False
         return True

@@ -22,7 +22,7 @@ from specdec.rpc.channel import make_channel
 from specdec.rpc.metadata import request_id_metadata
 from specdec.rpc.sampling_codec import sampling_to_proto
 from specdec.rpc.tls import TlsConfig
-from specdec.rpc.tls_reload import FileWatch
+from specdec.rpc.tls_reload import tls_watch
 from specdec.sampling_params import SamplingParams
 from specdec.telemetry.grpc_tracing import client_interceptors
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
@@ -100,7 +100,7 @@ class _ServiceClient:
 
     def __init__(self, addr: str, tls: TlsConfig | None = None) -> None:
         self.addr, self.tls = addr, tls
-        self._tls_files = FileWatch(tls, f"channel to {addr}") if tls is not None else None
+        self._tls_files = tls_watch(tls, f"channel to {addr}") if tls is not None else None
         self._retiring: dict[asyncio.Task, grpc.aio.Channel] = {}  # renewed channels closing after their calls
         self._use(open_channel(addr, tls, self._tls_files.taken.channel_credentials() if tls is not None else None))
 

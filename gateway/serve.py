@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from grpc_health.v1 import health_pb2
 
-from gateway.auth import ApiKeyInterceptor, load_api_keys
+from gateway.auth import ApiKeyFile, ApiKeyInterceptor
 from gateway.config import GatewayConfig, GatewayLimits, PairAddress
 from gateway.interceptors import AccessLogInterceptor, MetricsInterceptor
 from gateway.pair_metrics import track_pair_parts
@@ -79,7 +79,7 @@ async def start_gateway(
     host: str = "127.0.0.1",
     port: int = 0,
     tls: TlsConfig | None = None,
-    api_keys: tuple[bytes, ...] = (),
+    api_keys: tuple[bytes, ...] | ApiKeyFile = (),
     metrics: ServiceMetrics | None = None,
 ) -> RunningGateway:
     """Start serving (call inside the event loop); `await gateway.stop()` when done."""
@@ -118,7 +118,7 @@ async def serve(args: argparse.Namespace, shutdown: asyncio.Event, ready: Callab
         served_model_name=args.served_model_name,
     )
     tls = server_tls(args)
-    api_keys = load_api_keys(args.api_key_file) if args.api_key_file else ()
+    api_keys = ApiKeyFile(args.api_key_file) if args.api_key_file else ()
     setup_tracing("gateway")
     metrics = ServiceMetrics("gateway", model_name=model_label(config.model_dir), families=MetricsInterceptor.FAMILIES)
     metrics_server = start_metrics_server(args.metrics_port, metrics.registry, args.host)

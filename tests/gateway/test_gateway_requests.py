@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
 import grpc
@@ -141,6 +142,34 @@ def test_gateway_api_keys(fake_model, model_dir):
     assert missing[0] == wrong[0] == "UNAUTHENTICATED" and "authorization: Bearer" in missing[1]
     assert good == ("OK", "") and unary == "UNAUTHENTICATED"
     assert health == health_pb2.HealthCheckResponse.SERVING  # probes need no key
+
+
+def test_gateway_api_key_file_is_read_again_when_it_changes(fake_model, model_dir, tmp_path, monkeypatch, caplog):
+    """A rotated key file (a Secret's update) needs no restart: a key added works and a key removed is refused from
+    the next look (`ApiKeyFile.LOOK_S`); an emptied file is refused with a WARNING and the keys before stay."""
+    from gateway.auth import ApiKeyFile
+
+    monkeypatch.setattr(ApiKeyFile, "LOOK_S", 0.0)
+    path = tmp_path / "keys.txt"
+    path.write_text("old-key\n")
+
+    async def status_with(stub, key: str) -> str:
+        return (await status_of(stub.Generate(request(max_new_tokens=2),
+                                              metadata=(("authorization", f"Bearer {key}"),))))[0]
+
+    async def body():
+        async with fake_stack(fake_model, model_dir, api_keys=ApiKeyFile(path)) as (_, _, stub):
+            seen = [await status_with(stub, "old-key"), await status_with(stub, "new-key")]
+            path.write_text("# rotated\nnew-key\n")
+            seen += [await status_with(stub, "old-key"), await status_with(stub, "new-key")]
+            path.write_text("# nothing yet\n")
+            seen += [await status_with(stub, "new-key")]
+            return seen
+
+    with caplog.at_level(logging.WARNING, logger="specdec.rpc.file_watch"):
+        seen = run(body())
+    assert seen == ["OK", "UNAUTHENTICATED", "UNAUTHENTICATED", "OK", "OK"]
+    assert any("holds no key" in r.getMessage() and "still using" in r.getMessage() for r in caplog.records)
 
 
 def test_gateway_tokenize_keeps_special_token_text_plain(fake_model, model_dir, tiny_tokenizer):

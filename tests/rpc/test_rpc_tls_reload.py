@@ -14,7 +14,7 @@ from cert_factory import make_certs
 from specdec.errors import ConfigError
 from specdec.rpc.channel import make_channel
 from specdec.rpc.server import TlsConfig
-from specdec.rpc.tls_reload import FileWatch
+from specdec.rpc.tls_reload import tls_watch
 from specdec.v1 import target_pb2, target_pb2_grpc
 
 
@@ -61,10 +61,10 @@ def test_a_running_server_takes_renewed_files_at_its_next_handshake(fake_server,
             assert await answers(port, tls_of(sets["b"], "client"))  # b's certificate, b's clients
             assert not await answers(port, tls_of(sets["a"], "client"))
             shutil.copy(sets["a"] / "server.key", live / "server.key")  # a key that is not the certificate's
-            with caplog.at_level(logging.WARNING, logger="specdec.rpc.tls_reload"):
+            with caplog.at_level(logging.WARNING, logger="specdec.rpc.file_watch"):
                 for _ in range(3):
                     assert await answers(port, tls_of(sets["b"], "client"))  # b is still in use
-            refused = [r for r in caplog.records if "do not load" in r.getMessage()]
+            refused = [r for r in caplog.records if "cannot be used" in r.getMessage()]
             assert len(refused) == 1 and "the private key is not the certificate's" in refused[0].getMessage()
             shutil.copy(sets["b"] / "server.key", live / "server.key")  # mended
             assert await answers(port, tls_of(sets["b"], "client"))
@@ -74,7 +74,7 @@ def test_a_running_server_takes_renewed_files_at_its_next_handshake(fake_server,
 
 def test_a_client_watch_reports_only_a_new_set_that_loads(sets):
     live = sets["live"]
-    watch = FileWatch(tls_of(live, "client"), "channel to x")
+    watch = tls_watch(tls_of(live, "client"), "channel to x")
     assert watch.changed() is None
     put(sets["a"], live)  # the same bytes written again
     assert watch.changed() is None
