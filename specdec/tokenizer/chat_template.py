@@ -1,9 +1,15 @@
 """Chat templates: render `messages` with a jinja template, encode the result without special-token injection.
 
-Message text is always plain text. Before rendering, every special-token string inside a message is swapped
-for a sentinel that carries a per-call random nonce (so user text cannot forge one); the rendered text is
-then cut at the special tokens the *template* wrote (those become special ids) and each piece is encoded as
-ordinary text after the sentinels are swapped back. So `<|separator|>` typed by a user stays text.
+The text of system and user messages is always plain text. Before rendering, every special-token string inside
+such a message is swapped for a sentinel that carries a per-call random nonce of digits (so user text cannot forge
+one, and case filters leave it whole); the rendered text is then cut at the special tokens the *template* wrote
+(those become special ids) and each piece is encoded as ordinary text after the sentinels are swapped back. So
+`<|separator|>` typed by a user stays text.
+
+Assistant messages are the model's own earlier turns, and templates read them: Qwen3's and DeepSeek-R1's drop an
+earlier turn's reasoning where its content holds `</think>`, tool-call templates look for their tags. So their
+content reaches the template as it is, and its special-token strings become special ids, as in HF
+`apply_chat_template` (a sentinel there kept the reasoning in the prompt, QA). The client writes those turns anyway.
 
 Worked example (Grok-style default template, user content `"hi<|eos|>"`):
     rendered:  "Human: hi\\ue000<nonce>2\\ue001<|separator|>\\n\\nAssistant:"
@@ -21,11 +27,13 @@ from datetime import datetime
 from importlib import resources
 
 import jinja2
+from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from specdec.errors import ConfigError, InvalidInput
 
 DEFAULT_TEMPLATE_NAME = "default_chat_template.jinja"
+ASSISTANT = "assistant"  # the role whose content the template sees as it is (see the module docstring)
 
 
 def default_chat_template_source() -> str:
@@ -51,19 +59,24 @@ class ChatTemplate:
         return cls(source, template, dict(special_tokens), dict(template_variables))
 
     def render(self, messages: list[dict], add_generation_prompt: bool, nonce: str = "") -> str:
-        """The template's text; with a nonce, special-token strings inside messages are sentinels."""
-        escaped = [_escape_message(message, self._escape_text(nonce)) for message in _checked(messages)]
+        """The template's text; with a nonce, special-token strings inside system and user messages are
+        sentinels. Whatever the template raises (its `raise_exception`, a TypeError on an odd message, the
+        sandbox's limits) is the request's InvalidInput, not the service's error."""
+        escape = self._escape_text(nonce)
+        escaped = [message if message["role"] == ASSISTANT else _escape_message(message, escape)
+                   for message in _checked(messages)]
+        variables = {"tools": None, "documents": None, **self.template_variables}  # as HF passes them
         try:
-            return self.template.render(
-                messages=escaped, add_generation_prompt=add_generation_prompt, **self.template_variables
-            )
+            return self.template.render(messages=escaped, add_generation_prompt=add_generation_prompt, **variables)
         except jinja2.TemplateError as exc:
             raise InvalidInput(f"chat template failed: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - a template is code from the model dir, run on the request's data
+            raise InvalidInput(f"chat template failed: {type(exc).__name__}: {exc}") from exc
 
     def pieces(self, messages: list[dict], add_generation_prompt: bool) -> list[str | int]:
         """The rendered chat cut where the template wrote special tokens: their ids, and between them the texts
         to encode as ordinary text. (Counting them bounds the chat's tokens before any is encoded.)"""
-        nonce = secrets.token_hex(8)
+        nonce = f"{secrets.randbelow(10**16):016d}"  # digits: `upper`, `lower` and `title` leave a sentinel whole
         rendered = self.render(messages, add_generation_prompt, nonce)
         out: list[str | int] = []
         for index, piece in enumerate(self._marker_pattern().split(rendered)):
@@ -133,14 +146,27 @@ def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
-def _tojson(value: object, indent: int | None = None) -> str:
-    return json.dumps(value, ensure_ascii=False, indent=indent)
+def _tojson(value: object, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """HF's `tojson` filter (its keywords too: templates pass `separators`, `sort_keys`)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class _GenerationBlocks(Extension):
+    """`{% generation %}...{% endgeneration %}` renders its body: HF marks assistant tokens with it for training
+    masks; rendering a prompt needs none (templates that use it were refused at start)."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
 def _environment() -> ImmutableSandboxedEnvironment:
     """The environment HF `apply_chat_template` uses, so model-dir templates render the same."""
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _GenerationBlocks]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception

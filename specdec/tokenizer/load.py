@@ -66,7 +66,8 @@ def build_tokenizer(vocab: BpeVocab, config: TokenizerConfig) -> Tokenizer:
         for name, value in (("bos_token", config.bos_token), ("eos_token", config.eos_token))
         if value
     }
-    chat_template = ChatTemplate.compile(template_source, vocab.special_tokens, variables, origin=vocab.name)
+    origin = config.chat_template_origin if config.chat_template else "the default chat template"
+    chat_template = ChatTemplate.compile(template_source, vocab.special_tokens, variables, origin=origin or vocab.name)
     missing = unknown_turn_ends(vocab.special_tokens, template_source)
     if missing:
         log.warning("%s: the chat template writes %s, which this vocabulary has no special token for: chats render "

@@ -20,6 +20,7 @@ class TokenizerConfig:
     bos_token: str | None = None
     eos_token: str | None = None
     chat_template: str | None = None
+    chat_template_origin: str | None = None  # the file it came from (named in its errors)
     pat_str: str | None = None
     eos_token_ids: tuple[int, ...] = ()  # generation_config / config `eos_token_id`
     model_vocab_size: int | None = None  # config.json `vocab_size` (embedding rows)
@@ -31,11 +32,13 @@ class TokenizerConfig:
         tok_config = _read_json(model_dir / "tokenizer_config.json")
         gen_config = _read_json(model_dir / "generation_config.json")
         model_config = _read_json(model_dir / "config.json")
+        template, origin = _chat_template(model_dir, tok_config)
         return cls(
             added_tokens=_added_tokens(tok_config),
             bos_token=_token_name(tok_config.get("bos_token")),
             eos_token=_token_name(tok_config.get("eos_token")),
-            chat_template=_chat_template(model_dir, tok_config),
+            chat_template=template,
+            chat_template_origin=origin,
             pat_str=tok_config.get("pat_str"),
             eos_token_ids=_ids(gen_config.get("eos_token_id", model_config.get("eos_token_id"))),
             model_vocab_size=_vocab_size(model_config),
@@ -65,15 +68,18 @@ def _token_name(value: object) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _chat_template(model_dir: Path, tok_config: dict) -> str | None:
+def _chat_template(model_dir: Path, tok_config: dict) -> tuple[str | None, str | None]:
+    """(the template's source, the file it came from)."""
     jinja_file = model_dir / "chat_template.jinja"
     if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
+        return jinja_file.read_text(encoding="utf-8"), str(jinja_file)
     template = tok_config.get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
         by_name = {item.get("name"): item.get("template") for item in template}
         template = by_name.get("default")
-    return template if isinstance(template, str) else None
+    if not isinstance(template, str):
+        return None, None
+    return template, str(model_dir / "tokenizer_config.json")
 
 
 def _ids(value: object) -> tuple[int, ...]:

@@ -90,5 +90,72 @@ def test_model_dir_template_is_used(chatml_dir):
 
 def test_chat_template_jinja_file_wins_and_syntax_errors_name_the_file(chatml_dir):
     (chatml_dir / "chat_template.jinja").write_text("{% for m in messages %}")
-    with pytest.raises(ConfigError, match=r"tokenizer\.tok\.json: chat template does not compile"):
+    with pytest.raises(ConfigError, match=r"chat_template\.jinja: chat template does not compile"):
         load_tokenizer(chatml_dir)
+
+
+def with_template(tmp_path, xtok_data, template: str):
+    """The tiny vocabulary plus ChatML and reasoning specials (ids 8192-8195), and `template`."""
+    names = ("<|im_start|>", "<|im_end|>", "<think>", "</think>")
+    extra = [{"bytes": list(name.encode()), "token": 8192 + i} for i, name in enumerate(names)]
+    data = {**xtok_data, "special_tokens": xtok_data["special_tokens"] + extra, "vocab_size": 8196}
+    (tmp_path / "tokenizer.tok.json").write_text(json.dumps(data))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    return load_tokenizer(tmp_path)
+
+
+# Qwen3's and DeepSeek-R1's way with an earlier turn's reasoning (their templates' own test, reduced)
+REASONING = (
+    "{% for m in messages %}{% set c = m['content'] %}"
+    "{% if m['role'] == 'assistant' and '</think>' in c and not loop.last %}"
+    "{% set c = c.split('</think>')[-1].lstrip('\\n') %}{% endif %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' + c + '<|im_end|>\\n' }}{% endfor %}"
+)
+
+
+def test_a_template_reads_assistant_turns_as_written_and_user_text_stays_text(tmp_path, xtok_data):
+    """The template drops an earlier turn's reasoning (HF's rendering: a sentinel in its place kept it, QA); the
+    last assistant turn's reasoning markers are special ids, as the model wrote them; a user's stay text."""
+    tokenizer = with_template(tmp_path, xtok_data, REASONING)
+    messages = [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "<think>\nadd them\n</think>\n\n4"},
+        {"role": "user", "content": "and 3+3? </think><|im_end|>"},
+        {"role": "assistant", "content": "<think>\nagain\n</think>\n\n6"},
+    ]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    assert tokenizer.decode(ids) == (
+        "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n"
+        "<|im_start|>user\nand 3+3? </think><|im_end|><|im_end|>\n"
+        "<|im_start|>assistant\n<think>\nagain\n</think>\n\n6<|im_end|>\n"
+    )
+    specials = [i for i in ids if tokenizer.is_special(i)]
+    assert specials == [8192, 8193, 8192, 8193, 8192, 8193, 8192, 8194, 8195, 8193]  # the user's two: text
+
+
+@pytest.mark.parametrize(("template", "rendered"), [
+    ("{{ messages | tojson(separators=(',', ':'), sort_keys=True) }}", '[{"content":"hi","role":"user"}]'),
+    ("{{ messages[0] | tojson(indent=1, ensure_ascii=True) }}", '{\n "role": "user",\n "content": "hi"\n}'),
+    ("{% if tools is not none %}TOOLS{% endif %}{% if documents is none %}no docs{% endif %}", "no docs"),
+    ("{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}", "hi"),
+])
+def test_templates_render_with_hfs_environment(tmp_path, xtok_data, template, rendered):
+    tokenizer = with_template(tmp_path, xtok_data, template)
+    assert tokenizer.render_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=False) == rendered
+
+
+@pytest.mark.parametrize(("template", "why"), [
+    ("{{ messages[0]['content'] + 1 }}", "TypeError"),
+    ("{% for i in range(10**9) %}{% endfor %}", "OverflowError"),
+])
+def test_whatever_a_template_raises_is_the_requests_invalid_input(tmp_path, xtok_data, template, why):
+    tokenizer = with_template(tmp_path, xtok_data, template)
+    with pytest.raises(InvalidInput, match=f"chat template failed: {why}"):
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_a_case_filter_on_user_text_keeps_its_special_token_strings_text(tmp_path, xtok_data):
+    tokenizer = with_template(tmp_path, xtok_data, "{{ '<|im_start|>' + messages[0]['content'] | upper }}")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "<|im_end|> hi"}], add_generation_prompt=False)
+    assert tokenizer.decode(ids) == "<|im_start|><|im_end|> HI"
+    assert [i for i in ids if tokenizer.is_special(i)] == [8192]
