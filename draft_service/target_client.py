@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -77,7 +78,8 @@ class TargetClient:
                  feature_wire: str = "", features: bool = True):
         self.addr, self.timeout_s, self.device = addr, timeout_s, device
         self._tls_files = tls_watch(tls, f"channel to the target at {addr}") if tls is not None else None
-        self._retiring: list[tuple[threading.Timer, grpc.Channel]] = []  # renewed channels, closed after their calls
+        # renewed channels and when to close them (their calls' deadline passed), by a later `renew_channel`
+        self._retiring: list[tuple[float, grpc.Channel]] = []
         self._use(self._tls_files.taken.channel_credentials() if self._tls_files is not None else None)
         self.feature_wire = feature_wire  # asked of every Prefill: "" (compute dtype) or tensor_codec.FP8_ROWS
         self.feature_dim = 0  # set once the draft is built: the feature width it consumes (0: not checked)
@@ -85,6 +87,10 @@ class TargetClient:
         # request id -> its Prefill RPC while `prefill_each` waits for it (`cancel_prefill`, from another thread)
         self._admitting: dict[str, grpc.Future] = {}
         self._admitting_lock = threading.Lock()
+        # calls in flight, and those `abandon_calls` ended (with why)
+        self._in_flight: set[grpc.Future] = set()
+        self._abandoned: dict[grpc.Future, str] = {}
+        self._in_flight_lock = threading.Lock()
         # called (from any thread) when a Prefill, Verify or Release did not reach the target: `TargetWatch.nudge`
         self.on_unreachable: Callable[[], None] | None = None
 
@@ -100,15 +106,15 @@ class TargetClient:
     def renew_channel(self) -> None:
         """A new channel when the TLS files changed (a renewed certificate, which the target requires once the old
         one expires); calls already sent finish on the old channel, closed once they must have (`timeout_s`)."""
+        now = time.monotonic()
+        for _, channel in [r for r in self._retiring if r[0] <= now]:
+            channel.close()
+        self._retiring = [r for r in self._retiring if r[0] > now]
         material = self._tls_files.changed() if self._tls_files is not None else None
         if material is None:
             return
-        old = self.channel
+        self._retiring.append((now + self.timeout_s + 5.0, self.channel))
         self._use(material.channel_credentials())
-        timer = threading.Timer(self.timeout_s + 5.0, old.close)
-        timer.daemon = True
-        timer.start()
-        self._retiring = [(t, c) for t, c in self._retiring if t.is_alive()] + [(timer, old)]
 
     def _raw(self, name: str, request_cls):
         return self.channel.unary_unary(TARGET_SERVICE_PATH + name, request_serializer=request_cls.SerializeToString,
@@ -117,12 +123,42 @@ class TargetClient:
     def _call(self, method, request, timeout_s: float | None = None, watched: bool = True):
         """One blocking call; under a trace (a sampled step, a request's prefill) it carries `traceparent` and
         gets a CLIENT span (the aio interceptors do not apply to this blocking channel). `watched`: a failure to
-        reach the target is told to `on_unreachable` (not the watch's own calls)."""
+        reach the target is told to `on_unreachable` (not the watch's own calls), and `abandon_calls` ends it."""
         try:
             with blocking_call_metadata(getattr(method, "_method", TARGET_SERVICE_PATH)) as metadata:
-                return method(request, timeout=timeout_s or self.timeout_s, metadata=metadata or None)
+                future = method.future(request, timeout=timeout_s or self.timeout_s, metadata=metadata or None)
+                return self._result(future) if watched else future.result()
         except grpc.RpcError as exc:
             raise self._failed(exc, watched) from None
+
+    def _result(self, future):
+        """`future.result()`, the call counted in flight meanwhile (`abandon_calls` can end it)."""
+        with self._in_flight_lock:
+            self._in_flight.add(future)
+        try:
+            return future.result()
+        except grpc.FutureCancelledError:
+            with self._in_flight_lock:
+                why = self._abandoned.get(future)
+            if why is not None:
+                raise NotReady(f"target: {why}") from None
+            raise
+        finally:
+            with self._in_flight_lock:
+                self._in_flight.discard(future)
+                self._abandoned.pop(future, None)
+
+    def abandon_calls(self, why: str) -> int:
+        """End every call in flight with NotReady(why) now (any thread): the target watch found the target gone
+        while calls still waited for it. A link to the target cut without a reset (a partition, a frozen proxy)
+        held every running request until its call's deadline, 60 s (QA); so its requests fail over at once."""
+        with self._in_flight_lock:
+            futures = list(self._in_flight)
+            for future in futures:
+                self._abandoned[future] = why
+        for future in futures:
+            future.cancel()
+        return len(futures)
 
     def _failed(self, exc: grpc.RpcError, watched: bool = True) -> SpecdecError:
         if watched and self.on_unreachable is not None and _code(exc) == UNREACHABLE:
@@ -141,7 +177,7 @@ class TargetClient:
         stack, future = started
         try:
             with stack:
-                return future.result()
+                return self._result(future)
         except grpc.FutureCancelledError:
             raise Cancelled("the request's client left during its admission") from None
         except grpc.RpcError as exc:
@@ -269,6 +305,5 @@ class TargetClient:
 
     def close(self) -> None:
         self.channel.close()
-        for timer, channel in self._retiring:
-            timer.cancel()
+        for _, channel in self._retiring:
             channel.close()

@@ -20,9 +20,10 @@ def creds(certs, ca="ca", identity: str | None = "client") -> grpc.ChannelCreden
     )
 
 
-def make_certs(out: Path) -> dict[str, Path]:
+def make_certs(out: Path, expired: bool = False) -> dict[str, Path]:
     """A test CA and, signed by it, 'server' (localhost/127.0.0.1, also usable as a client) and 'client' certs;
-    plus 'rogue', a self-signed cert the CA never issued. Returns stem paths (add .pem / .key)."""
+    plus 'rogue', a self-signed cert the CA never issued; `expired`: 'server' and 'client' expired yesterday.
+    Returns stem paths (add .pem / .key)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -30,13 +31,13 @@ def make_certs(out: Path) -> dict[str, Path]:
 
     now = datetime.datetime.now(datetime.UTC)
 
-    def issue(cn, key, issuer, issuer_key, ca=False):
+    def issue(cn, key, issuer, issuer_key, ca=False, days=1):
         name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
         sans = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
         builder = (x509.CertificateBuilder().subject_name(name).issuer_name(issuer or name)
                    .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                   .not_valid_before(now - datetime.timedelta(minutes=5))
-                   .not_valid_after(now + datetime.timedelta(days=1))
+                   .not_valid_before(now - datetime.timedelta(days=2 if days < 0 else 0, minutes=5))
+                   .not_valid_after(now + datetime.timedelta(days=days))
                    .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
                    .add_extension(x509.SubjectAlternativeName(sans), critical=False))
         return builder.sign(issuer_key, hashes.SHA256()), name
@@ -55,7 +56,7 @@ def make_certs(out: Path) -> dict[str, Path]:
     write("ca", ca_cert, ca_key)
     for stem in ("server", "client"):
         key = ec.generate_private_key(ec.SECP256R1())
-        write(stem, issue(f"specdec {stem}", key, ca_name, ca_key)[0], key)
+        write(stem, issue(f"specdec {stem}", key, ca_name, ca_key, days=-1 if expired else 1)[0], key)
     rogue_key = ec.generate_private_key(ec.SECP256R1())
     write("rogue", issue("rogue", rogue_key, None, rogue_key)[0], rogue_key)
     return paths

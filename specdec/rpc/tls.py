@@ -13,14 +13,13 @@ while a service runs (a renewed certificate): `specdec.rpc.tls_reload`.
 from __future__ import annotations
 
 import argparse
-import ssl
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
 from specdec.errors import ConfigError
+from specdec.rpc.tls_check import CLIENT, SERVER, check_tls_files
 
 
 @dataclass(frozen=True)
@@ -50,19 +49,12 @@ class TlsConfig:
             return None
         return cls(cert=cert, key=key, ca=ca, require_client_cert=ca is not None and cert is not None)
 
-    def load(self) -> TlsMaterial:
-        """The files' contents, checked: each parses as PEM, the key is the certificate's (ConfigError naming the
-        files otherwise: grpc would only fail every handshake, with nothing in the service's log)."""
-        material = TlsMaterial(
-            cert=_read(self.cert) if self.cert else None,
-            key=_read(self.key) if self.key else None,
-            ca=_read(self.ca) if self.ca else None,
-        )
-        try:
-            material.check()
-        except ConfigError as exc:
-            raise ConfigError(f"TLS files {', '.join(p for p in (self.cert, self.key, self.ca) if p)}: {exc}") from None
-        return material
+    def load(self, role: str = SERVER) -> TlsMaterial:
+        """The files' contents, checked (`specdec.rpc.tls_check`) for use in `role` ("server" or "client"):
+        ConfigError naming the file at fault."""
+        cert, key, ca = (_read(p) if p else None for p in (self.cert, self.key, self.ca))
+        names = {"cert": self.cert, "key": self.key, "ca": self.ca}
+        return TlsMaterial(cert, key, ca, chains_to_ca=check_tls_files(cert, key, ca, names, role))
 
     def server_credentials(self) -> grpc.ServerCredentials:
         """Credentials for `server.add_secure_port` that take renewed files at the next handshake."""
@@ -77,35 +69,17 @@ class TlsConfig:
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         """Credentials for `grpc.aio.secure_channel` from the files as they are now."""
-        return self.load().channel_credentials()
+        return self.load(CLIENT).channel_credentials()
 
 
 @dataclass(frozen=True)
 class TlsMaterial:
-    """The PEM bytes of a `TlsConfig`'s files, read at one time."""
+    """The PEM bytes of a `TlsConfig`'s files, read at one time and checked."""
 
     cert: bytes | None
     key: bytes | None
     ca: bytes | None
-
-    def check(self) -> None:
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-        if self.ca is not None:
-            try:
-                context.load_verify_locations(cadata=self.ca.decode("ascii", errors="replace"))
-            except (ssl.SSLError, ValueError) as exc:
-                raise ConfigError(f"the CA bundle holds no PEM certificate ({exc})") from None
-        if self.cert is None or self.key is None:
-            return
-        with tempfile.TemporaryDirectory(prefix="specdec-tls-") as tmp:  # ssl loads a chain from files only
-            cert, key = Path(tmp, "cert.pem"), Path(tmp, "key.pem")
-            cert.write_bytes(self.cert)
-            key.touch(mode=0o600)
-            key.write_bytes(self.key)
-            try:
-                context.load_cert_chain(cert, key, password=_no_password)
-            except ssl.SSLError as exc:
-                raise ConfigError(_why_not_loaded(exc)) from None
+    chains_to_ca: bool = False  # the certificate verifies against the CA bundle of its own set
 
     def server_configuration(self) -> grpc.ServerCertificateConfiguration:
         return grpc.ssl_server_certificate_configuration([(self.key, self.cert)], root_certificates=self.ca)
@@ -113,18 +87,6 @@ class TlsMaterial:
     def channel_credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
                                             certificate_chain=self.cert)
-
-
-def _why_not_loaded(exc: ssl.SSLError) -> str:
-    if "KEY_VALUES_MISMATCH" in str(exc):
-        return "the private key is not the certificate's"
-    if "PEM lib" in str(exc):
-        return "the certificate chain and the (unencrypted) private key must each be PEM"
-    return f"the certificate and key do not load ({exc})"
-
-
-def _no_password() -> bytes:
-    return b""  # an encrypted key (which grpc cannot use either) fails to load instead of prompting on a terminal
 
 
 def add_tls_args(parser: argparse.ArgumentParser, prefix: str = "", who: str = "this service") -> None:

@@ -17,15 +17,26 @@ import logging
 
 import grpc
 
+from specdec.errors import ConfigError
 from specdec.rpc.file_watch import FileWatch
+from specdec.rpc.tls_check import CLIENT, SERVER
 
 log = logging.getLogger(__name__)
 
 
-def tls_watch(tls, who: str) -> FileWatch:
-    """A watch over a `specdec.rpc.tls.TlsConfig`'s files whose values are their checked `TlsMaterial`; `who` names
-    the user in the log ("server", "channel to target:50052")."""
-    return FileWatch([p for p in (tls.cert, tls.key, tls.ca) if p], tls.load, f"the TLS files of the {who}")
+def tls_watch(tls, who: str, role: str = CLIENT) -> FileWatch:
+    """A watch over a `specdec.rpc.tls.TlsConfig`'s files whose values are their checked `TlsMaterial` for `role`;
+    `who` names the user in the log ("server", "channel to target:50052")."""
+    return FileWatch([p for p in (tls.cert, tls.key, tls.ca) if p], lambda: tls.load(role),
+                     f"the TLS files of the {who}", accept=_still_chained)
+
+
+def _still_chained(new, taken) -> None:
+    """A certificate that chained to its set's CA bundle must still: a CA bundle changed before (or without) its
+    certificates trusts no peer that the old certificates reach, nor do they reach a peer of the new CA (QA)."""
+    if taken.chains_to_ca and not new.chains_to_ca:
+        raise ConfigError("the certificate no longer chains to the CA bundle (a CA changed without its certificate, "
+                          "or the other way round: waiting for the rest)")
 
 
 class ServerCertificates:
@@ -33,7 +44,7 @@ class ServerCertificates:
     handshake after they changed, else None (no change). It never raises: a failure to look keeps the old set."""
 
     def __init__(self, tls) -> None:
-        self.watch = tls_watch(tls, "server")
+        self.watch = tls_watch(tls, "server", SERVER)
         self.initial = self.watch.taken.server_configuration()
 
     def __call__(self) -> grpc.ServerCertificateConfiguration | None:

@@ -25,7 +25,8 @@ from reliability_support import (
 )
 from repo_paths import REPO
 
-from gateway.auth import key_matches
+from gateway.auth import ApiKeyFile, key_matches
+from specdec.errors import ConfigError
 from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, target_pb2, target_pb2_grpc
 
 KEY = "sk-test-0123456789abcdef"
@@ -123,18 +124,27 @@ def test_reliability_api_key_required(secure, metadata, why):
     assert gateway_call(f"localhost:{gateway.port}", creds(certs), KEY).models  # the right key passes
 
 
-def test_reliability_api_key_comparison_is_constant_time(monkeypatch):
-    """Every configured key is compared with hmac.compare_digest, whichever matches (or none)."""
-    import hmac
+def test_reliability_api_keys_are_checked_by_digest_and_kept_only_as_digests(tmp_path):
+    """A presented key's SHA-256 is looked up: no byte-by-byte comparison whose time tells how much of a key was
+    right, none that grows with the number of keys (100k keys cost every call ~7 ms, QA), no key in memory."""
+    import hashlib
 
-    calls = []
-    real = hmac.compare_digest
-    monkeypatch.setattr(hmac, "compare_digest", lambda a, b: calls.append(b) or real(a, b))
-    keys = (b"k1", b"k2", b"k3")
-    for presented, expected in ((b"k1", True), (b"k3", True), (b"nope", False)):
-        calls.clear()
-        assert key_matches(presented, keys) is expected
-        assert calls == list(keys)
+    keys = tuple(f"sk-{i:06d}-{'x' * 24}".encode() for i in range(100_000))
+    (tmp_path / "keys.txt").write_bytes(b"\xef\xbb\xbf" + b"\r\n".join(keys) + b"\r\n")  # a BOM, CRLF lines
+    digests = ApiKeyFile(tmp_path / "keys.txt").keys()
+    assert digests == {hashlib.sha256(k).digest() for k in keys} and not digests & set(keys)
+    for presented, expected in ((keys[0], True), (keys[-1], True), (keys[0][:-1], False), (keys[0] + b"x", False)):
+        assert key_matches(presented, digests) is expected
+    t0 = time.perf_counter()
+    for key in keys[:2000]:
+        key_matches(key, digests)
+    assert (time.perf_counter() - t0) / 2000 < 1e-3
+
+
+def test_reliability_an_api_key_file_that_is_not_utf8_is_a_clear_error(tmp_path):
+    (tmp_path / "keys.txt").write_bytes(b"key-\xff\n")
+    with pytest.raises(ConfigError, match=r"is not UTF-8 text \(invalid start byte at byte 4\)"):
+        ApiKeyFile(tmp_path / "keys.txt")
 
 
 def test_reliability_concurrent_stream_limit(secure):

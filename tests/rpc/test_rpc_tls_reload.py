@@ -65,7 +65,7 @@ def test_a_running_server_takes_renewed_files_at_its_next_handshake(fake_server,
                 for _ in range(3):
                     assert await answers(port, tls_of(sets["b"], "client"))  # b is still in use
             refused = [r for r in caplog.records if "cannot be used" in r.getMessage()]
-            assert len(refused) == 1 and "the private key is not the certificate's" in refused[0].getMessage()
+            assert len(refused) == 1 and "is not the certificate's private key" in refused[0].getMessage()
             shutil.copy(sets["b"] / "server.key", live / "server.key")  # mended
             assert await answers(port, tls_of(sets["b"], "client"))
 
@@ -80,25 +80,55 @@ def test_a_client_watch_reports_only_a_new_set_that_loads(sets):
     assert watch.changed() is None
     shutil.copy(sets["b"] / "client.pem", live / "client.pem")  # half a renewal: a's key, b's certificate
     assert watch.changed() is None
-    shutil.copy(sets["b"] / "client.key", live / "client.key")
+    shutil.copy(sets["b"] / "client.key", live / "client.key")  # b's pair, but a's CA: it no longer chains
+    assert watch.changed() is None
+    shutil.copy(sets["b"] / "ca.pem", live / "ca.pem")
     material = watch.changed()
     assert material is not None and material.cert == (sets["b"] / "client.pem").read_bytes()
     assert watch.taken == material and watch.changed() is None
 
 
-@pytest.mark.parametrize("bad,why", [
-    ("key", "the private key is not the certificate's"),
-    ("pem", "must each be PEM"),
-    ("ca", "the CA bundle holds no PEM certificate"),
+@pytest.mark.parametrize("bad,file,why", [
+    ("key", "server.key", "is not the certificate's private key"),
+    ("pem", "server.pem", "does not load as PEM certificates"),
+    ("ca", "ca.pem", "does not load as PEM certificates"),
+    ("expired", "server.pem", "cannot be used as a server's: certificate has expired"),
 ])
-def test_files_that_do_not_load_are_refused_at_start_naming_them(sets, bad, why):
+def test_files_that_do_not_load_are_refused_at_start_naming_the_file(sets, tmp_path, bad, file, why):
     live = sets["live"]
     if bad == "key":
         shutil.copy(sets["b"] / "server.key", live / "server.key")
     elif bad == "pem":
         (live / "server.pem").write_bytes(b"not a certificate")
-    else:
+    elif bad == "ca":
         (live / "ca.pem").write_text("")
+    else:
+        put(make_certs(tmp_path / "old", expired=True)["ca"].parent, live)
     with pytest.raises(ConfigError, match=why) as err:
         tls_of(live).server_credentials()
-    assert str(live / "server.pem") in str(err.value)
+    assert str(err.value).startswith(f"the {'key file' if bad == 'key' else 'certificate'}") or bad == "ca"
+    assert str(live / file) in str(err.value)
+
+
+def test_an_expired_renewal_or_a_ca_without_its_certificates_is_not_taken(sets, tmp_path):
+    """Both cut every new connection once taken (QA): the set in use stays until a whole one arrives."""
+    live = sets["live"]
+    watch = tls_watch(tls_of(live, "client"), "channel to x")
+    put(make_certs(tmp_path / "expired", expired=True)["ca"].parent, live)
+    assert watch.changed() is None
+    put(sets["a"], live)
+    shutil.copy(sets["b"] / "ca.pem", live / "ca.pem")  # the new CA first, the certificates later
+    assert watch.changed() is None
+    assert watch.taken.cert == (sets["a"] / "client.pem").read_bytes() and watch.taken.chains_to_ca
+    put(sets["b"], live)
+    assert watch.changed() is not None and watch.taken.ca == (sets["b"] / "ca.pem").read_bytes()
+
+
+def test_a_certificate_from_another_ca_than_the_bundle_still_serves(sets):
+    """A server certificate from a public CA with a private CA bundle for client certificates: its chain is not
+    the bundle's, and it is used (only its dates and purpose are checked)."""
+    live = sets["live"]
+    shutil.copy(sets["b"] / "server.pem", live / "server.pem")
+    shutil.copy(sets["b"] / "server.key", live / "server.key")
+    material = tls_of(live).load()
+    assert not material.chains_to_ca and material.cert == (sets["b"] / "server.pem").read_bytes()

@@ -23,9 +23,14 @@ class FakeTarget:
     def __init__(self) -> None:
         self.answers: list = []
         self.renewals = 0
+        self.abandoned: list[str] = []
 
     def renew_channel(self) -> None:
         self.renewals += 1  # asked before every look (renewed TLS files: `TargetClient.renew_channel`)
+
+    def abandon_calls(self, why: str) -> int:
+        self.abandoned.append(why)
+        return 0
 
     def model_info(self, timeout_s=None):
         answer = self.answers.pop(0)
@@ -63,6 +68,7 @@ def test_one_unanswered_call_is_a_hiccup_two_in_a_row_take_the_draft_out_until_t
     assert "target:1 does not answer" in lines[0] and "NOT_SERVING" in lines[0]
     assert "answers again (tiny)" in lines[1]
     assert watch.client.renewals == 9  # each look first renews the channel if the TLS files changed
+    assert len(watch.client.abandoned) == 1  # calls still waiting for an unanswering target end at once
 
 
 def test_a_target_restarted_as_another_model_takes_the_draft_out_until_a_fitting_one_answers(caplog):
