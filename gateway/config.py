@@ -79,6 +79,9 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if not self.pairs:
             raise ConfigError("the gateway needs at least one --pair DRAFT=TARGET (or =TARGET)")
+        twice = sorted({str(p) for p in self.pairs if self.pairs.count(p) > 1})
+        if twice:  # it doubled the pair's metric series and its share of the load (QA)
+            raise ConfigError(f"--pair {twice[0]} is given more than once")
         name = self.served_model_name
         if name and (len(name) > MAX_MODEL_NAME_CHARS or not name.isprintable() or name != name.strip()):
             raise ConfigError(f"--served-model-name {name!r}: expected up to {MAX_MODEL_NAME_CHARS} printable "

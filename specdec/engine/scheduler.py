@@ -30,7 +30,7 @@ from specdec.engine.overlap import TwoBatchOverlap
 from specdec.engine.plain_steps import PLAIN_STEPS
 from specdec.engine.requests import ABORT, RUNNING, StepTimings, VerifyInput
 from specdec.engine.run_state import Event, Launch, RunState
-from specdec.errors import NotReady, SpecdecError
+from specdec.errors import NotReady, SpecdecError, UnknownRequest
 from specdec.sampling_params import SamplingParams
 from specdec.telemetry.tracing import StepSpanSampler, batch_parent
 from specdec.tree import TokenTree, TreeCap, max_depth
@@ -289,7 +289,10 @@ class Scheduler(Admission):
         rids = launch.rids
         if error is not None:  # the whole batch failed (e.g. the target went away)
             rids = [rid for rid in rids if rid in self.running]  # not those an earlier landing ended
-            log.error("verify failed for %d requests: %s", len(rids), error)
+            # a target away, or requests it no longer holds (the gateway moved them on while it was frozen) are the
+            # fleet's weather, logged as such; anything else (a malformed reply) is an error
+            level = logging.WARNING if isinstance(error, (NotReady, UnknownRequest)) else logging.ERROR
+            log.log(level, "verify failed for %d requests: %s", len(rids), error)
             for rid in rids:  # a target that answered (malformed reply) may still hold them; a dead one not
                 self._finish(rid, release_target=not isinstance(error, NotReady))
             return [Event(rid, [], ABORT, error=error) for rid in rids]

@@ -228,7 +228,7 @@ def test_an_unanswered_health_check_keeps_a_pair_up_until_several_in_a_row(fake_
         async with fake_stack(fake_model, model_dir) as (pairs, gateway, stub):
             router = gateway.router
             pair = router.pairs[0]
-            router._health_task.cancel()  # the background loop off: the checks below are the only ones
+            [t.cancel() for t in router._health_tasks]  # the background loops off: the checks below are the only ones
             answers = []
 
             async def probe(timeout_s=1.0):

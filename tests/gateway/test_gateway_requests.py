@@ -216,6 +216,8 @@ def test_list_models_keeps_the_context_length_once_every_pair_went_down(fake_mod
     """The proto says 0 "until a pair has answered"; one had (QA: it fell back to 0 with the pairs down)."""
     async def body():
         async with fake_stack(fake_model, model_dir, num_pairs=2) as (_, gateway, stub):
+            for task in gateway.router._health_tasks:
+                task.cancel()  # the background checks off: they would find the targets up again
             for pair in gateway.router.pairs:
                 pair.target_up = False  # as health checks mark a target down
             return (await stub.ListModels(gateway_pb2.ListModelsRequest())).models
@@ -240,6 +242,16 @@ def test_gateway_refuses_a_bad_served_model_name(name):
 
     with pytest.raises(ConfigError, match="--served-model-name"):
         GatewayConfig(model_dir="m", pairs=(PairAddress.parse("=b:2"),), served_model_name=name)
+
+
+def test_gateway_refuses_a_pair_given_twice():
+    from gateway.config import GatewayConfig, PairAddress
+    from specdec.errors import ConfigError
+
+    pairs = tuple(PairAddress.parse(spec) for spec in ("a:1=b:2", "=c:3", "a:1=b:2"))
+    with pytest.raises(ConfigError, match="--pair a:1=b:2 is given more than once"):
+        GatewayConfig(model_dir="m", pairs=pairs)
+    GatewayConfig(model_dir="m", pairs=pairs[:2])
 
 
 @pytest.mark.parametrize("spec", ["a:1=b:2", "=b:2"])
