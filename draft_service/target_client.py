@@ -7,7 +7,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -69,6 +69,20 @@ def _translate(exc: grpc.RpcError) -> SpecdecError:
     return cls(f"target: {details}")
 
 
+@dataclass(frozen=True)
+class _Link:
+    """A channel to the target and its calls, swapped whole (`renew_channel`, `abandon_calls`) so that a call's
+    channel and generation are read together."""
+
+    channel: grpc.Channel
+    credentials: grpc.ChannelCredentials | None
+    generation: int
+    prefill: Callable
+    verify: Callable
+    release: Callable
+    model_info: Callable
+
+
 class TargetClient:
     """Implements the engine-side target interface (`prefill`, `verify`, `release`) over gRPC."""
 
@@ -78,30 +92,31 @@ class TargetClient:
                  feature_wire: str = "", features: bool = True):
         self.addr, self.timeout_s, self.device = addr, timeout_s, device
         self._tls_files = tls_watch(tls, f"channel to the target at {addr}") if tls is not None else None
+        self._link = self._open(self._tls_files.taken.channel_credentials() if self._tls_files is not None else None)
         # renewed channels and when to close them (their calls' deadline passed), by a later `renew_channel`
         self._retiring: list[tuple[float, grpc.Channel]] = []
-        self._use(self._tls_files.taken.channel_credentials() if self._tls_files is not None else None)
+        self._abandoned: dict[int, str] = {}  # link generation -> why `abandon_calls` closed it
         self.feature_wire = feature_wire  # asked of every Prefill: "" (compute dtype) or tensor_codec.FP8_ROWS
         self.feature_dim = 0  # set once the draft is built: the feature width it consumes (0: not checked)
         self.features = features  # its requests ask for features (False: `--speculation off`, none come back)
         # request id -> its Prefill RPC while `prefill_each` waits for it (`cancel_prefill`, from another thread)
         self._admitting: dict[str, grpc.Future] = {}
         self._admitting_lock = threading.Lock()
-        # calls in flight, and those `abandon_calls` ended (with why)
-        self._in_flight: set[grpc.Future] = set()
-        self._abandoned: dict[grpc.Future, str] = {}
-        self._in_flight_lock = threading.Lock()
         # called (from any thread) when a Prefill, Verify or Release did not reach the target: `TargetWatch.nudge`
         self.on_unreachable: Callable[[], None] | None = None
 
-    def _use(self, credentials: grpc.ChannelCredentials | None) -> None:
+    def _open(self, credentials: grpc.ChannelCredentials | None, generation: int = 0) -> _Link:
         opts = channel_options()
-        self.channel = (grpc.secure_channel(self.addr, credentials, options=opts) if credentials is not None
-                        else grpc.insecure_channel(self.addr, options=opts))
-        self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
-        # the feature-carrying replies come back as bytes: the features are read where they lie (specdec.rpc.wire)
-        self._prefill_raw = self._raw("Prefill", target_pb2.PrefillRequest)
-        self._verify_raw = self._raw("Verify", target_pb2.VerifyRequest)
+        channel = (grpc.secure_channel(self.addr, credentials, options=opts) if credentials is not None
+                   else grpc.insecure_channel(self.addr, options=opts))
+        stub = target_pb2_grpc.TargetServiceStub(channel)
+
+        def raw(name: str, request_cls):  # the feature-carrying replies come back as bytes (specdec.rpc.wire)
+            return channel.unary_unary(TARGET_SERVICE_PATH + name, request_serializer=request_cls.SerializeToString,
+                                       response_deserializer=None, _registered_method=True)
+
+        return _Link(channel, credentials, generation, raw("Prefill", target_pb2.PrefillRequest),
+                     raw("Verify", target_pb2.VerifyRequest), stub.Release, stub.GetModelInfo)
 
     def renew_channel(self) -> None:
         """A new channel when the TLS files changed (a renewed certificate, which the target requires once the old
@@ -113,75 +128,67 @@ class TargetClient:
         material = self._tls_files.changed() if self._tls_files is not None else None
         if material is None:
             return
-        self._retiring.append((now + self.timeout_s + 5.0, self.channel))
-        self._use(material.channel_credentials())
+        old = self._link
+        self._retiring.append((now + self.timeout_s + 5.0, old.channel))
+        self._link = self._open(material.channel_credentials(), old.generation + 1)
 
-    def _raw(self, name: str, request_cls):
-        return self.channel.unary_unary(TARGET_SERVICE_PATH + name, request_serializer=request_cls.SerializeToString,
-                                        response_deserializer=None, _registered_method=True)
-
-    def _call(self, method, request, timeout_s: float | None = None, watched: bool = True):
-        """One blocking call; under a trace (a sampled step, a request's prefill) it carries `traceparent` and
-        gets a CLIENT span (the aio interceptors do not apply to this blocking channel). `watched`: a failure to
-        reach the target is told to `on_unreachable` (not the watch's own calls), and `abandon_calls` ends it."""
-        try:
-            with blocking_call_metadata(getattr(method, "_method", TARGET_SERVICE_PATH)) as metadata:
-                future = method.future(request, timeout=timeout_s or self.timeout_s, metadata=metadata or None)
-                return self._result(future) if watched else future.result()
-        except grpc.RpcError as exc:
-            raise self._failed(exc, watched) from None
-
-    def _result(self, future):
-        """`future.result()`, the call counted in flight meanwhile (`abandon_calls` can end it)."""
-        with self._in_flight_lock:
-            self._in_flight.add(future)
-        try:
-            return future.result()
-        except grpc.FutureCancelledError:
-            with self._in_flight_lock:
-                why = self._abandoned.get(future)
-            if why is not None:
-                raise NotReady(f"target: {why}") from None
-            raise
-        finally:
-            with self._in_flight_lock:
-                self._in_flight.discard(future)
-                self._abandoned.pop(future, None)
-
-    def abandon_calls(self, why: str) -> int:
+    def abandon_calls(self, why: str) -> None:
         """End every call in flight with NotReady(why) now (any thread): the target watch found the target gone
         while calls still waited for it. A link to the target cut without a reset (a partition, a frozen proxy)
-        held every running request until its call's deadline, 60 s (QA); so its requests fail over at once."""
-        with self._in_flight_lock:
-            futures = list(self._in_flight)
-            for future in futures:
-                self._abandoned[future] = why
-        for future in futures:
-            future.cancel()
-        return len(futures)
+        held every running request until its call's deadline, 60 s (QA); so its requests fail over at once. The
+        channel is closed (which ends its calls, blocking ones too) after a new one took its place."""
+        old = self._link
+        self._abandoned[old.generation] = why
+        self._link = self._open(old.credentials, old.generation + 1)
+        old.channel.close()
 
-    def _failed(self, exc: grpc.RpcError, watched: bool = True) -> SpecdecError:
+    def _call(self, method: str, request, timeout_s: float | None = None, watched: bool = True):
+        """One blocking call of the link's `method`; under a trace (a sampled step, a request's prefill) it carries
+        `traceparent` and gets a CLIENT span (the aio interceptors do not apply to this blocking channel).
+        `watched`: a failure to reach the target is told to `on_unreachable` (not the watch's own calls)."""
+        link = self._link  # one snapshot: the call's channel and the generation `abandon_calls` may end
+        call = getattr(link, method)
+        try:
+            with blocking_call_metadata(getattr(call, "_method", TARGET_SERVICE_PATH)) as metadata:
+                return call(request, timeout=timeout_s or self.timeout_s, metadata=metadata or None)
+        except grpc.RpcError as exc:
+            raise self._failed(exc, link, watched) from None
+        except ValueError:  # "Cannot invoke RPC on closed channel!": `abandon_calls` closed it as the call began
+            raise self._failed(None, link) from None
+
+    def _failed(self, exc: grpc.RpcError | None, link: _Link, watched: bool = True) -> SpecdecError:
+        why = self._abandoned.get(link.generation)
+        if why is not None:
+            return NotReady(f"target: {why}")
+        if exc is None:
+            return SpecdecError("target: the channel was closed")
         if watched and self.on_unreachable is not None and _code(exc) == UNREACHABLE:
             self.on_unreachable()
         return _translate(exc)
 
-    def _start(self, method, request, trace_context=None):
-        """Send a call without waiting; `_wait` collects it. Under `trace_context` (a request's) it carries that
-        trace and gets its own CLIENT span, ended when the call is collected."""
+    def _start(self, method: str, request, trace_context=None):
+        """Send a call of the link's `method` without waiting; `_wait` collects it. Under `trace_context` (a
+        request's) it carries that trace and gets its own CLIENT span, ended when the call is collected."""
+        link = self._link
+        call = getattr(link, method)
         stack = contextlib.ExitStack()
         with attached(trace_context):
-            metadata = stack.enter_context(blocking_call_metadata(getattr(method, "_method", TARGET_SERVICE_PATH)))
-        return stack, method.future(request, timeout=self.timeout_s, metadata=metadata or None)
+            metadata = stack.enter_context(blocking_call_metadata(getattr(call, "_method", TARGET_SERVICE_PATH)))
+        try:
+            return stack, call.future(request, timeout=self.timeout_s, metadata=metadata or None), link
+        except ValueError:  # the channel closed as the call began
+            stack.close()
+            raise self._failed(None, link) from None
 
     def _wait(self, started):
-        stack, future = started
+        stack, future, link = started
         try:
             with stack:
-                return self._result(future)
+                return future.result()
         except grpc.FutureCancelledError:
             raise Cancelled("the request's client left during its admission") from None
         except grpc.RpcError as exc:
-            raise self._failed(exc) from None
+            raise self._failed(exc, link) from None
 
     def prefill(self, inputs: list[PrefillInput]) -> list[PrefillOutput]:
         """All or nothing: the first failure is raised after what the others admitted was released."""
@@ -199,7 +206,7 @@ class TargetClient:
         each in its request's trace; per request its PrefillOutput or its error (SpecdecError)."""
         if self.feature_wire:
             inputs = [replace(inp, feature_wire=self.feature_wire) for inp in inputs]
-        started = [self._start(self._prefill_raw, prefill_to_proto(inp), inp.trace_context) for inp in inputs]
+        started = [self._start("prefill", prefill_to_proto(inp), inp.trace_context) for inp in inputs]
         with self._admitting_lock:
             self._admitting.update((inp.request_id, call[1]) for inp, call in zip(inputs, started, strict=True))
         answers: list = []
@@ -243,14 +250,14 @@ class TargetClient:
     def verify(self, inputs: list[VerifyInput], plain_steps: int = 1, feature_rows: int = 0) -> list[VerifyOutput]:
         """The target's `verify` over gRPC (`plain_steps`: see specdec.engine.plain_steps; `feature_rows` > 0:
         the features of each result's last that many tokens only)."""
-        reply = self._call(self._verify_raw, verify_to_proto(inputs, plain_steps, feature_rows))
+        reply = self._call("verify", verify_to_proto(inputs, plain_steps, feature_rows))
         return self._verify_outputs(inputs, plain_steps, feature_rows, reply)
 
     def verify_start(self, inputs: list[VerifyInput], plain_steps: int = 1, feature_rows: int = 0):
         """Send a Verify without waiting; `verify_finish` collects it. Calls started one after another from one
         thread reach the target in that order (one HTTP/2 connection; the target queues them as they come), which
         pipelined plain calls of the same requests rely on (`TwoBatchOverlap`). Under the current span."""
-        started = self._start(self._verify_raw, verify_to_proto(inputs, plain_steps, feature_rows))
+        started = self._start("verify", verify_to_proto(inputs, plain_steps, feature_rows))
         return inputs, plain_steps, feature_rows, started
 
     def verify_finish(self, pending) -> list[VerifyOutput]:
@@ -297,13 +304,13 @@ class TargetClient:
             self.release(request_id)
 
     def release(self, request_id: str) -> None:
-        self._call(self.stub.Release, target_pb2.ReleaseRequest(request_ids=[request_id]))
+        self._call("release", target_pb2.ReleaseRequest(request_ids=[request_id]))
 
     def model_info(self, timeout_s: float | None = None) -> target_pb2.TargetServiceGetModelInfoResponse:
-        return self._call(self.stub.GetModelInfo, target_pb2.TargetServiceGetModelInfoRequest(), timeout_s,
+        return self._call("model_info", target_pb2.TargetServiceGetModelInfoRequest(), timeout_s,
                           watched=False)
 
     def close(self) -> None:
-        self.channel.close()
+        self._link.channel.close()
         for _, channel in self._retiring:
             channel.close()

@@ -91,8 +91,8 @@ class TargetWatch:
         if key == self.down:
             return
         was_ready, self.down = self.down is None, key
-        ended = self.client.abandon_calls(message) if key == _UNANSWERED else 0
-        log.warning("%s: this draft reports NOT_SERVING until its target answers and fits it%s", message,
-                    f"; {ended} calls waiting for it ended (their requests fail over)" if ended else "")
+        if key == _UNANSWERED:
+            self.client.abandon_calls(message)  # calls still waiting for it end now: their requests fail over
+        log.warning("%s: this draft reports NOT_SERVING until its target answers and fits it", message)
         if was_ready:
             await set_ready(False)

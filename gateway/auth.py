@@ -95,8 +95,11 @@ def bearer_token(context: grpc.aio.ServicerContext) -> bytes | None:
 class ApiKeyInterceptor(BehaviorInterceptor):
     def __init__(self, keys: tuple[bytes, ...] | ApiKeyFile) -> None:
         """`keys`: fixed ones, or an `ApiKeyFile` read again when it changes."""
-        digests = key_digests(keys) if not isinstance(keys, ApiKeyFile) else frozenset()
-        self._keys: Callable[[], frozenset[bytes]] = keys.keys if isinstance(keys, ApiKeyFile) else lambda: digests
+        if isinstance(keys, ApiKeyFile):
+            self._keys: Callable[[], frozenset[bytes]] = keys.keys
+        else:
+            digests = key_digests(keys)
+            self._keys = lambda: digests
 
     def _allowed(self, context: grpc.aio.ServicerContext) -> bool:
         """Does the call carry a key? If not, its status is set and the wrapper returns (`end_call`: a refused

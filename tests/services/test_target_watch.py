@@ -28,9 +28,8 @@ class FakeTarget:
     def renew_channel(self) -> None:
         self.renewals += 1  # asked before every look (renewed TLS files: `TargetClient.renew_channel`)
 
-    def abandon_calls(self, why: str) -> int:
+    def abandon_calls(self, why: str) -> None:
         self.abandoned.append(why)
-        return 0
 
     def model_info(self, timeout_s=None):
         answer = self.answers.pop(0)
