@@ -34,6 +34,9 @@ class NoAttention:
 
 
 class NoPlan:
+    is_cuda_graph_enabled = False  # (a captured wrapper's mask buffer is written in place: none here)
+    device = torch.device("cpu")
+
     def plan(self, *args, **kwargs) -> None:
         pass
 

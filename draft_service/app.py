@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 HISTORY_ENV = "SPECDEC_POLICY_HISTORY"  # diagnosis: where `--speculation auto` writes its records at shutdown
 HEALTH_NAME = "specdec.v1.DraftService"
 DEFAULT_TARGET_WAIT_S = 600.0  # --target-wait-seconds: how long start-up waits for a remote target
+RELEASE_EVERY_S = 1.0  # how often the engine thread releases what ended while the target was away, once it is back
 
 
 class StartCancelled(NotReady):
@@ -181,12 +182,15 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
             colocated.start(client, opts.max_batch_size, metrics)
             state["colocated"] = colocated
         loop = EngineLoop(sched, "draft-engine", engine.device)
+        if colocated is None:  # requests that ended while the target was away: released once it answers again
+            loop.chore, loop.chore_every_s = lambda: _release_pending(client, state.get("watch")), RELEASE_EVERY_S
         loop.on_leave = client.cancel_prefill  # a client leaving during its admission: its Prefill is dropped
         phases = StepPhases(sched.timings)
         loop.on_step = lambda events: (_observe(metrics, engine, events), phases.observe(metrics))
         kv = engine.kv
         metrics.track(kv_pages=kv.gauges,
-                      running=lambda: len(sched.running), waiting=lambda: len(sched.waiting) + len(sched.admitting))
+                      running=lambda: len(sched.running), waiting=lambda: len(sched.waiting) + len(sched.admitting),
+                      engine_busy=loop.busy_s)
         loop.start()
         state.update(loop=loop, client=client)  # (a stop during calibration: `close` ends it and its requests)
         if policy is not None:  # each budget's time, before the first requests pay to learn it
@@ -201,6 +205,10 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
         return (f"model {args.model} ({engine.model.cfg.architecture}, steps {spec.num_steps} topk {spec.topk} "
                 f"draft tokens {spec.num_draft_tokens}, speculation {args.speculation}) for target {info.model} "
                 f"at {args.target}")
+
+    def engine_busy() -> float:
+        """The longer round of this process's engine threads (the in-process target's runs on its own)."""
+        return max(state["loop"].busy_s(), colocated.busy_s() if colocated is not None else 0.0)
 
     async def watch(set_ready) -> None:
         if "watch" in state:
@@ -228,8 +236,16 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
         name="draft", health_name=HEALTH_NAME, servicers=servicers,
         load=load, close=close, host=args.host, port=args.port, tls=TlsConfig.from_args(args),
         metrics_port=args.metrics_port, drain_s=args.drain_seconds, model_name=model_label(args.model),
-        trace_parent_required=parent_required, **hosted,
+        trace_parent_required=parent_required, engine_busy=engine_busy, stall_s=args.engine_stall_seconds,
+        **hosted,
     ), shutdown, ready)
+
+
+def _release_pending(client, watch) -> None:
+    """The draft engine's chore: once its target watch has seen the target answer, release the requests that
+    ended while it was away (`draft_service.pending_release`)."""
+    if watch is not None and watch.down is None and len(client.pending):
+        client.release_pending()
 
 
 def calibration_max_batch(args, opts) -> int:

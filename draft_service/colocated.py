@@ -149,6 +149,10 @@ class ColocatedTargetService:
         """Requests the target holds (its drafts come back for them while draining)."""
         return self.servicer.engine is not None and bool(self.servicer.engine.requests)
 
+    def busy_s(self) -> float:
+        """How long its engine thread has been in its current round (`EngineLoop.busy_s`; 0 before `start`)."""
+        return self.servicer.loop.busy_s() if self.servicer.loop is not None else 0.0
+
     def stop(self) -> None:
         if self.servicer.loop is not None:
             self.servicer.loop.stop()

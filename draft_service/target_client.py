@@ -4,6 +4,7 @@ turned back into the engine's exceptions (so the scheduler handles a remote targ
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -12,6 +13,7 @@ from dataclasses import dataclass, replace
 import grpc
 from google.protobuf.message import DecodeError
 
+from draft_service.pending_release import PendingReleases
 from specdec.engine.requests import PrefillInput, PrefillOutput, VerifyInput, VerifyOutput, kept_feature_rows
 from specdec.errors import (
     Cancelled,
@@ -37,6 +39,8 @@ from specdec.rpc.wire import decode_with_tensor
 from specdec.telemetry.grpc_tracing import blocking_call_metadata
 from specdec.telemetry.tracing import attached
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 TARGET_SERVICE_PATH = "/specdec.v1.TargetService/"  # span name when a stub method does not tell its own
 
@@ -104,6 +108,7 @@ class TargetClient:
         self._admitting_lock = threading.Lock()
         # called (from any thread) when a Prefill, Verify or Release did not reach the target: `TargetWatch.nudge`
         self.on_unreachable: Callable[[], None] | None = None
+        self.pending = PendingReleases()  # requests that ended while the target was away, released once it is back
 
     def _open(self, credentials: grpc.ChannelCredentials | None, generation: int = 0) -> _Link:
         opts = channel_options()
@@ -206,6 +211,9 @@ class TargetClient:
         each in its request's trace; per request its PrefillOutput or its error (SpecdecError)."""
         if self.feature_wire:
             inputs = [replace(inp, feature_wire=self.feature_wire) for inp in inputs]
+        stale = self.pending.take([inp.request_id for inp in inputs])
+        if stale:  # an id a request that ended while the target was away held there: free it for the new one
+            self._release_now(stale)
         started = [self._start("prefill", prefill_to_proto(inp), inp.trace_context) for inp in inputs]
         with self._admitting_lock:
             self._admitting.update((inp.request_id, call[1]) for inp, call in zip(inputs, started, strict=True))
@@ -304,7 +312,34 @@ class TargetClient:
             self.release(request_id)
 
     def release(self, request_id: str) -> None:
-        self._call("release", target_pb2.ReleaseRequest(request_ids=[request_id]))
+        """Release the request on the target; one the target is away for is kept and released once it is back
+        (`pending`)."""
+        try:
+            self._call("release", target_pb2.ReleaseRequest(request_ids=[request_id]))
+        except NotReady:
+            self.pending.add([request_id])
+
+    def release_later(self, request_ids: list[str]) -> None:
+        """Requests that failed because the target is away: released once it answers again (`release_pending`)."""
+        self.pending.add(request_ids)
+
+    def release_pending(self, timeout_s: float = 2.0) -> int:
+        """Release what `pending` holds, in one call (the draft engine's chore, once its target watch has seen the
+        target answer); -> how many were sent. A call that fails keeps them for the next try."""
+        ids = self.pending.take()
+        if not ids or not self._release_now(ids, timeout_s):
+            return 0
+        log.info("released %d requests on the target at %s that ended while it was away (its pages free now)",
+                 len(ids), self.addr)
+        return len(ids)
+
+    def _release_now(self, ids: list[str], timeout_s: float | None = None) -> bool:
+        try:
+            self._call("release", target_pb2.ReleaseRequest(request_ids=ids), timeout_s, watched=False)
+        except SpecdecError:
+            self.pending.add(ids)
+            return False
+        return True
 
     def model_info(self, timeout_s: float | None = None) -> target_pb2.TargetServiceGetModelInfoResponse:
         return self._call("model_info", target_pb2.TargetServiceGetModelInfoRequest(), timeout_s,

@@ -75,6 +75,7 @@ class Health(enum.Enum):
     FAILED = "failed"  # the check failed: nothing listens there (connection refused), TLS, DNS, ...
     WRONG_SERVICE = "wrong service"  # it answers, but does not know the expected service: another kind of server
     NO_ANSWER = "no answer"  # the deadline passed
+    STALLED = "stalled"  # it answered UNKNOWN: its engine thread is stuck in one step (`specdec.serving.stall_watch`)
 
 
 # a health check's status that means "this server does not serve that name": no health service at all, or a
@@ -121,7 +122,8 @@ class _ServiceClient:
         task.add_done_callback(self._retiring.pop)
 
     async def probe(self, timeout_s: float = 1.0) -> HealthCheck:
-        """One health check: SERVING; NOT_SERVING (an answer saying so); WRONG_SERVICE (the server does not know
+        """One health check: SERVING; NOT_SERVING (an answer saying so); STALLED (UNKNOWN: its engine is stuck in
+        one step, so its streams wait for nothing); WRONG_SERVICE (the server does not know
         this service's name: another kind of service, e.g. a target where the draft should be); FAILED (any other
         error but a deadline: a service that is gone refuses the connection at once); or NO_ANSWER (the deadline
         passed: a busy service, whose event loop waits behind a long engine step on a small CPU, misses one now
@@ -133,6 +135,9 @@ class _ServiceClient:
             return self._failed_check(exc, timeout_s)
         if reply.status == health_pb2.HealthCheckResponse.SERVING:
             return HealthCheck(Health.SERVING, "serving")
+        if reply.status == health_pb2.HealthCheckResponse.UNKNOWN:
+            return HealthCheck(Health.STALLED, "stalled (it answered UNKNOWN: its engine has been in one step past "
+                                               "its --engine-stall-seconds)")
         status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
         return HealthCheck(Health.NOT_SERVING, f"not serving (it answered {status})")
 

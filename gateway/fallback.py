@@ -173,10 +173,11 @@ class FallbackGeneration:
 
 
 class PartHung(StreamBroken):
-    """A part a stream runs on stopped answering health checks (frozen, or cut off): the stream left it."""
+    """A part a stream runs on stopped answering health checks (frozen, or cut off) or answered that its engine is
+    stalled (UNKNOWN): the stream left it."""
 
     def __init__(self, part: Part) -> None:
-        super().__init__(f"the {part.value} stopped answering health checks")
+        super().__init__(f"the {part.value} stopped answering health checks or said its engine stalled")
         self.part = part
 
 

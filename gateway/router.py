@@ -176,6 +176,10 @@ class Router:
         """Up or down after this check: an unanswered check keeps an up part up until MISSED_CHECKS_DOWN in a
         row; a part that is down comes back only on SERVING."""
         key = (pair.index, part)
+        if check.health is Health.STALLED:  # it answers, but its engine does not move: as if it did not answer
+            self._missed.pop(key, None)
+            pair.unresponsive[part].set()
+            return False
         if check.health is not Health.NO_ANSWER:
             self._missed.pop(key, None)
             return check.health is Health.SERVING

@@ -22,7 +22,7 @@ STALL_SLACK_S = 1.0  # a sweep this much later than twice its interval means the
 HEALTH_NAME = "specdec.v1.TargetService"
 # what the target sets: gauges, verify batch sizes, step phases (no request latencies: the draft has those; no
 # speculation counters: the draft counts them)
-METRIC_FAMILIES = frozenset({"running", "waiting", "kv", "batch", "phases"})
+METRIC_FAMILIES = frozenset({"running", "waiting", "kv", "batch", "phases", "engine"})
 # a draft's calls for the requests it holds here (one short Verify a step): traced only under the draft's trace, and
 # still served while draining (the drafts finish those requests; new Prefills and Generates are refused)
 PER_STEP_METHODS = tuple(f"/{HEALTH_NAME}/{m}" for m in ("Verify", "Release", "GetModelInfo"))
@@ -56,6 +56,7 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
         model_name=model_label(args.model), metric_families=METRIC_FAMILIES,  # args.model: --config NAME if given
         still_served=frozenset(PER_STEP_METHODS),
         busy=lambda: "engine" in state and bool(state["engine"].requests),
+        engine_busy=lambda: state["loop"].busy_s(), stall_s=args.engine_stall_seconds,
     )
     await run_service(spec, shutdown, ready)
 
@@ -77,7 +78,8 @@ def engine_loop(engine, max_batch_size: int, max_queue_wait_s: float, plain_step
                   running=lambda: len(engine.requests),
                   # plain Generate's queue and the drafts' requests waiting for pages (QA: a draft's request waiting
                   # for the target's pages was counted by GetModelInfo but not by this gauge)
-                  waiting=lambda: engine.page_queue.count_with(s.request_id for s in list(loop.scheduler.waiting)))
+                  waiting=lambda: engine.page_queue.count_with(s.request_id for s in list(loop.scheduler.waiting)),
+                  engine_busy=loop.busy_s)
     if request_idle_s > 0:
         loop.chore_every_s = min(5.0, request_idle_s / 4)
         loop.chore = IdleRelease(engine, request_idle_s, loop.chore_every_s)

@@ -293,8 +293,13 @@ class Scheduler(Admission):
             # fleet's weather, logged as such; anything else (a malformed reply) is an error
             level = logging.WARNING if isinstance(error, (NotReady, UnknownRequest)) else logging.ERROR
             log.log(level, "verify failed for %d requests: %s", len(rids), error)
-            for rid in rids:  # a target that answered (malformed reply) may still hold them; a dead one not
-                self._finish(rid, release_target=not isinstance(error, NotReady))
+            away = isinstance(error, NotReady)
+            for rid in rids:  # a target that answered (malformed reply) may still hold them
+                self._finish(rid, release_target=not away)
+            # a target away (stalled, cut off) may come back holding them: released then (`TargetClient.pending`)
+            release_later = getattr(self.target, "release_later", None)  # (a target in-process is never away)
+            if away and rids and release_later is not None:
+                release_later(rids)
             return [Event(rid, [], ABORT, error=error) for rid in rids]
         events, extend, bounded = [], [], set()
         for tree, out in zip(launch.trees, outputs, strict=True):

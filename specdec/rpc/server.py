@@ -65,9 +65,18 @@ class ServerHandle:
     async def set_serving(self, serving: bool, names: Sequence[str] | None = None) -> None:
         """Set every health name (and the overall "") to SERVING or NOT_SERVING; `names`: those only."""
         statuses = health_pb2.HealthCheckResponse
-        status = statuses.SERVING if serving else statuses.NOT_SERVING
-        for name in ("", *self.health_names) if names is None else names:
+        await self.set_status(statuses.SERVING if serving else statuses.NOT_SERVING, names)
+
+    async def set_status(self, status: int, names: Sequence[str] | None = None) -> None:
+        """Set every health name (and the overall "") to `status` (a `HealthCheckResponse.ServingStatus`: UNKNOWN
+        says an engine stalled, `specdec.rpc.service_health`); `names`: those only."""
+        for name in self.all_names if names is None else names:
             await self.health.set(name, status)
+
+    @property
+    def all_names(self) -> tuple[str, ...]:
+        """Every name health answers for: the overall "" and `health_names`."""
+        return ("", *self.health_names)
 
     async def stop(self, grace_s: float | None = 10.0, busy: Callable[[], bool] | None = None) -> None:
         """New calls refused (UNAVAILABLE; health checks and the gate's `still_served` methods still answer),

@@ -3,6 +3,8 @@
 Start listening at once (health NOT_SERVING, other RPCs UNAVAILABLE "loading"), load the engine on a worker
 thread while start-up progress is logged, open the gate and report SERVING with one "ready" line, then on
 SIGTERM/SIGINT report NOT_SERVING, stop accepting, give running streams `drain_s` to finish and stop the engine.
+While it serves, its health follows its backend (`watch`) and its engine's progress (`engine_busy`, `stall_s`:
+`specdec.serving.stall_watch`), combined by `specdec.rpc.service_health`.
 `finish_service` (the spans flushed, one "stopped" line) ends the gateway's life too.
 """
 
@@ -16,8 +18,10 @@ from dataclasses import dataclass
 
 from specdec.rpc.readiness import ReadinessGate
 from specdec.rpc.server import AddServicer, start_server
+from specdec.rpc.service_health import ServiceHealth
 from specdec.rpc.tls import TlsConfig
 from specdec.serving.long_lived import freeze_start_up_objects
+from specdec.serving.stall_watch import StallWatch
 from specdec.telemetry import MODEL_FAMILIES, ServiceMetrics, setup_tracing, shutdown_tracing, start_metrics_server
 from specdec.telemetry.grpc_tracing import server_interceptors
 
@@ -47,13 +51,16 @@ class ServiceSpec:
     # runs while the service serves (cancelled when it drains); `set_ready(False)` reports the service's own name and
     # the overall "" NOT_SERVING (its backend went away: a draft's remote target), `set_ready(True)` SERVING again
     watch: Callable[[Callable[[bool], Awaitable[None]]], Awaitable[None]] | None = None
+    # seconds the engine thread has been in its current round of work (`EngineLoop.busy_s`; read once the service
+    # serves), and how long a round may last before the service reports itself stalled (0: never)
+    engine_busy: Callable[[], float] | None = None
+    stall_s: float = 0.0
 
 
 async def run_service(spec: ServiceSpec, shutdown: asyncio.Event, ready: Callable[[int], None] | None = None) -> None:
     t0 = time.perf_counter()
     provider = setup_tracing(f"{spec.name}_service")  # OTEL_SERVICE_NAME overrides
     gate = ReadinessGate(spec.health_name)
-    watching: asyncio.Future | None = None
     metrics = ServiceMetrics(spec.name, model_name=spec.model_name, families=spec.metric_families)
     # before the gRPC server: a port that cannot be had ends the start with nothing to stop (logs its address)
     start_metrics_server(spec.metrics_port, metrics.registry, spec.host)
@@ -61,6 +68,8 @@ async def run_service(spec: ServiceSpec, shutdown: asyncio.Event, ready: Callabl
                                 spec.tls,
                                 interceptors=[gate, *server_interceptors(provider, spec.trace_parent_required)],
                                 still_served=spec.still_served)
+    health = ServiceHealth(handle, gate, ("", spec.health_name))
+    watches: list[asyncio.Future] = []
     try:
         loading = asyncio.ensure_future(spec.load(metrics))
         stop = asyncio.ensure_future(shutdown.wait())
@@ -78,12 +87,15 @@ async def run_service(spec: ServiceSpec, shutdown: asyncio.Event, ready: Callabl
         if ready is not None:
             ready(handle.bound_port)
         if spec.watch is not None:
-            watching = asyncio.ensure_future(spec.watch(lambda up: handle.set_serving(up, ("", spec.health_name))))
+            watches.append(asyncio.ensure_future(spec.watch(health.set_backend)))
+        if spec.engine_busy is not None and spec.stall_s > 0:
+            stalls = StallWatch(spec.engine_busy, spec.stall_s, f"the {spec.name}'s engine thread")
+            watches.append(asyncio.ensure_future(stalls.run(health.set_stalled)))
         await shutdown.wait()  # (a watch still running reports nothing: health ignores sets once the drain begins)
         log.info("%s draining (up to %.0f s)", spec.name, spec.drain_s)
         await handle.stop(spec.drain_s, spec.busy)
     finally:
-        if watching is not None:
+        for watching in watches:
             watching.cancel()
         await spec.close()
         await handle.stop(0)

@@ -74,6 +74,9 @@ class EngineLoop:
         # a chore run on the engine thread between calls every `chore_every_s`, idle or not (None: none)
         self.chore: Callable[[], None] | None = None
         self.chore_every_s = 5.0
+        # when the thread began the work under way (its calls, chore and step of one round; waiting for the engine
+        # lock included), None while it waits for work: `busy_s`
+        self._busy_since: float | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -86,6 +89,13 @@ class EngineLoop:
             self._cond.notify()
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
+
+    def busy_s(self) -> float:
+        """Seconds the engine thread has been in its current round of work (0.0 while it waits for work): a round
+        that lasts far longer than any step should is a thread held by a hung kernel, a deadlock, a stuck call
+        (`specdec.serving.stall_watch`). Any thread may ask."""
+        since = self._busy_since
+        return 0.0 if since is None else max(time.monotonic() - since, 0.0)
 
     @property
     def stopping(self) -> bool:
@@ -217,13 +227,17 @@ class EngineLoop:
                 if self.scheduler is not None:
                     self.scheduler.close()
                 return
-            with self._engine_lock:
-                self._run_calls(calls)
-                if self.chore is not None and time.monotonic() >= chore_at:
-                    self._resolve_chore()
-                    chore_at = time.monotonic() + self.chore_every_s
-                if self.scheduler is not None and self.scheduler.has_work:
-                    self._step()
+            self._busy_since = time.monotonic()
+            try:
+                with self._engine_lock:
+                    self._run_calls(calls)
+                    if self.chore is not None and time.monotonic() >= chore_at:
+                        self._resolve_chore()
+                        chore_at = time.monotonic() + self.chore_every_s
+                    if self.scheduler is not None and self.scheduler.has_work:
+                        self._step()
+            finally:
+                self._busy_since = None
 
     def _resolve_chore(self) -> None:
         try:

@@ -116,6 +116,7 @@ FAMILY_GROUPS = {
              "speculation_policy_target_steps"),  # observe_spec_step, track_policy
     "phases": ("step_phase_seconds",),  # observe_phase
     "fallbacks": ("request_fallbacks",),  # count_fallbacks (the gateway)
+    "engine": ("engine_busy_seconds",),  # track(engine_busy=)
 }
 ALL_FAMILIES = frozenset(FAMILY_GROUPS)
 MODEL_FAMILIES = ALL_FAMILIES - {"fallbacks"}  # what a model service may set (a fallback is the gateway's)
@@ -206,6 +207,9 @@ class ServiceMetrics:
                            "(draft: propose, verify round trip, extend, the whole step; target: a Verify's queue "
                            "wait, forward, reply packing).", ("phase",), buckets=PHASE_BUCKETS_S)
         self._phase_children: dict[str, Any] = {}
+        self._engine_busy = make("engine", Gauge, "engine_busy_seconds",
+                                 "Seconds the engine thread has been in its current step or batch of calls (0 while "
+                                 "it waits for work); past --engine-stall-seconds the service reports itself stalled.")
         self._fallbacks = make("fallbacks", Counter, "request_fallbacks",
                                "Times a finished request's stream continued on another service after one under it "
                                "failed (GatewayStats.fallbacks).")
@@ -263,10 +267,11 @@ class ServiceMetrics:
         kv_pages: Callable[[], tuple[int, ...]] | None = None,
         running: Callable[[], int] | None = None,
         waiting: Callable[[], int] | None = None,
+        engine_busy: Callable[[], float] | None = None,
     ) -> None:
         """Read gauges when scraped instead of setting them: `kv_pages() -> (used, free[, unreserved])`
-        (`PagedKVCache.gauges`; without unreserved it reads as free), `running()`, `waiting()`. They run on the scrape
-        thread, so they should only read plain counters (a `len`)."""
+        (`PagedKVCache.gauges`; without unreserved it reads as free), `running()`, `waiting()`, `engine_busy()`
+        (`EngineLoop.busy_s`). They run on the scrape thread, so they should only read plain counters (a `len`)."""
         if kv_pages is not None:
             self._kv_used.set_function(lambda: kv_pages()[0])
             self._kv_free.set_function(lambda: kv_pages()[1])
@@ -275,6 +280,8 @@ class ServiceMetrics:
             self._running.set_function(running)
         if waiting is not None:
             self._waiting.set_function(waiting)
+        if engine_busy is not None:
+            self._engine_busy.set_function(engine_busy)
 
     def track_policy(self, policy) -> None:
         """Expose `--speculation auto`'s measured rates when scraped: `speculation_policy_tokens_per_second

@@ -293,6 +293,44 @@ def test_a_stream_on_a_part_that_stops_answering_moves_on(fake_model, model_dir,
         assert not pairs[0].target.seen.requests
 
 
+@pytest.mark.parametrize("stalled", ["draft", "target"])
+def test_a_stream_on_a_part_that_says_its_engine_stalled_moves_on_at_the_next_check(fake_model, model_dir, stalled,
+                                                                                   caplog):
+    """A part answers UNKNOWN (its engine thread stuck in one step: `StallWatch`): one such check marks it down and
+    its streams move on, with no unanswered checks to wait for; SERVING again brings it back."""
+    from grpc_health.v1 import health_pb2
+
+    from gateway.router import Part
+
+    part = Part.DRAFT if stalled == "draft" else Part.TARGET
+
+    async def body():
+        async with fake_stack(fake_model, model_dir, num_pairs=2) as (pairs, gateway, stub):
+            gateway.router.pairs[1].in_flight = 5  # make pair 0 the least loaded
+            pairs[0].draft.hang_after_chunks = 2
+            call = stub.Generate(request(request_id="s1"))
+            first = await call.read()
+            handle = getattr(pairs[0], f"{stalled}_handle")
+            await handle.set_status(health_pb2.HealthCheckResponse.UNKNOWN)
+            t0 = time.monotonic()
+            text, _, final, _ = await collect(call)
+            waited = time.monotonic() - t0
+            down = not gateway.router.pairs[0].is_up(part)
+            await handle.set_serving(True)
+            t1 = time.monotonic()
+            while not gateway.router.pairs[0].is_up(part):
+                assert time.monotonic() - t1 < 5, "the part did not come back"
+                await asyncio.sleep(0.05)
+            return first.text + text, final, waited, down, pairs
+
+    text, final, waited, down, pairs = run(body())
+    assert text == SCRIPT_TEXT and not final.speculative and down
+    assert waited < 1.5, waited  # one health interval (0.2 s) and a check, not three unanswered ones
+    moved_to = pairs[0] if stalled == "draft" else pairs[1]
+    assert [r[0] for r in moved_to.target.seen.requests] == ["s1~1"]
+    assert any("stalled (it answered UNKNOWN" in r.getMessage() for r in caplog.records)
+
+
 def test_the_documented_time_to_leave_a_frozen_part_follows_from_the_health_loop():
     """docs/gateway.md's bound (it said ~1-4 s; QA saw a 5.0 s gap): MISSED_CHECKS_DOWN unanswered checks, each
     waiting its deadline, FAST_POLL_S apart, the first up to one health interval after the freeze."""

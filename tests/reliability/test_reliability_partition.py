@@ -19,6 +19,7 @@ from reliability_support import (
     health,
     start_draft,
     start_target,
+    target_kv,
     wait_whole,
 )
 
@@ -105,4 +106,8 @@ def test_reliability_a_cut_link_to_the_target_ends_the_drafts_requests_in_second
     call, channel = stream(draft.addr, "after", n=16)
     assert list(call)[-1].HasField("final")
     channel.close()
+    # the cut request's state on the target, which lived through the cut, is released once the link is back (it was
+    # held until the target's idle sweep, 120 s)
+    free, total, running = wait_whole(target_kv, target.addr, timeout_s=10)
+    assert free == total and running == 0, (free, total, running)
     print(f"cut link: the draft's request ended after {ended_in:.1f} s")

@@ -187,11 +187,11 @@ def test_target_exports_what_it_sets():
     from target_service.app import METRIC_FAMILIES
 
     metrics = ServiceMetrics("target", model_name="llama3-8b", families=METRIC_FAMILIES)
-    metrics.track(kv_pages=lambda: (3, 61), running=lambda: 1, waiting=lambda: 0)
+    metrics.track(kv_pages=lambda: (3, 61), running=lambda: 1, waiting=lambda: 0, engine_busy=lambda: 0.0)
     metrics.observe_batch(2)
     metrics.observe_phase("forward", 0.01)
     families = exported(metrics)
-    assert set(families) == names_of("running", "waiting", "kv", "batch", "phases")
+    assert set(families) == names_of("running", "waiting", "kv", "batch", "phases", "engine")
     assert all(labels == {("target", "llama3-8b")} for labels in families.values())
     with pytest.raises(LookupError):
         metrics.observe_request("OK")

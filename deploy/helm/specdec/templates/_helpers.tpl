@@ -342,6 +342,7 @@ lifecycle:
     {{- with include "specdec.optionalFlag" (dict "flag" "calibration-max-batch" "value" $v.draft.calibrationMaxBatch) | trim }}{{ . | nindent 4 }}{{- end }}
     - --log-format={{ $v.logFormat }}
     - --drain-seconds={{ $v.drainSeconds }}
+    - --engine-stall-seconds={{ $v.engineStallSeconds }}
     {{- with include "specdec.tlsArgs" (dict "root" .root "prefix" "") | trim }}{{ . | nindent 4 }}{{- end }}
     {{- if not $colocated }}
     {{- with include "specdec.tlsArgs" (dict "root" .root "prefix" "target-") | trim }}{{ . | nindent 4 }}{{- end }}
@@ -400,6 +401,7 @@ lifecycle:
     {{- end }}
     - --log-format={{ $v.logFormat }}
     - --drain-seconds={{ $v.drainSeconds }}
+    - --engine-stall-seconds={{ $v.engineStallSeconds }}
     {{- with include "specdec.tlsArgs" (dict "root" .root "prefix" "") | trim }}{{ . | nindent 4 }}{{- end }}
     {{- with $v.target.extraArgs }}
     {{- toYaml . | nindent 4 }}
