@@ -158,6 +158,17 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
     colocated = ColocatedTargetService(args) if args.target == IN_PROCESS else None
     calibration_sizes = batch_sizes_up_to(calibration_max_batch(args, opts))
 
+    def engine_busy() -> float:
+        """The longer round of this process's engine threads (the in-process target's runs on its own); a draft
+        thread waiting for its remote target's answer counts as moving: the target's own watch judges the target,
+        and the draft's target watch ends calls it does not answer (a burst of long prompts' admission waits for the
+        target's prefills for as long as they take)."""
+        loop, client = state.get("loop"), state.get("client")
+        if loop is None:  # (a scrape during start-up)
+            return 0.0
+        own = 0.0 if client.waits_on_target(loop.thread_id) else loop.busy_s()
+        return max(own, colocated.busy_s() if colocated is not None else 0.0)
+
     async def load(metrics) -> str:
         stop = threading.Event()
         try:
@@ -190,7 +201,7 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
         kv = engine.kv
         metrics.track(kv_pages=kv.gauges,
                       running=lambda: len(sched.running), waiting=lambda: len(sched.waiting) + len(sched.admitting),
-                      engine_busy=loop.busy_s)
+                      engine_busy=engine_busy)
         loop.start()
         state.update(loop=loop, client=client)  # (a stop during calibration: `close` ends it and its requests)
         if policy is not None:  # each budget's time, before the first requests pay to learn it
@@ -205,10 +216,6 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
         return (f"model {args.model} ({engine.model.cfg.architecture}, steps {spec.num_steps} topk {spec.topk} "
                 f"draft tokens {spec.num_draft_tokens}, speculation {args.speculation}) for target {info.model} "
                 f"at {args.target}")
-
-    def engine_busy() -> float:
-        """The longer round of this process's engine threads (the in-process target's runs on its own)."""
-        return max(state["loop"].busy_s(), colocated.busy_s() if colocated is not None else 0.0)
 
     async def watch(set_ready) -> None:
         if "watch" in state:

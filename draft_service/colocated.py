@@ -68,6 +68,10 @@ class LocalTarget(TakingTurns):
         with self.lock:
             return model_info(self.engine, self.model_name)
 
+    def waits_on_target(self, thread_id: int | None) -> bool:
+        """Never: the target's forwards run on the calling thread (its own stall counts as the draft's)."""
+        return False
+
     def cancel_prefill(self, request_id: str) -> None:
         """Nothing to drop: an in-process prefill is a forward on this thread, not a call in flight."""
 

@@ -109,6 +109,7 @@ class TargetClient:
         # called (from any thread) when a Prefill, Verify or Release did not reach the target: `TargetWatch.nudge`
         self.on_unreachable: Callable[[], None] | None = None
         self.pending = PendingReleases()  # requests that ended while the target was away, released once it is back
+        self._calling: dict[int, int] = {}  # thread id -> its calls under way (each thread writes its own key)
 
     def _open(self, credentials: grpc.ChannelCredentials | None, generation: int = 0) -> _Link:
         opts = channel_options()
@@ -154,7 +155,7 @@ class TargetClient:
         link = self._link  # one snapshot: the call's channel and the generation `abandon_calls` may end
         call = getattr(link, method)
         try:
-            with blocking_call_metadata(getattr(call, "_method", TARGET_SERVICE_PATH)) as metadata:
+            with self._waiting(), blocking_call_metadata(getattr(call, "_method", TARGET_SERVICE_PATH)) as metadata:
                 return call(request, timeout=timeout_s or self.timeout_s, metadata=metadata or None)
         except grpc.RpcError as exc:
             raise self._failed(exc, link, watched) from None
@@ -170,6 +171,23 @@ class TargetClient:
         if watched and self.on_unreachable is not None and _code(exc) == UNREACHABLE:
             self.on_unreachable()
         return _translate(exc)
+
+    @contextlib.contextmanager
+    def _waiting(self):
+        ident = threading.get_ident()
+        self._calling[ident] = self._calling.get(ident, 0) + 1
+        try:
+            yield
+        finally:
+            left = self._calling.pop(ident) - 1
+            if left:
+                self._calling[ident] = left
+
+    def waits_on_target(self, thread_id: int | None) -> bool:
+        """Whether that thread is waiting for one of the target's answers now (any thread may ask): the draft's
+        engine thread is not stalled then, its target is slow or away, which the target's own stall watch and the
+        draft's target watch judge (`draft_service.app`)."""
+        return thread_id is not None and thread_id in self._calling
 
     def _start(self, method: str, request, trace_context=None):
         """Send a call of the link's `method` without waiting; `_wait` collects it. Under `trace_context` (a
@@ -188,7 +206,7 @@ class TargetClient:
     def _wait(self, started):
         stack, future, link = started
         try:
-            with stack:
+            with stack, self._waiting():
                 return future.result()
         except grpc.FutureCancelledError:
             raise Cancelled("the request's client left during its admission") from None

@@ -98,6 +98,11 @@ class EngineLoop:
         return 0.0 if since is None else max(time.monotonic() - since, 0.0)
 
     @property
+    def thread_id(self) -> int | None:
+        """The engine thread's id (None before `start`)."""
+        return self._thread.ident
+
+    @property
     def stopping(self) -> bool:
         """`stop` was asked (a long call on the engine thread, start-up calibration, checks it to end early)."""
         return self._stopping
