@@ -382,6 +382,26 @@ def test_drain_seconds_flows_into_the_grace_period():
     assert pod_spec(pair)["terminationGracePeriodSeconds"] == 5 + 120 + 15
 
 
+@pytest.mark.parametrize("case", VALUES_CASES)
+def test_model_services_get_the_stall_limit_their_liveness_probe_acts_on(case):
+    """Draft and target report UNKNOWN (liveness included) once their engine thread has been in one step for
+    `engineStallSeconds`: every draft and target container is told it; the gateway has no engine."""
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    if case != "default":
+        values.update(ci_values(case))
+    seen = set()
+    for doc, c in specdec_containers(docs := render(case)):
+        if c["name"] in ("draft", "target"):
+            assert flag(c, "engine-stall-seconds") == str(values["engineStallSeconds"]), (doc["metadata"]["name"],
+                                                                                          c["name"])
+            seen.add(c["name"])
+        else:
+            assert not any(str(a).startswith("--engine-stall-seconds") for a in c.get("args", [])), c["name"]
+    assert seen and docs
+    set_docs = render("default", "--set", "engineStallSeconds=0")
+    assert flag(container(one(set_docs, "StatefulSet", f"{FULL}-pair"), "target"), "engine-stall-seconds") == "0"
+
+
 # ---------- security ----------
 
 
