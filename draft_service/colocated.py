@@ -21,7 +21,7 @@ from specdec.engine.factory import build_target
 from specdec.engine.fair_lock import FairLock
 from specdec.engine.overlap import TakingTurns
 from specdec.engine.plain_steps import PLAIN_STEPS
-from specdec.errors import ConfigError, SpecdecError
+from specdec.errors import TARGET_PREFIX, ConfigError, SpecdecError
 from specdec.rpc.tls import TlsConfig
 from specdec.telemetry import ServiceMetrics, model_label
 from target_service.app import HEALTH_NAME as TARGET_HEALTH_NAME
@@ -86,7 +86,7 @@ def _named_target():
     try:
         yield
     except SpecdecError as exc:
-        raise type(exc)(f"target: {exc}") from exc
+        raise type(exc)(f"{TARGET_PREFIX}{exc}") from exc
 
 
 def check_args(args: argparse.Namespace) -> None:

@@ -16,6 +16,7 @@ from google.protobuf.message import DecodeError
 from draft_service.pending_release import PendingReleases
 from specdec.engine.requests import PrefillInput, PrefillOutput, VerifyInput, VerifyOutput, kept_feature_rows
 from specdec.errors import (
+    TARGET_PREFIX,
     Cancelled,
     ConfigError,
     DuplicateRequest,
@@ -51,6 +52,7 @@ _BY_CODE = {grpc.StatusCode[cls.status]: cls
             for cls in (InvalidInput, UnknownRequest, DuplicateRequest, OutOfPages, NotReady, OutOfOrder, Cancelled)}
 
 
+CALL_GRACE_S = 5.0  # a call still under way this long after its deadline has a stuck thread (`waits_on_target`)
 UNREACHABLE = grpc.StatusCode.UNAVAILABLE  # a call that did not reach the target (gone, restarting, refused)
 
 
@@ -69,8 +71,8 @@ def _translate(exc: grpc.RpcError) -> SpecdecError:
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         cls = NotReady
     if code == grpc.StatusCode.UNIMPLEMENTED:  # a gateway's or a draft's address given as the target's (QA)
-        return ConfigError(f"target: {details}: the address does not serve specdec.v1.TargetService")
-    return cls(f"target: {details}")
+        return ConfigError(f"{TARGET_PREFIX}{details}: the address does not serve specdec.v1.TargetService")
+    return cls(f"{TARGET_PREFIX}{details}")
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,8 @@ class TargetClient:
         # called (from any thread) when a Prefill, Verify or Release did not reach the target: `TargetWatch.nudge`
         self.on_unreachable: Callable[[], None] | None = None
         self.pending = PendingReleases()  # requests that ended while the target was away, released once it is back
-        self._calling: dict[int, int] = {}  # thread id -> its calls under way (each thread writes its own key)
+        # thread id -> (its calls under way, the latest of their deadlines); each thread writes its own key
+        self._calling: dict[int, tuple[int, float]] = {}
 
     def _open(self, credentials: grpc.ChannelCredentials | None, generation: int = 0) -> _Link:
         opts = channel_options()
@@ -155,8 +158,10 @@ class TargetClient:
         link = self._link  # one snapshot: the call's channel and the generation `abandon_calls` may end
         call = getattr(link, method)
         try:
-            with self._waiting(), blocking_call_metadata(getattr(call, "_method", TARGET_SERVICE_PATH)) as metadata:
-                return call(request, timeout=timeout_s or self.timeout_s, metadata=metadata or None)
+            timeout_s = timeout_s or self.timeout_s
+            with (self._waiting(time.monotonic() + timeout_s),
+                  blocking_call_metadata(getattr(call, "_method", TARGET_SERVICE_PATH)) as metadata):
+                return call(request, timeout=timeout_s, metadata=metadata or None)
         except grpc.RpcError as exc:
             raise self._failed(exc, link, watched) from None
         except ValueError:  # "Cannot invoke RPC on closed channel!": `abandon_calls` closed it as the call began
@@ -165,29 +170,32 @@ class TargetClient:
     def _failed(self, exc: grpc.RpcError | None, link: _Link, watched: bool = True) -> SpecdecError:
         why = self._abandoned.get(link.generation)
         if why is not None:
-            return NotReady(f"target: {why}")
+            return NotReady(f"{TARGET_PREFIX}{why}")
         if exc is None:
-            return SpecdecError("target: the channel was closed")
+            return SpecdecError(f"{TARGET_PREFIX}the channel was closed")
         if watched and self.on_unreachable is not None and _code(exc) == UNREACHABLE:
             self.on_unreachable()
         return _translate(exc)
 
     @contextlib.contextmanager
-    def _waiting(self):
+    def _waiting(self, deadline: float):
         ident = threading.get_ident()
-        self._calling[ident] = self._calling.get(ident, 0) + 1
+        calls, latest = self._calling.get(ident, (0, 0.0))
+        self._calling[ident] = (calls + 1, max(latest, deadline))
         try:
             yield
         finally:
-            left = self._calling.pop(ident) - 1
-            if left:
-                self._calling[ident] = left
+            calls, latest = self._calling.pop(ident)
+            if calls > 1:
+                self._calling[ident] = (calls - 1, latest)
 
     def waits_on_target(self, thread_id: int | None) -> bool:
-        """Whether that thread is waiting for one of the target's answers now (any thread may ask): the draft's
-        engine thread is not stalled then, its target is slow or away, which the target's own stall watch and the
-        draft's target watch judge (`draft_service.app`)."""
-        return thread_id is not None and thread_id in self._calling
+        """Whether that thread is waiting for one of the target's answers now, within the call's deadline (any
+        thread may ask): the draft's engine thread is not stalled then, its target is slow or away, which the
+        target's own stall watch and the draft's target watch judge (`draft_service.app`). A thread still in a call
+        `CALL_GRACE_S` past its deadline is stuck in it (gRPC ends a call at its deadline): not waiting."""
+        calls = self._calling.get(thread_id) if thread_id is not None else None
+        return calls is not None and time.monotonic() < calls[1] + CALL_GRACE_S
 
     def _start(self, method: str, request, trace_context=None):
         """Send a call of the link's `method` without waiting; `_wait` collects it. Under `trace_context` (a
@@ -198,15 +206,16 @@ class TargetClient:
         with attached(trace_context):
             metadata = stack.enter_context(blocking_call_metadata(getattr(call, "_method", TARGET_SERVICE_PATH)))
         try:
-            return stack, call.future(request, timeout=self.timeout_s, metadata=metadata or None), link
+            future = call.future(request, timeout=self.timeout_s, metadata=metadata or None)
+            return stack, future, link, time.monotonic() + self.timeout_s
         except ValueError:  # the channel closed as the call began
             stack.close()
             raise self._failed(None, link) from None
 
     def _wait(self, started):
-        stack, future, link = started
+        stack, future, link, deadline = started
         try:
-            with stack, self._waiting():
+            with stack, self._waiting(deadline):
                 return future.result()
         except grpc.FutureCancelledError:
             raise Cancelled("the request's client left during its admission") from None
@@ -266,7 +275,7 @@ class TargetClient:
         try:
             msg, feats = self._decode(target_pb2.PrefillResponse, data)
             if msg.request_id != inp.request_id or (inp.return_features and feats is None):
-                raise MalformedReply(f"target: malformed Prefill reply for {inp.request_id!r}")
+                raise MalformedReply(f"{TARGET_PREFIX}malformed Prefill reply for {inp.request_id!r}")
             rows = kept_feature_rows(len(inp.prompt_ids), inp.feature_rows) if inp.return_features else None
             return self._checked(prefill_output_from_proto, msg, feats, expected_rows=rows)
         except MalformedReply:
@@ -295,14 +304,14 @@ class TargetClient:
         msg, feats = self._decode(target_pb2.VerifyResponse, reply)
         ids = [r.request_id for r in msg.results]
         if ids != [i.request_id for i in inputs]:
-            raise MalformedReply(f"target: Verify answered {ids[:4]} for {[i.request_id for i in inputs][:4]}")
+            raise MalformedReply(f"{TARGET_PREFIX}Verify answered {ids[:4]} for {[i.request_id for i in inputs][:4]}")
         most = max(plain_steps, 1 + max((len(i.draft_tokens) for i in inputs), default=0))  # most tokens a result holds
         for r in msg.results:
             running = r.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
             rows = kept_feature_rows(len(r.tokens), feature_rows) if running and self.features else 0
             # no tokens: a plain call naming a request that an earlier call finished (TargetEngine.finished)
             if (running and not r.tokens) or r.num_feature_rows != rows or len(r.tokens) > most:
-                raise MalformedReply(f"target: Verify result for {r.request_id!r} has {len(r.tokens)} tokens "
+                raise MalformedReply(f"{TARGET_PREFIX}Verify result for {r.request_id!r} has {len(r.tokens)} tokens "
                                      f"and {r.num_feature_rows} feature rows")
         return self._checked(verify_outputs_from_proto, msg, feats)
 
@@ -313,7 +322,7 @@ class TargetClient:
         try:
             msg, feats = decode_with_tensor(cls, data, "features")
         except DecodeError as exc:
-            raise MalformedReply(f"target: reply is not a {cls.DESCRIPTOR.name}: {exc}") from None
+            raise MalformedReply(f"{TARGET_PREFIX}reply is not a {cls.DESCRIPTOR.name}: {exc}") from None
         if feats is None and msg.HasField("features"):
             feats = msg.features
         return msg, feats
@@ -323,7 +332,7 @@ class TargetClient:
         try:
             return decode(msg, self.device, features=feats, expected_dim=self.feature_dim or None, **expected)
         except InvalidInput as exc:
-            raise MalformedReply(f"target: malformed features: {exc}") from None
+            raise MalformedReply(f"{TARGET_PREFIX}malformed features: {exc}") from None
 
     def _release_quietly(self, request_id: str) -> None:
         with contextlib.suppress(SpecdecError):

@@ -26,6 +26,7 @@ from opentelemetry import trace
 
 from gateway.downstream import Chunk, Finish, StreamBroken, is_backend_failure
 from gateway.router import Lease, Part, Router
+from specdec.errors import TARGET_PREFIX
 from specdec.sampling_params import SamplingParams
 from specdec.spec_params import asked_tree_shape, fits
 from specdec.telemetry import get_tracer
@@ -136,6 +137,12 @@ class FallbackGeneration:
         reason = _describe(exc)
         if isinstance(exc, PartHung) and exc.part is Part.TARGET:
             used_draft = False  # the pair's target froze under its draft: the request moves to another pair
+        elif used_draft and _target_failed_under(exc):
+            # the draft says its target failed it (stalled, away, a malformed reply): going on on that target would
+            # fail again (QA: two fallbacks for one stalled target, and the healthy draft taken out), so the request
+            # moves to another pair, and the draft, which reports its own readiness, stays in
+            self._release_later(lease, rid)
+            used_draft = False
         trace.get_current_span().add_event("specdec.fallback", {
             "specdec.failed_part": Part.DRAFT.value if used_draft else Part.TARGET.value,
             "specdec.pair": str(lease.pair), "specdec.reason": reason[:200]})
@@ -226,6 +233,12 @@ async def _unless_hung(stream: AsyncIterator[Chunk], hung: dict[Part, asyncio.Ev
 async def _when_set(event: asyncio.Event, part: Part, fire) -> None:
     await event.wait()
     fire(part)
+
+
+def _target_failed_under(exc: Exception) -> bool:
+    """A draft's failure that names its target as the cause (`TARGET_PREFIX`, `draft_service.target_client`)."""
+    details = getattr(exc, "details", None)
+    return callable(details) and (details() or "").startswith(TARGET_PREFIX)
 
 
 def _describe(exc: Exception) -> str:

@@ -5,6 +5,10 @@ Engines never import grpc; `specdec.rpc` turns these into status codes with the 
 
 from __future__ import annotations
 
+# how a draft's message begins when its target caused the error (refused, away, stalled, a malformed reply): a gateway
+# then moves the request off the pair rather than onto the same target (`gateway.fallback`)
+TARGET_PREFIX = "target: "
+
 
 class SpecdecError(Exception):
     """Base class; `status` is the name of a `grpc.StatusCode` member."""

@@ -11,9 +11,13 @@ import pytest
 import torch
 from repo_paths import REPO, SHARED_PROMPTS, TINY
 
+from specdec.serving import long_lived
+
 PACKAGES = ("specdec", "gateway", "draft_service", "target_service")
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# the suite starts and stops dozens of services in this process: none may freeze the others' objects for good
+long_lived.enabled = False
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ import argparse
 import math
 
 from specdec.rpc.address import MAX_PORT, address_problem
-from specdec.serving.stall_watch import DEFAULT_STALL_S
+from specdec.serving.stall_watch import DEFAULT_STALL_S, MIN_STALL_S
 
 
 def ranged(kind: type = float, minimum: float = 0, maximum: float | None = None, *, what: str = "a number",
@@ -71,11 +71,13 @@ def add_engine_args(parser: argparse.ArgumentParser, default_port: int, gpu_plai
     g.add_argument("--max-queue-wait-seconds", type=seconds("refuse at once"), default=30.0,
                    help="how long a request may wait for KV pages before RESOURCE_EXHAUSTED (0 = refuse at "
                         "once), default 30")
-    g.add_argument("--engine-stall-seconds", type=seconds("never"), default=DEFAULT_STALL_S,
+    g.add_argument("--engine-stall-seconds", type=ranged(float, MIN_STALL_S, what="seconds", zero="never"),
+                   default=DEFAULT_STALL_S,
                    help="once the engine thread has been in one step (or one batch of calls) this long, health "
                         "reports UNKNOWN under every name, liveness included, and new calls are refused UNAVAILABLE "
                         "until the step ends: the gateway moves the service's streams on, a Kubernetes liveness "
-                        f"probe restarts a process that stays stuck; default {DEFAULT_STALL_S:g}, 0 = never")
+                        f"probe restarts a process that stays stuck; at least {MIN_STALL_S:g}, default "
+                        f"{DEFAULT_STALL_S:g}, 0 = never")
     default_steps = "4" if gpu_plain_steps == 4 else f"{gpu_plain_steps} on a GPU, 4 on a CPU"
     e = parser.add_argument_group("engine")
     e.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N, default cpu")

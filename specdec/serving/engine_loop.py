@@ -77,6 +77,7 @@ class EngineLoop:
         # when the thread began the work under way (its calls, chore and step of one round; waiting for the engine
         # lock included), None while it waits for work: `busy_s`
         self._busy_since: float | None = None
+        self._queued_since: float | None = None  # when the oldest call the thread has not taken yet arrived
 
     def start(self) -> None:
         self._thread.start()
@@ -91,11 +92,12 @@ class EngineLoop:
         return not self._thread.is_alive()
 
     def busy_s(self) -> float:
-        """Seconds the engine thread has been in its current round of work (0.0 while it waits for work): a round
-        that lasts far longer than any step should is a thread held by a hung kernel, a deadlock, a stuck call
-        (`specdec.serving.stall_watch`). Any thread may ask."""
-        since = self._busy_since
-        return 0.0 if since is None else max(time.monotonic() - since, 0.0)
+        """Seconds the engine thread has been in its current round of work, or has left a call it was handed
+        untaken (0.0 while it waits for work and none is queued): a round that lasts far longer than any step
+        should is a thread held by a hung kernel, a deadlock, a stuck call; calls left untaken, a thread stuck
+        between rounds (`specdec.serving.stall_watch`). Any thread may ask."""
+        oldest = min((t for t in (self._busy_since, self._queued_since) if t is not None), default=None)
+        return 0.0 if oldest is None else max(time.monotonic() - oldest, 0.0)
 
     @property
     def thread_id(self) -> int | None:
@@ -123,6 +125,8 @@ class EngineLoop:
         with self._cond:
             if self._stopping:
                 raise NotReady(f"{self.name} is shutting down")
+            if not self._calls:
+                self._queued_since = time.monotonic()
             self._calls.append(call)
             self._cond.notify()
         return await call.future
@@ -228,11 +232,13 @@ class EngineLoop:
                 if stopping:
                     self._fail_all()
                 calls, self._calls = self._calls, []
+                # the round counts from the oldest call it takes (no gap in `busy_s` between queue and round)
+                self._busy_since, self._queued_since = self._queued_since or time.monotonic(), None
             if stopping:  # verifies in flight are waited for outside the lock: handlers keep being answered
+                self._busy_since = None
                 if self.scheduler is not None:
                     self.scheduler.close()
                 return
-            self._busy_since = time.monotonic()
             try:
                 with self._engine_lock:
                     self._run_calls(calls)

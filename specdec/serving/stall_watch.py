@@ -19,6 +19,8 @@ from collections.abc import Awaitable, Callable
 log = logging.getLogger(__name__)
 
 DEFAULT_STALL_S = 30.0  # `--engine-stall-seconds`: a GPU step is milliseconds, a CPU prefill chunk seconds at most
+MIN_STALL_S = 1.0  # the shortest limit the flag takes (0 aside): a look a second could not tell a shorter one
+SHORT_STALL_S = 10.0  # a limit under this is warned about at start
 LOOK_S = 1.0  # between two looks (at most; a quarter of a shorter limit)
 
 
@@ -28,14 +30,22 @@ class StallWatch:
         long a round may last before the service counts as stalled (> 0); `what`: the engine's name in messages."""
         self.busy_s, self.stall_s, self.what = busy_s, stall_s, what
         self.look_s = min(LOOK_S, stall_s / 4)
+        if stall_s < SHORT_STALL_S:
+            # QA, 2 s on a 2-core CPU: a 1,500-token prefill outlasted it, the streams moved to the other pair, whose
+            # step then outlasted it too, and back: every request failed
+            log.warning("--engine-stall-seconds %g is short: a step that outlasts it (a long prompt's prefill on a "
+                        "slow device) takes %s's service out and moves its streams, prefills and all, to the next "
+                        "service, which may stall in turn; keep it well above the longest step "
+                        "specdec:engine_busy_seconds shows (default %g)", stall_s, what, DEFAULT_STALL_S)
         self.stalled = False
         self.stalls = 0  # stalls seen since start
         self._longest = 0.0  # the longest round seen during the stall under way
 
     @property
     def reason(self) -> str:
-        return (f"{self.what} has been in one step for {self._longest:.0f} s (over --engine-stall-seconds "
-                f"{self.stall_s:g}): it is stalled; retry on another replica")
+        """Why calls are refused (still true as the stall goes on: it names the limit, not a time that ages)."""
+        return (f"{self.what} has been in one step for over {self.stall_s:g} s (--engine-stall-seconds): it is "
+                f"stalled; retry on another replica")
 
     async def run(self, report: Callable[[str | None], Awaitable[None]]) -> None:
         """Look until cancelled; `report(reason)` when a stall begins, `report(None)` when it ends."""
@@ -49,8 +59,8 @@ class StallWatch:
             self._longest = max(self._longest, busy)
             if not self.stalled:
                 self.stalled, self.stalls = True, self.stalls + 1
-                log.error("%s; health reports UNKNOWN (liveness included) and new calls are refused until it "
-                          "moves again", self.reason)
+                log.error("%s (%.1f s so far); health reports UNKNOWN under every name (a liveness probe's too) "
+                          "and new calls are refused until it moves again", self.reason, busy)
                 await report(self.reason)
             return
         if self.stalled:

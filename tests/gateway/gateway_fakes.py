@@ -61,6 +61,7 @@ class _Behaviour:
         self.model = model
         self.seen = Seen()
         self.fail_after_chunks: int | None = None  # abort the stream with UNAVAILABLE after this many chunks
+        self.fail_details = "fake service went away"  # ... saying this
         self.hang_after_chunks: int | None = None  # stop producing (until cancelled) after this many chunks
         self.abort_after_chunks: int | None = None  # end with FINISH_REASON_ABORT (an Abort call) after this many
         self.delay_s = 0.0
@@ -78,7 +79,7 @@ class _Behaviour:
         try:
             for n, chunk in enumerate(chunks):
                 if n == self.fail_after_chunks:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "fake service went away")
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, self.fail_details)
                 if n == self.hang_after_chunks:
                     await asyncio.sleep(3600)
                 if n == self.abort_after_chunks:

@@ -48,6 +48,26 @@ def test_gateway_draft_failing_mid_stream_continues_on_the_target(fake_model, mo
     assert not gateway.router.pairs[0].draft_up  # taken out until a health check finds it again
 
 
+def test_a_draft_failing_for_its_target_moves_the_stream_to_another_pair(fake_model, model_dir):
+    """The draft says its target failed it ("target: ...": stalled, away): the stream moves to the other pair at
+    once, not onto the same target (QA: two fallbacks for one stalled target), and the draft stays in."""
+    async def body():
+        async with fake_stack(fake_model, model_dir, num_pairs=2) as (pairs, gateway, stub):
+            gateway.router.pairs[1].in_flight = 5  # make pair 0 the least loaded
+            pairs[0].draft.fail_after_chunks = 2
+            pairs[0].draft.fail_details = ("target: the target at t:1 does not answer (target: the target's engine "
+                                           "thread has been in one step for over 30 s (--engine-stall-seconds): it "
+                                           "is stalled; retry on another replica)")
+            result = await collect(stub.Generate(request(request_id="t1")))
+            return pairs, gateway, result
+
+    pairs, gateway, (text, _, final, _) = run(body())
+    assert text == SCRIPT_TEXT and final.fallbacks == 1 and not final.speculative
+    assert not pairs[0].target.seen.requests  # not onto the stalled target
+    assert [r[0] for r in pairs[1].target.seen.requests] == ["t1~1"]
+    assert gateway.router.pairs[0].draft_up and not gateway.router.pairs[0].target_up
+
+
 def test_an_abort_call_on_the_draft_ends_the_stream_and_keeps_the_draft_in(fake_model, model_dir):
     """A draft's stream that ends with FINISH_REASON_ABORT was named by an Abort call (an operator's): the client's
     stream ends there with finish reason abort; it is not continued on the target, and the draft is not marked down

@@ -113,7 +113,7 @@ def test_reliability_a_stalled_target_says_so_and_its_stream_moves_on(stack, cap
     channel.close()
     text, final = text_and_final(messages)
     assert text == reference  # greedy: the same text, continued on pair B's target
-    assert final.fallbacks >= 1 and not final.speculative
+    assert final.fallbacks == 1 and not final.speculative  # straight to pair B, not onto the stalled target
     assert moved_in < 12, moved_in  # the stall (1 s), then the gateway's next check or the draft's watch
 
     # still stuck: every name says UNKNOWN, liveness included, and a call is refused saying why

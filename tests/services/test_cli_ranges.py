@@ -31,7 +31,8 @@ CASES = [
     *[(c, "--drain-seconds", ["-1", "nan", "inf"], {"0": 0.0, "2.5": 2.5}) for c in SERVICES],
     *[(c, "--max-queue-wait-seconds", ["-1", "-0.5", "nan"], {"0": 0.0, "6": 6.0}) for c in MODEL_SERVICES],
     *[(c, "--request-idle-seconds", ["-1", "nan"], {"0": 0.0, "0.5": 0.5}) for c in MODEL_SERVICES],  # 0 = never
-    *[(c, "--engine-stall-seconds", ["-1", "nan", "inf"], {"0": 0.0, "30": 30.0}) for c in MODEL_SERVICES],
+    *[(c, "--engine-stall-seconds", ["-1", "nan", "inf", "0.5", "1e-9"], {"0": 0.0, "1": 1.0, "30": 30.0})
+      for c in MODEL_SERVICES],
     ("serve-draft", "--target-wait-seconds", ["-1", "inf"], {"0": 0.0, "30": 30.0}),
     *[(c, "--simulate-accept-len", ["-1", "0.5", "nan"], {"0": 0.0, "1": 1.0, "5": 5.0}) for c in MODEL_SERVICES],
     ("serve-draft", "--target", ["localhost:70000", "localhost:0", "nohost", "localhost:", ":50052",

@@ -32,6 +32,8 @@ def test_a_thread_in_a_call_to_the_target_is_seen_waiting_on_it():
         caller.join(10)
         assert during and not client.waits_on_target(caller.ident)
         assert not client.waits_on_target(threading.get_ident()) and not client.waits_on_target(None)
+        with client._waiting(time.monotonic() - 10):  # a thread still in a call well past its deadline: stuck in it
+            assert not client.waits_on_target(threading.get_ident())
     finally:
         client.close()
         silent.close()
