@@ -287,6 +287,14 @@ def _frozen(monkeypatch, client) -> None:
     monkeypatch.setattr(client, "probe", lambda timeout_s=1.0: asyncio.sleep(0, HealthCheck(Health.NO_ANSWER)))
 
 
+async def _stream_hanging_on_pair_0(pairs, gateway, stub, rid: str):
+    """A speculative stream on pair 0 whose draft stops producing after 2 chunks: (the call, its first message)."""
+    gateway.router.pairs[1].in_flight = 5  # make pair 0 the least loaded
+    pairs[0].draft.hang_after_chunks = 2
+    call = stub.Generate(request(request_id=rid))
+    return call, await call.read()
+
+
 @pytest.mark.parametrize("frozen", ["draft", "target"])
 def test_a_stream_on_a_part_that_stops_answering_moves_on(fake_model, model_dir, monkeypatch, frozen):
     """A part freezes under a speculative stream: the stream stops and so do the part's health checks. Once they
@@ -295,10 +303,7 @@ def test_a_stream_on_a_part_that_stops_answering_moves_on(fake_model, model_dir,
     draft's 60 s call timeout under a frozen target."""
     async def body():
         async with fake_stack(fake_model, model_dir, num_pairs=2) as (pairs, gateway, stub):
-            gateway.router.pairs[1].in_flight = 5  # make pair 0 the least loaded
-            pairs[0].draft.hang_after_chunks = 2
-            call = stub.Generate(request(request_id="h1"))
-            first = await call.read()
+            call, first = await _stream_hanging_on_pair_0(pairs, gateway, stub, "h1")
             _frozen(monkeypatch, getattr(gateway.router.pairs[0], frozen))
             t0 = time.monotonic()
             text, _, final, _ = await collect(call)
@@ -326,10 +331,7 @@ def test_a_stream_on_a_part_that_says_its_engine_stalled_moves_on_at_the_next_ch
 
     async def body():
         async with fake_stack(fake_model, model_dir, num_pairs=2) as (pairs, gateway, stub):
-            gateway.router.pairs[1].in_flight = 5  # make pair 0 the least loaded
-            pairs[0].draft.hang_after_chunks = 2
-            call = stub.Generate(request(request_id="s1"))
-            first = await call.read()
+            call, first = await _stream_hanging_on_pair_0(pairs, gateway, stub, "s1")
             handle = getattr(pairs[0], f"{stalled}_handle")
             await handle.set_status(health_pb2.HealthCheckResponse.UNKNOWN)
             t0 = time.monotonic()
