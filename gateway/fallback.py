@@ -137,7 +137,7 @@ class FallbackGeneration:
         reason = _describe(exc)
         if isinstance(exc, PartHung) and exc.part is Part.TARGET:
             used_draft = False  # the pair's target froze under its draft: the request moves to another pair
-        elif used_draft and _target_failed_under(exc):
+        elif used_draft and (_target_failed_under(exc) or _one_process_gone(lease, exc)):
             # the draft says its target failed it (stalled, away, a malformed reply): going on on that target would
             # fail again (QA: two fallbacks for one stalled target, and the healthy draft taken out), so the request
             # moves to another pair, and the draft, which reports its own readiness, stays in
@@ -239,6 +239,17 @@ def _target_failed_under(exc: Exception) -> bool:
     """A draft's failure that names its target as the cause (`TARGET_PREFIX`, `draft_service.target_client`)."""
     details = getattr(exc, "details", None)
     return callable(details) and (details() or "").startswith(TARGET_PREFIX)
+
+
+def _one_process_gone(lease: Lease, exc: Exception) -> bool:
+    """A colocated pair (draft and target at one address: `serve-draft --target in-process`) whose draft stream was
+    cut (UNAVAILABLE, or a stream without its finish): the process serving both is gone or going, so its target
+    would fail the continuation too (two fallbacks for one death, before)."""
+    pair = lease.pair
+    if pair.draft is None or pair.draft.addr != pair.target.addr:
+        return False
+    code = getattr(exc, "code", None)
+    return isinstance(exc, StreamBroken) or (callable(code) and code() == grpc.StatusCode.UNAVAILABLE)
 
 
 def _describe(exc: Exception) -> str:

@@ -68,6 +68,37 @@ def test_a_draft_failing_for_its_target_moves_the_stream_to_another_pair(fake_mo
     assert gateway.router.pairs[0].draft_up and not gateway.router.pairs[0].target_up
 
 
+def test_a_colocated_pair_cut_under_its_draft_stream_moves_to_another_pair(fake_model, model_dir):
+    """Draft and target at one address (`--target in-process`): a draft stream cut UNAVAILABLE means the process
+    serving both is going; the stream moves to the other pair at once (one fallback), not onto that target."""
+    from gateway_fakes import FakeDraft, FakeTarget, gateway_over
+
+    from specdec.rpc.server import start_server
+    from specdec.v1 import draft_pb2_grpc, target_pb2_grpc
+
+    async def body():
+        target, draft = FakeTarget(fake_model), FakeDraft(fake_model)
+        both = await start_server([lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(target, s),
+                                   lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(draft, s)],
+                                  ["specdec.v1.TargetService", "specdec.v1.DraftService"], "127.0.0.1", 0)
+        await both.set_serving(True)
+        other = await start_fake_pair(fake_model)
+        addr = f"127.0.0.1:{both.bound_port}"
+        try:
+            async with gateway_over([PairAddress(addr, addr), other.address], model_dir) as (gateway, stub):
+                gateway.router.pairs[1].in_flight = 5  # make the colocated pair the least loaded
+                draft.fail_after_chunks, draft.fail_details = 2, "Socket closed"
+                result = await collect(stub.Generate(request(request_id="c1")))
+        finally:
+            for handle in (both, other.draft_handle, other.target_handle):
+                await handle.stop(None)
+        return target, other, result
+
+    target, other, (text, _, final, _) = run(body())
+    assert text == SCRIPT_TEXT and final.fallbacks == 1 and not final.speculative
+    assert not target.seen.requests and [r[0] for r in other.target.seen.requests] == ["c1~1"]
+
+
 def test_an_abort_call_on_the_draft_ends_the_stream_and_keeps_the_draft_in(fake_model, model_dir):
     """A draft's stream that ends with FINISH_REASON_ABORT was named by an Abort call (an operator's): the client's
     stream ends there with finish reason abort; it is not continued on the target, and the draft is not marked down
