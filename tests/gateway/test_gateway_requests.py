@@ -192,7 +192,9 @@ def test_gateway_tokenize_keeps_special_token_text_plain(fake_model, model_dir, 
 
 def test_gateway_list_models_and_detokenize(fake_model, model_dir, tiny_tokenizer):
     async def body():
-        async with fake_stack(fake_model, model_dir, num_pairs=2) as (_, _, stub):
+        async with fake_stack(fake_model, model_dir, num_pairs=2) as (_, gateway, stub):
+            while gateway.router.pairs_up < 2:  # each pair's first check runs on its own (fake_stack waits for one)
+                await asyncio.sleep(0.01)
             models = await stub.ListModels(gateway_pb2.ListModelsRequest())
             bad = None
             try:
