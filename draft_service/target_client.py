@@ -105,6 +105,9 @@ class TargetClient:
         self.feature_wire = feature_wire  # asked of every Prefill: "" (compute dtype) or tensor_codec.FP8_ROWS
         self.feature_dim = 0  # set once the draft is built: the feature width it consumes (0: not checked)
         self.features = features  # its requests ask for features (False: `--speculation off`, none come back)
+        # the target's GetModelInfo.prefill_chunk_tokens: it prefills a longer prompt in parts, running Verify calls
+        # between them, so the draft admits such a prompt while its running batch goes on (`Admission`); 0: never
+        self.prefill_chunk_tokens = 0
         # request id -> its Prefill RPC while `prefill_each` waits for it (`cancel_prefill`, from another thread)
         self._admitting: dict[str, grpc.Future] = {}
         self._admitting_lock = threading.Lock()
@@ -236,6 +239,11 @@ class TargetClient:
     def prefill_each(self, inputs: list[PrefillInput]) -> list:
         """One Prefill RPC per request, all in flight at once (the target runs those that meet as one forward),
         each in its request's trace; per request its PrefillOutput or its error (SpecdecError)."""
+        return self.prefill_collect(self.prefill_send(inputs))
+
+    def prefill_send(self, inputs: list[PrefillInput]):
+        """`prefill_each`'s RPCs sent, not waited for: `prefill_ready` tells whether all have answered,
+        `prefill_collect` takes the answers (once; it waits for those still out)."""
         if self.feature_wire:
             inputs = [replace(inp, feature_wire=self.feature_wire) for inp in inputs]
         stale = self.pending.take([inp.request_id for inp in inputs])
@@ -244,6 +252,14 @@ class TargetClient:
         started = [self._start("prefill", prefill_to_proto(inp), inp.trace_context) for inp in inputs]
         with self._admitting_lock:
             self._admitting.update((inp.request_id, call[1]) for inp, call in zip(inputs, started, strict=True))
+        return inputs, started
+
+    @staticmethod
+    def prefill_ready(sent) -> bool:
+        return all(call[1].done() for call in sent[1])
+
+    def prefill_collect(self, sent) -> list:
+        inputs, started = sent
         answers: list = []
         try:
             for inp, call in zip(inputs, started, strict=True):
@@ -261,11 +277,12 @@ class TargetClient:
         return answers
 
     def cancel_prefill(self, request_id: str) -> None:
-        """Cancel the request's Prefill RPC if `prefill_each` is waiting for it (any thread: the event loop's, when
-        the request's client leaves during its admission). The target drops it if its forward has not run yet (if
-        it has, `prefill_each` releases it); either way the request's answer is `Cancelled` and the admission
-        drops it. Before, a burst of long prompts cancelled at once was prefilled
-        all the same while the requests behind it waited (7.1 s against 1.1 s plainly, on a CPU: QA)."""
+        """Cancel the request's Prefill RPC while it is in flight (`prefill_send` to `prefill_collect`; any thread:
+        the event loop's, when the request's client leaves during its admission). The target drops it if its
+        forward has not run yet, or stops it after the part under way (a prompt prefilled in parts); if it ran,
+        `prefill_collect` releases it. Either way the request's answer is `Cancelled` and the admission drops it.
+        Before, a burst of long prompts cancelled at once was prefilled all the same while the requests behind it
+        waited (7.1 s against 1.1 s plainly, on a CPU: QA)."""
         with self._admitting_lock:
             future = self._admitting.get(request_id)
         if future is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -97,7 +98,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         inp = prefill_from_proto(request)
         with bind_request_id(inp.request_id):
             t0 = time.perf_counter()
-            out = await self.loop.call_batched(self._prefill_many, inp)
+            if self.engine.in_parts(inp):
+                out = await self._prefill_in_parts(inp)
+            else:
+                out = await self.loop.call_batched(self._prefill_many, inp)
             elapsed = time.perf_counter() - t0
             trace.get_current_span().set_attribute("num_prompt_tokens", len(inp.prompt_ids))
             # a draft's start-up requests (warm-up, calibration: 382 lines for one calibrating up to 64) at DEBUG
@@ -105,6 +109,31 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             log.log(level, "prefill: %d prompt tokens in %.3f s", len(inp.prompt_ids), elapsed,
                     extra={"prompt_tokens": len(inp.prompt_ids), "prefill_s": round(elapsed, 4)})
             return prefill_reply_bytes(out)  # encoded here: see specdec.rpc.wire
+
+    async def _prefill_in_parts(self, inp):
+        """A prompt longer than `prefill_chunk_tokens`: admitted, then one engine call per part
+        (`specdec.engine.prefill_parts`). Each part's call joins the loop's queue behind the calls that came
+        meanwhile, so the Verify calls of running streams run between two parts. A caller that leaves (a draft
+        cancelling the Prefill of a request whose client left) stops it after the part under way: the request is
+        released, its pages freed."""
+        await self.loop.call(self.engine.begin_prefill, inp)
+        packed = {inp.request_id} if inp.feature_wire == FP8_ROWS else set()
+        try:
+            out = None
+            while out is None:
+                out = await self.loop.call(self._prefill_part, inp.request_id, packed)
+            return out
+        except BaseException:
+            await asyncio.shield(self.loop.call(self._drop_parts, inp.request_id))
+            raise
+
+    def _prefill_part(self, request_id: str, packed: set):
+        out = self.engine.prefill_part(request_id)
+        return None if out is None else features_to_host([out], packed)[0]
+
+    def _drop_parts(self, request_id: str) -> None:
+        if request_id in self.engine.prefilling:  # (a part that failed released it already)
+            self.engine.release(request_id)
 
     async def Verify(self, request, context):
         inputs, plain_steps, feature_rows = verify_from_proto(request)
@@ -247,4 +276,5 @@ def model_info(engine: TargetEngine, model_name: str) -> target_pb2.TargetServic
         kv=kv_stats(engine.kv), num_running=len(engine.requests),
         max_draft_tokens=engine.max_draft_tokens,
         num_waiting_for_pages=len(engine.page_queue),
+        prefill_chunk_tokens=engine.prefill_chunk_tokens,
     )

@@ -15,7 +15,7 @@ import time
 from specdec.engine.plain_steps import PLAIN_STEPS
 from specdec.engine.requests import ABORT, RUNNING, PrefillInput
 from specdec.engine.run_state import Event, RunState
-from specdec.errors import OutOfPages, SpecdecError
+from specdec.errors import Cancelled, OutOfPages, SpecdecError
 from specdec.telemetry.tracing import add_event, attached, untraced_context
 
 QUEUE_POLL_S = 0.01  # how often a request waiting for KV pages retries its admission
@@ -70,8 +70,20 @@ class Admission:
 
     def _admit(self) -> list[Event]:
         """Admit waiting requests (FIFO) while the batch has room: prefill groups of them in one target call
-        (at most MAX_PREFILL_TOKENS prompt tokens each), then extend the draft over their prompts."""
+        (at most MAX_PREFILL_TOKENS prompt tokens each), then extend the draft over their prompts. A group with a
+        prompt the target prefills in parts is sent and left in flight while the batch runs (`_in_background`)."""
         events, extend = [], []
+        if self._flight is not None:
+            sent = self._flight[1]
+            if self.running and sent is not None and not self.target.prefill_ready(sent):
+                return events
+            group, answers = self._land_flight()
+            try:
+                blocked = self._admit_group(group, answers, events, extend)
+            finally:
+                self.admitting = []
+            if blocked or extend:  # (the next group waits for the next step: the batch gets its step first)
+                return self._extended(events, extend)
         if self._retry_at and time.monotonic() < self._retry_at:
             return events
         self._retry_at = 0.0
@@ -88,32 +100,85 @@ class Admission:
         self._prompt_window = self._window(min(len(self.waiting), self.max_batch_size - len(self.running)))
         while self.waiting and len(self.running) < self.max_batch_size:
             group = self.admitting = self._next_group()  # (the gauges count them as waiting)
+            if self.running and self._in_background(group):
+                self._send_flight(group)  # `admitting` stays the group until it lands
+                break
             try:
-                answers = self._prefill_each(group)  # a remote target: each request answered alone, all at once
-                outs = self._prefill_together(group) if answers is None else None
-                blocked = False
-                if outs is None:  # a single request, or the group failed: one by one, so a failure stays its own
-                    outs = []
-                    for i, state in enumerate(group):
-                        out = self._prefill_one(state, events, answers[i] if answers else None)
-                        if out is _BLOCKED:  # waits (FIFO) until pages free up or the limit passes
-                            if answers:
-                                self._undo_answers(group[i + 1 :], answers[i + 1 :])
-                            self.waiting.extendleft(reversed(group[i:]))
-                            self._block_waiting()
-                            blocked = True
-                            break
-                        outs.append(out)
-                for state, out in zip(group, outs, strict=False):
-                    if out is not None:
-                        self._start(state, out, events, extend)
+                blocked = self._admit_group(group, self._prefill_each(group), events, extend)
             finally:
                 self.admitting = []
             if blocked:
                 break
+        return self._extended(events, extend)
+
+    def _extended(self, events: list[Event], extend: list) -> list[Event]:
         if extend:
             self._extend(extend, self._step_trace([self.running[rid] for rid, _, _ in extend]), PROMPT_EXTEND)
         return events
+
+    def _admit_group(self, group: list[RunState], answers: list | None, events: list[Event], extend: list) -> bool:
+        """Start the group's requests from their prefill `answers` (None: prefill them now); -> whether the queue
+        is blocked (a request must wait for KV pages: it and those behind it are back at the queue's head)."""
+        outs, blocked = self._prefill_together(group) if answers is None else None, False
+        if outs is None:  # a single request, or the group failed: one by one, so a failure stays its own
+            outs = []
+            for i, state in enumerate(group):
+                out = self._prefill_one(state, events, answers[i] if answers else None)
+                if out is _BLOCKED:  # waits (FIFO) until pages free up or the limit passes
+                    if answers:
+                        self._undo_answers(group[i + 1 :], answers[i + 1 :])
+                    self.waiting.extendleft(reversed(group[i:]))
+                    self._block_waiting()
+                    blocked = True
+                    break
+                outs.append(out)
+        for state, out in zip(group, outs, strict=False):  # (those before a blocked one start)
+            if out is not None:
+                self._start(state, out, events, extend)
+        return blocked
+
+    def _in_background(self, group: list[RunState]) -> bool:
+        """Is the group's prefill left in flight while the running batch goes on? Only where the batch could go on
+        meanwhile: a remote target (`prefill_send`) that prefills one of the group's prompts in parts, running the
+        batch's Verify calls between them (`specdec.engine.prefill_parts`). Elsewhere a step waits for the
+        admission, as the target would run the whole prompt before the batch's next Verify anyway."""
+        chunk = getattr(self.target, "prefill_chunk_tokens", 0)
+        return bool(chunk) and callable(getattr(self.target, "prefill_send", None)) and \
+            any(len(s.prompt_ids) > chunk for s in group)
+
+    def _send_flight(self, group: list[RunState]) -> None:
+        answers: list = [None] * len(group)
+        inputs, where = self._prefill_inputs(group, answers)
+        self._flight = (group, self.target.prefill_send(inputs) if inputs else None, answers, where)
+        self._flight_span = (time.perf_counter(), None)
+
+    def _land_flight(self) -> tuple[list[RunState], list]:
+        group, sent, answers, where = self._flight
+        self._flight = None
+        for i, answer in zip(where, self.target.prefill_collect(sent) if sent is not None else [], strict=True):
+            answers[i] = answer
+        self._flight_span = (self._flight_span[0], time.perf_counter())
+        for i, state in enumerate(group):  # aborted while in flight: ends now, before it would run a step
+            if state.request_id in self._aborts and not isinstance(answers[i], SpecdecError):
+                with contextlib.suppress(SpecdecError):
+                    self.target.release(state.request_id)
+                answers[i] = Cancelled("the request was aborted during its admission")
+        return group, answers
+
+    def flight_overlaps(self, since: float) -> bool:
+        """Was a group's prefill in flight at some time from `since` to now? A step then shared the target with it
+        (its Verify waited for a part): its time is not its budget's (`land`)."""
+        return self._flight_span is not None and (self._flight_span[1] is None or self._flight_span[1] > since)
+
+    def _close_flight(self) -> None:
+        """The service stops: a group still in flight is cancelled, and what its target admitted released."""
+        if self._flight is None:
+            return
+        group = self._flight[0]
+        for state in group:
+            self.target.cancel_prefill(state.request_id)
+        group, answers = self._land_flight()
+        self._undo_answers(group, answers)
 
     def _next_group(self) -> list[RunState]:
         group, tokens = [], 0
@@ -186,16 +251,22 @@ class Admission:
         if prefill_each is None:
             return None
         answers: list = [None] * len(group)
+        inputs, where = self._prefill_inputs(group, answers)
+        for i, answer in zip(where, prefill_each(inputs) if inputs else [], strict=True):
+            answers[i] = answer
+        return answers
+
+    def _prefill_inputs(self, group: list[RunState], answers: list) -> tuple[list[PrefillInput], list[int]]:
+        """The group's Prefill inputs and their places in it; a request refused on the draft side (its KV pool, a
+        duplicate id) gets its error in `answers` and no input."""
         inputs, where = [], []
         for i, state in enumerate(group):
             try:
                 inputs.append(self._prefill_input(state))
                 where.append(i)
-            except SpecdecError as exc:  # refused on the draft side (its KV pool, a duplicate id): no RPC
+            except SpecdecError as exc:
                 answers[i] = exc
-        for i, answer in zip(where, prefill_each(inputs) if inputs else [], strict=True):
-            answers[i] = answer
-        return answers
+        return inputs, where
 
     def _undo_answers(self, states: list[RunState], answers: list) -> None:
         """Requests behind one that must wait for pages wait too (FIFO): undo what their answers admitted."""

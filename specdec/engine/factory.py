@@ -16,6 +16,7 @@ from specdec.engine.target_engine import TargetEngine
 from specdec.errors import ConfigError
 from specdec.models.loader import load_draft, load_target, resolve_dtype
 from specdec.models.token_map import read_token_map
+from specdec.serving.engine_args import DEFAULT_PREFILL_CHUNK
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class EngineOptions:
     cuda_graphs: bool = True  # used on CUDA with the flashinfer backend; --disable-cuda-graph turns them off
     token_map: str = ""  # draft only: a token-map file, the EAGLE-1 head's draft vocabulary (models/token_map.py)
     kv_fraction: float = 0.0  # without num_pages on a GPU: the share of free memory the pool takes (0: GPU_KV_FRACTION)
+    prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK  # target only: a longer prompt is prefilled in parts (0: never)
 
     def validate(self) -> EngineOptions:
         if not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -99,7 +101,7 @@ def build_target(path: str, opts: EngineOptions) -> TargetEngine:
     graphs = opts.cuda_graphs and opts.device.startswith("cuda") and opts.attention_backend == "flashinfer"
     engine = TargetEngine(model, pages, opts.page_size, opts.attention_backend, max_context, device=opts.device,
                           max_batch_size=opts.max_batch_size, simulate_accept_len=opts.simulate_accept_len,
-                          cuda_graphs=graphs)
+                          cuda_graphs=graphs, prefill_chunk_tokens=opts.prefill_chunk_tokens)
     if engine.graphs is not None:  # verify shapes are captured on first use (tree sizes come from the draft)
         capture_at_startup(engine.graphs, "target")
     return engine

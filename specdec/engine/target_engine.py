@@ -25,6 +25,7 @@ from specdec.engine.plain_steps import (
     split_features,
     step_features_into,
 )
+from specdec.engine.prefill_parts import PrefillParts, PromptInParts
 from specdec.engine.requests import (
     RUNNING,
     PrefillInput,
@@ -63,7 +64,7 @@ class TargetRequest:
     named_at: float = field(default_factory=time.monotonic)  # the last prefill or verify naming it (`release_idle`)
 
 
-class TargetEngine:
+class TargetEngine(PrefillParts):
     batches_prefill = True  # prefill() runs many requests in one forward (the scheduler groups admissions)
 
     def __init__(
@@ -78,6 +79,7 @@ class TargetEngine:
         max_batch_size: int = 64,
         simulate_accept_len: float = 0.0,
         cuda_graphs: bool = False,
+        prefill_chunk_tokens: int = 0,
     ):
         cfg = model.cfg
         self.simulate_accept_len = simulate_accept_len  # benchmarking only: outputs are not the target's
@@ -91,6 +93,8 @@ class TargetEngine:
         self.max_draft_tokens = max_draft_tokens
         self.requests: dict[str, TargetRequest] = {}
         self.finished: OrderedDict[str, str] = OrderedDict()  # id -> finish reason (`FINISHED_MEMORY`)
+        self.prefill_chunk_tokens = prefill_chunk_tokens  # a longer prompt is prefilled in parts (`PrefillParts`)
+        self.prefilling: dict[str, PromptInParts] = {}
         self.graphs = None
         if cuda_graphs:
             from specdec.engine.cuda_graphs import TargetGraphs
@@ -178,6 +182,7 @@ class TargetEngine:
         """Free a request's pages; a request waiting for pages (in the page queue) leaves the queue instead: its
         caller gave up on it (a client that left, a queue wait that ran out), and the requests behind it need not
         wait for its place to lapse."""
+        self.prefilling.pop(request_id, None)
         if self.requests.pop(request_id, None) is None:
             if request_id in self.page_queue:
                 self.page_queue.leave([request_id])
@@ -208,7 +213,10 @@ class TargetEngine:
 
         A refused group is asked for again one request at a time (`Admission`, the target's Prefill RPCs): the
         requests it put in the page queue leave it, so they queue in that order; those waiting before keep their
-        place. A single request keeps its place only when it was refused for lack of pages."""
+        place. A single request keeps its place only when it was refused for lack of pages. A single prompt longer
+        than `prefill_chunk_tokens` runs in parts (`PrefillParts`)."""
+        if len(inputs) == 1 and self.in_parts(inputs[0]):
+            return [self._prefill_in_parts(inputs[0])]
         admitted: list[PrefillInput] = []
         fresh = [inp.request_id for inp in inputs if inp.request_id not in self.page_queue]
         try:
@@ -300,6 +308,7 @@ class TargetEngine:
                 VerifyOutput(inp.request_id, [], 0, None, self.finished[inp.request_id]) for inp in inputs]
 
     def _check_batch(self, inputs: list[VerifyInput]) -> None:
+        self.check_not_prefilling(inp.request_id for inp in inputs)
         reqs = [self.requests.get(inp.request_id) for inp in inputs]
         if (None not in reqs and len({inp.request_id for inp in inputs}) == len(inputs)
                 and trees_valid([(inp.draft_tokens, inp.parents) for inp in inputs], self.cfg.vocab_size,

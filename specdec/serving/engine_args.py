@@ -10,6 +10,13 @@ import math
 from specdec.rpc.address import MAX_PORT, address_problem
 from specdec.serving.stall_watch import DEFAULT_STALL_S, MIN_STALL_S
 
+# Prompt tokens of one prefill part (`--prefill-chunk-tokens`, `specdec.engine.prefill_parts`) on a GPU and on a
+# CPU: a running stream's longest wait while a long prompt is admitted is one part's forward. CPU, the tiny pair
+# through the services, a 1,800-token prompt (`python bench/prefill_parts.py`): the running stream's longest gap
+# 1.07 s in one forward, 0.25 s in parts of 512 (the prompt's first token 0.90 s against 1.05).
+DEFAULT_PREFILL_CHUNK = 2048
+CPU_PREFILL_CHUNK = 512
+
 
 def ranged(kind: type = float, minimum: float = 0, maximum: float | None = None, *, what: str = "a number",
            zero: str | None = None):
@@ -98,6 +105,11 @@ def add_engine_args(parser: argparse.ArgumentParser, default_port: int, gpu_plai
     e.add_argument("--simulate-accept-len", type=ranged(float, 1, what="tokens per step", zero="off"), default=0.0,
                    help="BENCHMARKING ONLY (target): accept a simulated number of draft tokens per step with this "
                         "mean tokens/step; outputs are then NOT the model's. Default off")
+    e.add_argument("--prefill-chunk-tokens", type=ranged(int, 16, what="tokens", zero="never"), default=None,
+                   help="target: a prompt longer than this is prefilled in parts of at most this many tokens, and "
+                        "the Verify calls of running streams run between two parts (they wait for one part, not "
+                        f"the whole prompt); at least 16, default {DEFAULT_PREFILL_CHUNK} on a GPU, "
+                        f"{CPU_PREFILL_CHUNK} on a CPU, 0 = every prompt in one forward")
     e.add_argument("--disable-cuda-graph", action="store_true", help="run the GPU path eagerly (no CUDA graphs)")
     e.add_argument("--plain-steps", type=int, default=None,
                    help="tokens per request a plain decoding step commits (target: Generate; draft: the steps "
@@ -137,4 +149,12 @@ def engine_options(args: argparse.Namespace):
         num_pages=args.num_pages, max_batch_size=args.max_batch_size, max_context=args.max_context,
         dummy_weights=args.load_format == "dummy", simulate_accept_len=getattr(args, "simulate_accept_len", 0.0),
         cuda_graphs=not args.disable_cuda_graph, token_map=getattr(args, "token_map", None) or "",
+        prefill_chunk_tokens=prefill_chunk_tokens(args),
     ).validate()
+
+
+def prefill_chunk_tokens(args: argparse.Namespace) -> int:
+    chunk = getattr(args, "prefill_chunk_tokens", None)
+    if chunk is None:
+        return DEFAULT_PREFILL_CHUNK if args.device.startswith("cuda") else CPU_PREFILL_CHUNK
+    return chunk

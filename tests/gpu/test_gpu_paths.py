@@ -621,3 +621,28 @@ def test_host_copies_land_behind_queued_gpu_work_without_waiting_for_it():
     assert all(o.tolist() == list(range(i, i + 300)) for i, o in enumerate(outs))
     assert torch.equal(dst.cpu(), large)
     assert host_s < 0.01, host_s
+
+
+@pytest.mark.parametrize("backend", ["flashinfer", "torch"])
+def test_prefill_in_parts_equals_one_forward_on_gpu(backend):
+    """A prompt prefilled in parts (`specdec.engine.prefill_parts`: queries over a cached prefix, causal among
+    themselves) gives one forward's first token and features (bf16 tolerance), and the same greedy tokens after."""
+    from specdec.engine.requests import PrefillInput, VerifyInput
+    from specdec.sampling_params import SamplingParams
+
+    prompt = [(13 * i + 5) % 8000 + 100 for i in range(1500)]
+    runs = []
+    for chunk in (0, 256, 100):
+        eng = _engine(backend)
+        eng.prefill_chunk_tokens = chunk
+        out = eng.prefill([PrefillInput("r", prompt, SamplingParams(max_new_tokens=40, ignore_eos=True))])[0]
+        tokens = [out.first_token]
+        for _ in range(8):
+            tokens += eng.verify([VerifyInput("r", [], [])])[0].tokens
+        runs.append((out, tokens))
+        assert not eng.prefilling
+    whole = runs[0][0].features.float()
+    for out, tokens in runs[1:]:
+        rel = ((out.features.float() - whole).norm() / whole.norm()).item()
+        assert rel < 2e-2 and out.features.shape == whole.shape, rel
+        assert tokens == runs[0][1]

@@ -1,0 +1,126 @@
+"""How long a running stream stops while a long prompt is admitted, with the target's prompt in one forward
+(`--prefill-chunk-tokens 0`) and in parts (`specdec.engine.prefill_parts`).
+
+Target and draft run as their own processes (as deployed). Per setting: stream A (a short prompt) runs; once it
+has streamed `--lead-tokens` tokens, stream B (a `--long-tokens` prompt) is sent. Reported per setting (median over
+`--repeats`): A's longest gap between two messages while B is admitted (from B's send to its first token), B's
+time to first token, and A's tokens/s over the whole run. B's text is checked against the target's own Generate.
+
+CPU, the tiny pair:     python bench/prefill_parts.py
+GPU, 8B shape (dummy):  python bench/prefill_parts.py --long-tokens 8000 --target-flags "--load-format dummy \
+    --config llama3-8b --device cuda:0 --attention-backend flashinfer --dtype bfloat16 --max-context 16384 \
+    --simulate-accept-len 5" --draft-flags "--load-format dummy --config llama3-8b-eagle1 --target-model llama3-8b \
+    --device cuda:0 --attention-backend flashinfer --dtype bfloat16 --max-context 16384"
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from service_process import REPO_ROOT, ServiceProcess  # noqa: E402
+
+from specdec.rpc.channel import make_channel  # noqa: E402
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc  # noqa: E402
+
+
+def _sampling(n: int) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(max_new_tokens=n, ignore_eos=True)
+
+
+async def _stream(call, request, arrivals: list) -> list[int]:
+    tokens = []
+    async for msg in call(request):
+        tokens += list(msg.token_ids)
+        arrivals.append(time.monotonic())
+    return tokens
+
+
+async def one_round(draft_addr: str, target_addr: str, short: list[int], long: list[int], args, tag: str) -> dict:
+    async with make_channel(draft_addr) as dch, make_channel(target_addr) as tch:
+        d = draft_pb2_grpc.DraftServiceStub(dch)
+        a_times, b_times = [], []
+        a = asyncio.ensure_future(_stream(d.Generate, draft_pb2.DraftServiceGenerateRequest(
+            request_id=f"a-{tag}", prompt_ids=short, sampling=_sampling(args.a_tokens)), a_times))
+        t0 = time.monotonic()
+        while len(a_times) < args.lead_messages and not a.done():
+            await asyncio.sleep(0.001)
+        b_sent = time.monotonic()
+        b = await _stream(d.Generate, draft_pb2.DraftServiceGenerateRequest(
+            request_id=f"b-{tag}", prompt_ids=long, sampling=_sampling(args.b_tokens)), b_times)
+        a_tokens = await a
+        first_b = b_times[0]
+        # A's longest silence from B's send to its first token (ended by A's first message after it, if any)
+        after = next((t for t in a_times if t >= first_b), first_b)
+        marks = [b_sent, *(t for t in a_times if b_sent < t < first_b), after]
+        gaps = [t2 - t1 for t1, t2 in zip(marks, marks[1:], strict=False)]
+        plain = []
+        if args.check:
+            plain = await _stream(target_pb2_grpc.TargetServiceStub(tch).Generate,
+                                  target_pb2.TargetServiceGenerateRequest(request_id=f"p-{tag}", prompt_ids=long,
+                                                                          sampling=_sampling(args.b_tokens)), [])
+        return {"a_max_gap_s": max(gaps, default=first_b - b_sent), "b_ttft_s": first_b - b_sent,
+                "a_messages_during_b": sum(b_sent < t < first_b for t in a_times),
+                "a_tokens_per_s": len(a_tokens) / (a_times[-1] - t0), "b_matches_target": (b == plain) if plain
+                else None}
+
+
+def run_setting(chunk: int, short, long, args) -> dict:
+    common = ["--log-level", "WARNING", "--drain-seconds", "1"]
+    target = ServiceProcess(["serve-target", *shlex.split(args.target_flags), *common,
+                             "--prefill-chunk-tokens", str(chunk)], "specdec.v1.TargetService")
+    try:
+        draft = ServiceProcess(["serve-draft", "--target", target.addr, *shlex.split(args.draft_flags), *common,
+                                "--speculation", args.speculation], "specdec.v1.DraftService")
+        try:
+            asyncio.run(one_round(draft.addr, target.addr, short, long, args, "warm"))
+            rounds = [asyncio.run(one_round(draft.addr, target.addr, short, long, args, f"r{i}"))
+                      for i in range(args.repeats)]
+        finally:
+            draft.stop()
+    finally:
+        target.stop()
+    med = {k: round(statistics.median(r[k] for r in rounds), 4) for k in
+           ("a_max_gap_s", "b_ttft_s", "a_messages_during_b", "a_tokens_per_s")}
+    return {"prefill_chunk_tokens": chunk, **med, "b_matches_target": [r["b_matches_target"] for r in rounds]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--chunks", default="0,2048,512", help="--prefill-chunk-tokens settings, comma-separated")
+    p.add_argument("--long-tokens", type=int, default=1800, help="stream B's prompt length")
+    p.add_argument("--a-tokens", type=int, default=400, help="stream A's new tokens")
+    p.add_argument("--b-tokens", type=int, default=16, help="stream B's new tokens")
+    p.add_argument("--lead-messages", type=int, default=5, help="A's messages before B is sent")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--speculation", default="always")
+    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
+                   help="compare B's text with the target's Generate (off for SIMULATED acceptance)")
+    p.add_argument("--target-flags", default=f"--model {TINY / 'target'}")
+    p.add_argument("--draft-flags", default=f"--model {TINY / 'draft'} --target-model {TINY / 'target'}")
+    p.add_argument("--out", help="write the rows as JSON here too")
+    args = p.parse_args(argv)
+    vocab = 8000
+    short = [(7 * i + 11) % vocab + 100 for i in range(32)]
+    long = [(13 * i + 5) % vocab + 100 for i in range(args.long_tokens)]
+    rows = []
+    for chunk in (int(c) for c in args.chunks.split(",")):
+        row = run_setting(chunk, short, long, args)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    return 0
+
+
+TINY = REPO_ROOT / "models" / "tiny-code"
+
+if __name__ == "__main__":
+    raise SystemExit(main())

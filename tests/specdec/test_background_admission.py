@@ -1,0 +1,130 @@
+"""A prompt the target prefills in parts is admitted in the background (`Admission._in_background`): its Prefill is
+sent and the running batch keeps stepping until the answer is in; then it joins. Outputs are the same as with
+blocking admission; an abort while it is in flight ends it once it lands, and nothing stays held."""
+
+from __future__ import annotations
+
+from core_engines import tiny_draft, tiny_target
+
+from specdec.engine.generate import feature_layers_for
+from specdec.engine.requests import ABORT
+from specdec.engine.scheduler import Scheduler
+from specdec.errors import Cancelled
+from specdec.sampling_params import SamplingParams
+
+PARAMS = SamplingParams(max_new_tokens=24, ignore_eos=True)
+
+
+class SendingTarget:
+    """A remote target's shape: Prefill RPCs sent (`prefill_send`) and answered when the test says so."""
+
+    prefill_chunk_tokens = 64
+
+    def __init__(self, engine):
+        self.engine, self.ready, self.sent, self.cancelled = engine, False, [], set()
+
+    def prefill_send(self, inputs):
+        self.sent.append([inp.request_id for inp in inputs])
+        return list(inputs)
+
+    def prefill_ready(self, sent):
+        return self.ready
+
+    def prefill_collect(self, sent):
+        return [Cancelled("left") if inp.request_id in self.cancelled else self.engine.prefill([inp])[0]
+                for inp in sent]
+
+    def prefill_each(self, inputs):
+        return self.prefill_collect(self.prefill_send(inputs))
+
+    def cancel_prefill(self, rid):
+        self.cancelled.add(rid)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+def _prompts(dev_prompts, tiny_tokenizer):
+    short = tiny_tokenizer.encode(dev_prompts[3])[-40:]
+    long = (tiny_tokenizer.encode(dev_prompts[4]) * 4)[-200:]  # longer than the target's part of 64
+    return short, long
+
+
+def _blocking(engine, draft, short, long) -> dict:
+    """The reference: both admitted at once, blocking (no remote target)."""
+    sched = Scheduler(engine, draft, engine.max_context, 8, feature_layers_for(draft))
+    sched.add("s", short, PARAMS)
+    sched.add("l", long, PARAMS)
+    out = {"s": [], "l": []}
+    while sched.has_work:
+        for ev in sched.step():
+            assert ev.error is None
+            out[ev.request_id] += ev.tokens
+    return out
+
+
+def test_the_batch_steps_while_a_long_prompt_is_prefilled(dev_prompts, tiny_tokenizer):
+    engine, draft = tiny_target(), tiny_draft()
+    short, long = _prompts(dev_prompts, tiny_tokenizer)
+    reference = _blocking(engine, draft, short, long)
+    target = SendingTarget(engine)
+    sched = Scheduler(target, draft, engine.max_context, 8, feature_layers_for(draft))
+    out = {"s": [], "l": []}
+
+    def step():
+        for ev in sched.step():
+            assert ev.error is None
+            out[ev.request_id] += ev.tokens
+
+    sched.add("s", short, PARAMS)
+    step()  # nothing running: "s" is admitted the blocking way
+    assert target.sent == [["s"]] and out["s"]
+    sched.add("l", long, PARAMS)
+    step()
+    assert target.sent[-1] == ["l"] and [s.request_id for s in sched.admitting] == ["l"]
+    before = len(out["s"])
+    for _ in range(3):
+        step()
+    assert len(out["s"]) > before and out["l"] == []  # "s" decodes while "l" is in flight
+    target.ready = True
+    while sched.has_work:
+        step()
+    assert out == reference
+    assert not engine.requests and draft.kv.num_free_pages == draft.kv.num_total_pages
+
+
+def test_an_abort_in_flight_lands_and_frees_everything(dev_prompts, tiny_tokenizer):
+    engine, draft = tiny_target(), tiny_draft()
+    short, long = _prompts(dev_prompts, tiny_tokenizer)
+    target = SendingTarget(engine)
+    sched = Scheduler(target, draft, engine.max_context, 8, feature_layers_for(draft))
+    sched.add("s", short, PARAMS)
+    sched.step()
+    sched.add("l", long, PARAMS)
+    sched.step()
+    sched.abort("l")  # kept until the admission lands (its client's leaving cancels the RPC meanwhile)
+    ended = [ev for ev in sched.step() if ev.request_id == "l"]
+    assert not ended and sched.aborting == {"l"}
+    target.ready = True
+    events = []
+    while sched.has_work:
+        events += sched.step()
+    assert [ev.finish_reason for ev in events if ev.request_id == "l"] == [ABORT]
+    assert not engine.requests and not draft.requests
+    assert engine.kv.reserved_by_requests == 0 and draft.kv.num_free_pages == draft.kv.num_total_pages
+
+
+def test_close_with_a_prefill_in_flight_releases_it(dev_prompts, tiny_tokenizer):
+    engine, draft = tiny_target(), tiny_draft()
+    short, long = _prompts(dev_prompts, tiny_tokenizer)
+    target = SendingTarget(engine)
+    sched = Scheduler(target, draft, engine.max_context, 8, feature_layers_for(draft))
+    sched.add("s", short, PARAMS)
+    sched.step()
+    sched.add("l", long, PARAMS)
+    sched.step()
+    assert sched._flight is not None
+    sched.close()
+    assert target.cancelled == {"l"} and "l" not in engine.requests and "l" not in draft.requests
+    sched.fail_running(Cancelled("stopping"))
+    assert not engine.requests and draft.kv.num_free_pages == draft.kv.num_total_pages
