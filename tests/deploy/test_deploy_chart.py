@@ -160,6 +160,21 @@ def test_plain_steps_reach_both_services_when_set():
     assert proc.returncode != 0 and "plainSteps" in proc.stderr
 
 
+def test_prefill_chunk_tokens_reach_the_target_that_runs_the_prompts():
+    """`target.prefillChunkTokens`: the target container's flag (the draft's when it runs the target in-process);
+    unset, the service's default by device."""
+    pair = one(render("default"), "StatefulSet", f"{FULL}-pair")
+    assert flag(container(pair, "target"), "prefill-chunk-tokens") is None
+    pair = one(render("default", "--set", "target.prefillChunkTokens=0"), "StatefulSet", f"{FULL}-pair")
+    assert flag(container(pair, "target"), "prefill-chunk-tokens") == "0"
+    assert flag(container(pair, "draft"), "prefill-chunk-tokens") is None
+    pair = one(render("colocated", "--set", "target.prefillChunkTokens=1024"), "StatefulSet", f"{FULL}-pair")
+    assert flag(container(pair, "draft"), "prefill-chunk-tokens") == "1024"
+    for bad in ("-1", "8"):  # the flag takes 0 or at least 16
+        proc = run_helm(*template_args("default", "--set", f"target.prefillChunkTokens={bad}"), check=False)
+        assert proc.returncode != 0 and "prefillChunkTokens" in proc.stderr
+
+
 def test_calibration_max_batch_is_the_drafts_default_unless_set():
     def rendered(*sets: str):
         return flag(container(one(render("default", *sets), "StatefulSet", f"{FULL}-pair"), "draft"),

@@ -35,6 +35,7 @@ CASES = [
       for c in MODEL_SERVICES],
     ("serve-draft", "--target-wait-seconds", ["-1", "inf"], {"0": 0.0, "30": 30.0}),
     *[(c, "--simulate-accept-len", ["-1", "0.5", "nan"], {"0": 0.0, "1": 1.0, "5": 5.0}) for c in MODEL_SERVICES],
+    *[(c, "--prefill-chunk-tokens", ["-1", "8", "1.5"], {"0": 0, "16": 16, "2048": 2048}) for c in MODEL_SERVICES],
     ("serve-draft", "--target", ["localhost:70000", "localhost:0", "nohost", "localhost:", ":50052",
                                  "127.0.0.1:63010:63010", "host name:1", "h:\u00b2", "a,b:1"],
      {"in-process": "in-process", "localhost:1": "localhost:1", "[::1]:50052": "[::1]:50052",

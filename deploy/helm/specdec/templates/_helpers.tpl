@@ -324,6 +324,7 @@ lifecycle:
     {{- with include "specdec.optionalFlag" (dict "flag" "page-size" "value" $v.target.pageSize) | trim }}{{ . | nindent 4 }}{{- end }}
     {{- with include "specdec.optionalFlag" (dict "flag" "num-pages" "value" $v.target.numPages) | trim }}{{ . | nindent 4 }}{{- end }}
     {{- with include "specdec.optionalFlag" (dict "flag" "max-batch-size" "value" $v.target.maxBatchSize) | trim }}{{ . | nindent 4 }}{{- end }}
+    {{- with include "specdec.optionalFlag" (dict "flag" "prefill-chunk-tokens" "value" $v.target.prefillChunkTokens) | trim }}{{ . | nindent 4 }}{{- end }}
     - --request-idle-seconds={{ $v.target.requestIdleSeconds }}
     {{- else if eq $v.device "cuda" }}
     - --two-batch-overlap={{ $v.draft.twoBatchOverlap }}
@@ -395,6 +396,7 @@ lifecycle:
     {{- with include "specdec.optionalFlag" (dict "flag" "num-pages" "value" $v.target.numPages) | trim }}{{ . | nindent 4 }}{{- end }}
     {{- with include "specdec.optionalFlag" (dict "flag" "max-batch-size" "value" $v.target.maxBatchSize) | trim }}{{ . | nindent 4 }}{{- end }}
     {{- with include "specdec.optionalFlag" (dict "flag" "plain-steps" "value" $v.target.plainSteps) | trim }}{{ . | nindent 4 }}{{- end }}
+    {{- with include "specdec.optionalFlag" (dict "flag" "prefill-chunk-tokens" "value" $v.target.prefillChunkTokens) | trim }}{{ . | nindent 4 }}{{- end }}
     - --request-idle-seconds={{ $v.target.requestIdleSeconds }}
     {{- if and (eq $v.device "cuda") (not $v.target.cudaGraph) }}
     - --disable-cuda-graph
