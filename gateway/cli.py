@@ -6,6 +6,7 @@ Registration only builds argparse parsers; each handler imports what it needs wh
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 
 from gateway.config import DEFAULT_MAX_INPUT_CHARS, DEFAULT_MAX_NEW_TOKENS_LIMIT
@@ -83,6 +84,11 @@ def _register_up(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--colocated", action="store_true",
                    help="run the target inside the draft's process (serve-draft --target in-process: no Verify round "
                         "trip a step; two processes, the draft's port serves both)")
+    for service in ("target", "draft"):
+        p.add_argument(f"--{service}-args", type=shlex.split, default=[], metavar="FLAGS",
+                       help=f"more `specdec serve-{service}` flags, one string, e.g. --{service}-args "
+                            "'--engine-stall-seconds 60 --max-batch-size 32' (with --colocated the draft's process "
+                            "takes both)")
     for service, default in DEFAULT_PORTS.items():
         # 1-65535: the other services are told this port, so 0 (any free port) cannot stand for one
         p.add_argument(f"--{service}-port", type=port(zero=None), default=default,

@@ -30,6 +30,8 @@ def run_up(args: argparse.Namespace) -> int:
         draft_port=args.draft_port,
         target_port=args.target_port,
         colocated=args.colocated,
+        target_args=tuple(args.target_args),
+        draft_args=tuple(args.draft_args),
     )
     stack = LocalStack(config)
     with sigterm_as_interrupt():

@@ -86,6 +86,10 @@ class StackConfig:
     target_port: int = DEFAULT_PORTS["target"]
     speculation: str = "auto"  # the draft's --speculation (auto: per step, whichever is measured faster)
     colocated: bool = False  # the draft runs the target in its own process (`--target in-process`): no target process
+    # more `serve-target` / `serve-draft` flags (`up --target-args`, `--draft-args`); colocated, the draft's process
+    # takes both (its target's engine flags are its own)
+    target_args: tuple[str, ...] = ()
+    draft_args: tuple[str, ...] = ()
 
     @classmethod
     def free_ports(cls, **kwargs) -> StackConfig:
@@ -127,13 +131,14 @@ class StackConfig:
         else:
             commands["target"] = [
                 *specdec, "serve-target", "--model", self.target_dir, *device,
-                "--host", self.host, "--port", str(self.target_port),
+                "--host", self.host, "--port", str(self.target_port), *self.target_args,
             ]  # fmt: skip
         if self.draft_dir is not None:
             commands["draft"] = [
                 *specdec, "serve-draft", "--model", self.draft_dir, "--target-model", self.target_dir,
                 "--target", "in-process" if self.colocated else target_addr, *device, "--host", self.host,
                 "--port", str(self.draft_port), "--speculation", self.speculation,
+                *(self.target_args if self.colocated else ()), *self.draft_args,
             ]  # fmt: skip
         pair = f"{draft_addr if self.draft_dir is not None else ''}={target_addr}"
         commands["gateway"] = [

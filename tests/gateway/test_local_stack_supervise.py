@@ -180,6 +180,24 @@ def test_a_colocated_stack_has_no_target_process_and_needs_a_draft():
         StackConfig(colocated=True, draft_dir=None).commands()
 
 
+def test_up_passes_more_flags_to_the_service_that_takes_them():
+    """`specdec up --target-args/--draft-args`: each string split as a shell would, appended to its service's command
+    (so an engine flag `up` has no option of its own, such as --engine-stall-seconds, can still be set); colocated,
+    the draft's process, which runs the target, takes both."""
+    from specdec.cli import build_parser
+
+    args = build_parser().parse_args(["up", "--target-args", "--engine-stall-seconds 60 --prefill-chunk-tokens 0",
+                                      "--draft-args", "--max-batch-size 8"])
+    assert args.target_args == ["--engine-stall-seconds", "60", "--prefill-chunk-tokens", "0"]
+    cfg = StackConfig(target_args=tuple(args.target_args), draft_args=tuple(args.draft_args))
+    commands = cfg.commands()
+    assert commands["target"][-4:] == args.target_args and "--engine-stall-seconds" not in commands["draft"]
+    assert commands["draft"][-2:] == ["--max-batch-size", "8"]
+    colocated = StackConfig(colocated=True, target_args=("--prefill-chunk-tokens", "0"),
+                            draft_args=("--max-batch-size", "8")).commands()["draft"]
+    assert colocated[-4:] == ["--prefill-chunk-tokens", "0", "--max-batch-size", "8"]
+
+
 def test_the_bundled_models_are_found_wherever_the_package_is_installed(tmp_path, monkeypatch):
     """Beside the package in a checkout; `$SPECDEC_BUNDLED_MODELS` first where set (a plain `pip install .` puts the
     package in site-packages, away from the models: QA)."""

@@ -47,7 +47,8 @@ def test_parts_give_what_one_forward_gives(target, layers, feature_rows):
     parts, parts_tokens = _run(target, "parts", 64, layers, feature_rows)  # 300 tokens: parts of 64, the last 44
     assert parts.first_token == whole.first_token
     assert parts_tokens == whole_tokens
-    assert parts.features.shape == whole.features.shape == (feature_rows or 300, target.cfg.hidden_size * max(1, len(layers)))
+    width = target.cfg.hidden_size * max(1, len(layers))
+    assert parts.features.shape == whole.features.shape == (feature_rows or 300, width)
     torch.testing.assert_close(parts.features, whole.features, atol=2e-4, rtol=1e-4)
     assert target.kv.reserved_by_requests == 0 and not target.prefilling
 
