@@ -93,7 +93,8 @@ def test_the_batch_steps_while_a_long_prompt_is_prefilled(dev_prompts, tiny_toke
     assert not engine.requests and draft.kv.num_free_pages == draft.kv.num_total_pages
 
 
-def test_an_abort_in_flight_lands_and_frees_everything(dev_prompts, tiny_tokenizer):
+def _long_in_flight(dev_prompts, tiny_tokenizer):
+    """(engine, draft, target, scheduler) with "s" running and "l"'s Prefill in flight."""
     engine, draft = tiny_target(), tiny_draft()
     short, long = _prompts(dev_prompts, tiny_tokenizer)
     target = SendingTarget(engine)
@@ -102,6 +103,11 @@ def test_an_abort_in_flight_lands_and_frees_everything(dev_prompts, tiny_tokeniz
     sched.step()
     sched.add("l", long, PARAMS)
     sched.step()
+    return engine, draft, target, sched
+
+
+def test_an_abort_in_flight_lands_and_frees_everything(dev_prompts, tiny_tokenizer):
+    engine, draft, target, sched = _long_in_flight(dev_prompts, tiny_tokenizer)
     sched.abort("l")  # kept until the admission lands (its client's leaving cancels the RPC meanwhile)
     ended = [ev for ev in sched.step() if ev.request_id == "l"]
     assert not ended and sched.aborting == {"l"}
@@ -115,14 +121,7 @@ def test_an_abort_in_flight_lands_and_frees_everything(dev_prompts, tiny_tokeniz
 
 
 def test_close_with_a_prefill_in_flight_releases_it(dev_prompts, tiny_tokenizer):
-    engine, draft = tiny_target(), tiny_draft()
-    short, long = _prompts(dev_prompts, tiny_tokenizer)
-    target = SendingTarget(engine)
-    sched = Scheduler(target, draft, engine.max_context, 8, feature_layers_for(draft))
-    sched.add("s", short, PARAMS)
-    sched.step()
-    sched.add("l", long, PARAMS)
-    sched.step()
+    engine, draft, target, sched = _long_in_flight(dev_prompts, tiny_tokenizer)
     assert sched._flight is not None
     sched.close()
     assert target.cancelled == {"l"} and "l" not in engine.requests and "l" not in draft.requests
