@@ -2,9 +2,10 @@
 (`--prefill-chunk-tokens 0`) and in parts (`specdec.engine.prefill_parts`).
 
 Target and draft run as their own processes (as deployed). Per setting: stream A (a short prompt) runs; once it
-has streamed `--lead-tokens` tokens, stream B (a `--long-tokens` prompt) is sent. Reported per setting (median over
-`--repeats`): A's longest gap between two messages while B is admitted (from B's send to its first token), B's
-time to first token, and A's tokens/s over the whole run. B's text is checked against the target's own Generate.
+has streamed `--lead-messages` messages, stream B (a `--long-tokens` prompt) is sent. Reported per setting (median
+over `--repeats`): A's longest gap between two messages while B is admitted (from B's send to its first token), B's
+time to first token, and A's tokens/s over the whole run; `--streams N` runs N A streams (the longest gap of any).
+B's text is checked against the target's own Generate.
 
 CPU, the tiny pair:     python bench/prefill_parts.py
 GPU, 8B shape (dummy):  python bench/prefill_parts.py --long-tokens 8000 --target-flags "--load-format dummy \
@@ -46,30 +47,33 @@ async def _stream(call, request, arrivals: list) -> list[int]:
 async def one_round(draft_addr: str, target_addr: str, short: list[int], long: list[int], args, tag: str) -> dict:
     async with make_channel(draft_addr) as dch, make_channel(target_addr) as tch:
         d = draft_pb2_grpc.DraftServiceStub(dch)
-        a_times, b_times = [], []
-        a = asyncio.ensure_future(_stream(d.Generate, draft_pb2.DraftServiceGenerateRequest(
-            request_id=f"a-{tag}", prompt_ids=short, sampling=_sampling(args.a_tokens)), a_times))
+        a_times = [[] for _ in range(args.streams)]
+        b_times = []
+        a = [asyncio.ensure_future(_stream(d.Generate, draft_pb2.DraftServiceGenerateRequest(
+            request_id=f"a{i}-{tag}", prompt_ids=short[i:] + short[:i], sampling=_sampling(args.a_tokens)), times))
+            for i, times in enumerate(a_times)]
         t0 = time.monotonic()
-        while len(a_times) < args.lead_messages and not a.done():
+        while min(len(t) for t in a_times) < args.lead_messages and not all(x.done() for x in a):
             await asyncio.sleep(0.001)
         b_sent = time.monotonic()
         b = await _stream(d.Generate, draft_pb2.DraftServiceGenerateRequest(
             request_id=f"b-{tag}", prompt_ids=long, sampling=_sampling(args.b_tokens)), b_times)
-        a_tokens = await a
+        a_tokens = await asyncio.gather(*a)
         first_b = b_times[0]
-        # A's longest silence from B's send to its first token (ended by A's first message after it, if any)
-        after = next((t for t in a_times if t >= first_b), first_b)
-        marks = [b_sent, *(t for t in a_times if b_sent < t < first_b), after]
-        gaps = [t2 - t1 for t1, t2 in zip(marks, marks[1:], strict=False)]
+        gaps = []
+        for times in a_times:  # each A stream's longest silence from B's send to B's first token (ended by that
+            after = next((t for t in times if t >= first_b), first_b)  # stream's first message after it, if any)
+            marks = [b_sent, *(t for t in times if b_sent < t < first_b), after]
+            gaps += [t2 - t1 for t1, t2 in zip(marks, marks[1:], strict=False)]
         plain = []
         if args.check:
             plain = await _stream(target_pb2_grpc.TargetServiceStub(tch).Generate,
                                   target_pb2.TargetServiceGenerateRequest(request_id=f"p-{tag}", prompt_ids=long,
                                                                           sampling=_sampling(args.b_tokens)), [])
         return {"a_max_gap_s": max(gaps, default=first_b - b_sent), "b_ttft_s": first_b - b_sent,
-                "a_messages_during_b": sum(b_sent < t < first_b for t in a_times),
-                "a_tokens_per_s": len(a_tokens) / (a_times[-1] - t0), "b_matches_target": (b == plain) if plain
-                else None}
+                "a_messages_during_b": sum(b_sent < t < first_b for times in a_times for t in times),
+                "a_tokens_per_s": sum(map(len, a_tokens)) / (max(t[-1] for t in a_times) - t0),
+                "b_matches_target": (b == plain) if plain else None}
 
 
 def run_setting(chunk: int, short, long, args) -> dict:
@@ -96,7 +100,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--chunks", default="0,2048,512", help="--prefill-chunk-tokens settings, comma-separated")
     p.add_argument("--long-tokens", type=int, default=1800, help="stream B's prompt length")
-    p.add_argument("--a-tokens", type=int, default=400, help="stream A's new tokens")
+    p.add_argument("--streams", type=int, default=1, help="A streams running when B is sent")
+    p.add_argument("--a-tokens", type=int, default=400, help="each A stream's new tokens")
     p.add_argument("--b-tokens", type=int, default=16, help="stream B's new tokens")
     p.add_argument("--lead-messages", type=int, default=5, help="A's messages before B is sent")
     p.add_argument("--repeats", type=int, default=3)

@@ -201,7 +201,7 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
         loop.on_step = lambda events: (_observe(metrics, engine, events), phases.observe(metrics))
         kv = engine.kv
         metrics.track(kv_pages=kv.gauges,
-                      running=lambda: len(sched.running), waiting=lambda: len(sched.waiting) + len(sched.admitting),
+                      running=lambda: len(sched.running), waiting=lambda: len(sched.waiting) + sched.num_admitting,
                       engine_busy=engine_busy)
         loop.start()
         state.update(loop=loop, client=client)  # (a stop during calibration: `close` ends it and its requests)

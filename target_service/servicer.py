@@ -93,6 +93,10 @@ def _warmup(inputs: list) -> bool:
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def __init__(self, engine: TargetEngine, loop: EngineLoop, model_name: str, metrics=None):
         self.engine, self.loop, self.model_name, self.metrics = engine, loop, model_name, metrics
+        # prompts prefilled in parts take turns, a part each: one part is queued at a time, so a round of the engine
+        # thread runs at most one (four long prompts admitted together once put four parts in a round: 2 s on a
+        # 2-core CPU, past a 2 s --engine-stall-seconds; QA)
+        self._part_turn = asyncio.Lock()
 
     async def Prefill(self, request, context):
         inp = prefill_from_proto(request)
@@ -113,7 +117,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def _prefill_in_parts(self, inp):
         """A prompt longer than `prefill_chunk_tokens`: admitted, then one engine call per part
         (`specdec.engine.prefill_parts`). Each part's call joins the loop's queue behind the calls that came
-        meanwhile, so the Verify calls of running streams run between two parts. A caller that leaves (a draft
+        meanwhile, so the Verify calls of running streams run between two parts; several such prompts take turns, a
+        part each (`_part_turn`). A caller that leaves (a draft
         cancelling the Prefill of a request whose client left) stops it after the part under way: the request is
         released, its pages freed."""
         await self.loop.call(self.engine.begin_prefill, inp)
@@ -121,7 +126,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         try:
             out = None
             while out is None:
-                out = await self.loop.call(self._prefill_part, inp.request_id, packed)
+                async with self._part_turn:
+                    out = await self.loop.call(self._prefill_part, inp.request_id, packed)
             return out
         except BaseException:
             await asyncio.shield(self.loop.call(self._drop_parts, inp.request_id))

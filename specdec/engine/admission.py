@@ -2,7 +2,8 @@
 MAX_PREFILL_TOKENS prompt tokens) is prefilled by the target in one call (in-process) or one Prefill RPC each, all at
 once (a remote target, whose answers are taken one by one); the draft then extends over their prompts. A request
 refused for lack of KV pages waits, with every request behind it, up to `max_queue_wait_s`, retried every
-QUEUE_POLL_S; a request refused otherwise fails alone.
+QUEUE_POLL_S; a request refused otherwise fails alone. While a batch runs, the prompts a remote target prefills in
+parts are sent and land later (`specdec.engine.admission_flights`).
 
 `Admission` is a part of `Scheduler` (a mixin over its queue, batch, target and draft), kept in its own file.
 """
@@ -70,20 +71,12 @@ class Admission:
 
     def _admit(self) -> list[Event]:
         """Admit waiting requests (FIFO) while the batch has room: prefill groups of them in one target call
-        (at most MAX_PREFILL_TOKENS prompt tokens each), then extend the draft over their prompts. A group with a
-        prompt the target prefills in parts is sent and left in flight while the batch runs (`_in_background`)."""
+        (at most MAX_PREFILL_TOKENS prompt tokens each), then extend the draft over their prompts. While a batch
+        runs, the prompts a remote target prefills in parts are sent and left in flight, and land once answered
+        (`specdec.engine.admission_flights`); the others are admitted at once."""
         events, extend = [], []
-        if self._flight is not None:
-            sent = self._flight[1]
-            if self.running and sent is not None and not self.target.prefill_ready(sent):
-                return events
-            group, answers = self._land_flight()
-            try:
-                blocked = self._admit_group(group, answers, events, extend)
-            finally:
-                self.admitting = []
-            if blocked or extend:  # (the next group waits for the next step: the batch gets its step first)
-                return self._extended(events, extend)
+        if self._land_flights(events, extend) or extend:  # (newcomers wait for the next step: the batch goes first)
+            return self._extended(events, extend)
         if self._retry_at and time.monotonic() < self._retry_at:
             return events
         self._retry_at = 0.0
@@ -96,13 +89,15 @@ class Admission:
                 self._retry_at = until
                 return events
         # the batch these requests will decode in, as far as the queue tells (128 arriving at once: 128)
-        self._joining = min(self.max_batch_size, len(self.running) + len(self.waiting))
+        self._joining = min(self.max_batch_size, len(self.running) + len(self.flights) + len(self.waiting))
         self._prompt_window = self._window(min(len(self.waiting), self.max_batch_size - len(self.running)))
-        while self.waiting and len(self.running) < self.max_batch_size:
-            group = self.admitting = self._next_group()  # (the gauges count them as waiting)
-            if self.running and self._in_background(group):
-                self._send_flight(group)  # `admitting` stays the group until it lands
-                break
+        while self.waiting and len(self.running) + len(self.flights) < self.max_batch_size:
+            group = self._next_group()
+            if self.running:
+                group = self._send_long(group)
+                if not group:
+                    continue
+            self.admitting = group  # (the gauges count them as waiting)
             try:
                 blocked = self._admit_group(group, self._prefill_each(group), events, extend)
             finally:
@@ -137,52 +132,51 @@ class Admission:
                 self._start(state, out, events, extend)
         return blocked
 
-    def _in_background(self, group: list[RunState]) -> bool:
-        """Is the group's prefill left in flight while the running batch goes on? Only where the batch could go on
-        meanwhile: a remote target (`prefill_send`) that prefills one of the group's prompts in parts, running the
-        batch's Verify calls between them (`specdec.engine.prefill_parts`). Elsewhere a step waits for the
-        admission, as the target would run the whole prompt before the batch's next Verify anyway."""
+    @property
+    def num_admitting(self) -> int:
+        """Requests taken off the queue whose prefill is under way or in flight (the gauges count them as waiting)."""
+        return len(self.admitting) + len(self.flights)
+
+    def _send_long(self, group: list[RunState]) -> list[RunState]:
+        """Send the group's prompts that the target prefills in parts, left in flight while the batch runs; -> the
+        others, admitted now. Only a remote target (`prefill_send`) that runs the batch's Verify calls between a
+        prompt's parts lets the batch go on meanwhile; elsewhere the whole group is admitted now."""
         chunk = getattr(self.target, "prefill_chunk_tokens", 0)
-        return bool(chunk) and callable(getattr(self.target, "prefill_send", None)) and \
-            any(len(s.prompt_ids) > chunk for s in group)
+        if not chunk or not callable(getattr(self.target, "prefill_send", None)):
+            return group
+        long = [s for s in group if len(s.prompt_ids) > chunk]
+        if long:
+            answers: list = [None] * len(long)
+            inputs, where = self._prefill_inputs(long, answers)
+            self.flights.send(self.target, long, inputs, answers, where)
+        return [s for s in group if len(s.prompt_ids) <= chunk]
 
-    def _send_flight(self, group: list[RunState]) -> None:
-        answers: list = [None] * len(group)
-        inputs, where = self._prefill_inputs(group, answers)
-        self._flight = (group, self.target.prefill_send(inputs) if inputs else None, answers, where)
-        self._flight_span = (time.perf_counter(), None)
+    def _land_flights(self, events: list[Event], extend: list) -> bool:
+        """Start the requests of every flight whose answers are all in (every flight, waiting, when nothing runs);
+        -> whether the queue is blocked. A request aborted while in flight ends now, before it would run a step."""
+        for flight in list(self.flights.out):
+            if self.running and not self.flights.ready(self.target, flight):
+                continue
+            answers = self.flights.land(self.target, flight)
+            for i, state in enumerate(flight.group):
+                if state.request_id in self._aborts and not isinstance(answers[i], SpecdecError):
+                    with contextlib.suppress(SpecdecError):
+                        self.target.release(state.request_id)
+                    answers[i] = Cancelled("the request was aborted during its admission")
+            if self._admit_group(flight.group, answers, events, extend):
+                return True
+        return False
 
-    def _land_flight(self) -> tuple[list[RunState], list]:
-        group, sent, answers, where = self._flight
-        self._flight = None
-        for i, answer in zip(where, self.target.prefill_collect(sent) if sent is not None else [], strict=True):
-            answers[i] = answer
-        self._flight_span = (self._flight_span[0], time.perf_counter())
-        for i, state in enumerate(group):  # aborted while in flight: ends now, before it would run a step
-            if state.request_id in self._aborts and not isinstance(answers[i], SpecdecError):
-                with contextlib.suppress(SpecdecError):
-                    self.target.release(state.request_id)
-                answers[i] = Cancelled("the request was aborted during its admission")
-        return group, answers
-
-    def flight_overlaps(self, since: float) -> bool:
-        """Was a group's prefill in flight at some time from `since` to now? A step then shared the target with it
-        (its Verify waited for a part): its time is not its budget's (`land`)."""
-        return self._flight_span is not None and (self._flight_span[1] is None or self._flight_span[1] > since)
-
-    def _close_flight(self) -> None:
-        """The service stops: a group still in flight is cancelled, and what its target admitted released."""
-        if self._flight is None:
-            return
-        group = self._flight[0]
-        for state in group:
-            self.target.cancel_prefill(state.request_id)
-        group, answers = self._land_flight()
-        self._undo_answers(group, answers)
+    def _close_flights(self) -> None:
+        """The service stops: groups still in flight are cancelled, and what their target admitted released."""
+        for flight in list(self.flights.out):
+            for state in flight.group:
+                self.target.cancel_prefill(state.request_id)
+            self._undo_answers(flight.group, self.flights.land(self.target, flight))
 
     def _next_group(self) -> list[RunState]:
         group, tokens = [], 0
-        while self.waiting and len(self.running) + len(group) < self.max_batch_size:
+        while self.waiting and len(self.running) + len(self.flights) + len(group) < self.max_batch_size:
             n = len(self.waiting[0].prompt_ids)
             if group and tokens + n > MAX_PREFILL_TOKENS:
                 break

@@ -46,10 +46,8 @@ class PrefillParts:
         runs its prompt part by part. A verify naming it is refused until its last part has run."""
         rid = inp.request_id
         try:
-            self._admit(inp)
+            self._admit(inp)  # (refused, it holds nothing: a request running under the id is not this one's to end)
         except Exception as exc:
-            if rid in self.requests:
-                self.release(rid)
             if not isinstance(exc, OutOfPages):
                 self.page_queue.leave([rid])
             raise
@@ -62,7 +60,7 @@ class PrefillParts:
         A part that fails releases the request (nothing of it stays)."""
         part = self.prefilling.get(request_id)
         if part is None:
-            raise UnknownRequest(f"request {request_id!r} has no prefill under way")
+            raise UnknownRequest(f"request {request_id!r} has no prefill under way (released meanwhile?)")
         try:
             out = self._run_part(part)
         except Exception:

@@ -25,6 +25,7 @@ from opentelemetry import trace
 
 from specdec.engine.adaptive import FULL, SpeculationPolicy
 from specdec.engine.admission import PROMPT_EXTEND, Admission
+from specdec.engine.admission_flights import Flights
 from specdec.engine.draft_engine import DraftEngine
 from specdec.engine.overlap import TwoBatchOverlap
 from specdec.engine.plain_steps import PLAIN_STEPS
@@ -87,10 +88,7 @@ class Scheduler(Admission):
         self.feature_layers = feature_layers
         self.waiting: deque[RunState] = deque()
         self.admitting: list[RunState] = []  # taken off `waiting`, their prefill under way (`Admission._admit`)
-        # a group whose Prefill RPCs are in flight while the batch runs (`Admission._in_background`): (group, the
-        # client's handle, answers so far, the group's places that were sent); and when it was sent and landed
-        self._flight: tuple | None = None
-        self._flight_span: tuple[float, float | None] | None = None
+        self.flights = Flights()  # long prompts' Prefill RPCs in flight while the batch runs (`Admission._send_long`)
         self.running: dict[str, RunState] = {}
         self._aborts: set[str] = set()
         self.timings = timings if timings is not None else StepTimings()
@@ -129,7 +127,7 @@ class Scheduler(Admission):
         flight is cancelled."""
         if self.overlap is not None:
             self.overlap.close()
-        self._close_flight()
+        self._close_flights()
 
     @property
     def aborting(self) -> set[str]:
@@ -138,7 +136,7 @@ class Scheduler(Admission):
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._aborts or self._flight)
+        return bool(self.waiting or self.running or self._aborts or self.flights.out)
 
     # ---- one step -------------------------------------------------------------------------------------------
     def step(self) -> list[Event]:
@@ -165,8 +163,8 @@ class Scheduler(Admission):
     def _apply_aborts(self) -> list[Event]:
         events, later = [], set()
         in_flight = self.overlap.busy() if self.overlap is not None and self._aborts else set()
-        if self._flight is not None:  # its admission is in flight: aborted once it has landed (`cancel_prefill`
-            in_flight |= {s.request_id for s in self._flight[0]}  # stops its Prefill meanwhile)
+        if self.flights.out:  # their admission is in flight: aborted as it lands (`cancel_prefill` stops their
+            in_flight |= self.flights.ids()  # Prefill meanwhile)
         for rid in self._aborts:
             if rid in in_flight:  # its verify is out: abort once it has landed
                 later.add(rid)
@@ -344,7 +342,7 @@ class Scheduler(Admission):
         # admissions on this thread since `since` (the target prefilled, the draft extended over prompts) are not
         # the step's time; an interval that was mostly admission says nothing of it (its verify ran meanwhile)
         admitting = sum(took for start, took in self._admissions if start >= since)
-        if admitting > 0.5 * elapsed or self.flight_overlaps(since):
+        if admitting > 0.5 * elapsed or self.flights.overlaps(since):
             return events
         elapsed -= admitting
         if not launch.speculate:

@@ -211,3 +211,34 @@ def test_a_refused_verify_beside_others_fails_alone_and_runs_nothing_twice(targe
     for rid in ("a", "b"):
         engine.release(rid)
     assert engine.kv.num_free_pages == engine.kv.num_total_pages
+
+
+def test_long_prompts_in_parts_take_turns_a_part_per_round(target):
+    """Prompts longer than `prefill_chunk_tokens` arriving together: each engine round runs at most one part (QA: four
+    admitted together put four parts in a round, past a 2 s stall limit on a CPU), and each reply equals the prompt's
+    prefill in one forward."""
+    engine, _ = target
+    engine.prefill_chunk_tokens = 64
+    loop = EngineLoop(None, "target-engine")
+    servicer = TargetServicer(engine, loop, "tiny")
+    parts_per_round = []
+    run_calls = loop._run_calls
+
+    def counted(calls):
+        parts_per_round.append(sum(getattr(c.fn, "__func__", None) is TargetServicer._prefill_part for c in calls))
+        run_calls(calls)
+
+    loop._run_calls = counted
+    prompts = [[(7 * i + 3 * r) % 8000 + 10 for i in range(200 + 30 * r)] for r in range(3)]
+    try:
+        replies = asyncio.run(_together(servicer, loop, [_request(f"p{r}", p) for r, p in enumerate(prompts)]))
+    finally:
+        loop.stop()
+    assert max(parts_per_round) == 1 and sum(parts_per_round) == 4 + 4 + 5  # 200, 230, 260 tokens in parts of 64
+    engine.prefill_chunk_tokens = 0
+    for r, (reply, prompt) in enumerate(zip(replies, prompts, strict=True)):
+        engine.release(f"p{r}")
+        alone = engine.prefill([engine_input(f"alone{r}", prompt)])[0]
+        engine.release(f"alone{r}")
+        assert reply.first_token == alone.first_token
+    assert engine.kv.num_free_pages == engine.kv.num_total_pages

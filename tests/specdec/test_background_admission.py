@@ -81,7 +81,7 @@ def test_the_batch_steps_while_a_long_prompt_is_prefilled(dev_prompts, tiny_toke
     assert target.sent == [["s"]] and out["s"]
     sched.add("l", long, PARAMS)
     step()
-    assert target.sent[-1] == ["l"] and [s.request_id for s in sched.admitting] == ["l"]
+    assert target.sent[-1] == ["l"] and sched.flights.ids() == {"l"} and sched.num_admitting == 1
     before = len(out["s"])
     for _ in range(3):
         step()
@@ -122,8 +122,27 @@ def test_an_abort_in_flight_lands_and_frees_everything(dev_prompts, tiny_tokeniz
 
 def test_close_with_a_prefill_in_flight_releases_it(dev_prompts, tiny_tokenizer):
     engine, draft, target, sched = _long_in_flight(dev_prompts, tiny_tokenizer)
-    assert sched._flight is not None
+    assert sched.flights.out
     sched.close()
     assert target.cancelled == {"l"} and "l" not in engine.requests and "l" not in draft.requests
     sched.fail_running(Cancelled("stopping"))
+    assert not engine.requests and draft.kv.num_free_pages == draft.kv.num_total_pages
+
+
+def test_short_prompts_do_not_wait_for_long_ones_in_flight(dev_prompts, tiny_tokenizer):
+    """QA: short prompts admitted with long ones waited for the longest (a 5 s first token for a prompt the target
+    prefilled in 0.5 s). Each admission's long prompts fly; its short ones start at once; two long prompts arriving
+    apart each get a flight of their own and land in any order."""
+    engine, draft, target, sched = _long_in_flight(dev_prompts, tiny_tokenizer)
+    short, long = _prompts(dev_prompts, tiny_tokenizer)
+    sched.add("l2", long[10:], PARAMS)
+    sched.add("s2", short[5:], PARAMS)
+    started = {ev.request_id for ev in sched.step()}
+    assert "s2" in started and not started & {"l", "l2"}
+    assert target.sent[-2:] == [["l2"], ["s2"]] and sched.flights.ids() == {"l", "l2"} and len(sched.running) == 2
+    target.ready = True
+    events = []
+    while sched.has_work:
+        events += sched.step()
+    assert all(ev.error is None for ev in events) and {"l", "l2"} <= {ev.request_id for ev in events}
     assert not engine.requests and draft.kv.num_free_pages == draft.kv.num_total_pages

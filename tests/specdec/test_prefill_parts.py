@@ -9,7 +9,7 @@ import torch
 from core_engines import tiny_target
 
 from specdec.engine.requests import PrefillInput, VerifyInput
-from specdec.errors import InvalidInput, UnknownRequest
+from specdec.errors import DuplicateRequest, InvalidInput, UnknownRequest
 from specdec.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True)
@@ -85,3 +85,19 @@ def test_a_short_prompt_and_a_group_run_in_one_forward(target, monkeypatch):
     monkeypatch.setattr(target, "_run_part", lambda part: calls.append(part))
     outs = target.prefill([PrefillInput("a", _prompt(100), GREEDY), PrefillInput("b", _prompt(150), GREEDY)])
     assert [o.request_id for o in outs] == ["a", "b"] and not calls
+
+
+def test_a_refused_duplicate_leaves_the_request_under_its_id_alone(target):
+    """QA: a second Prefill under a running request's id (refused, ALREADY_EXISTS) released the first when the second
+    prompt was long enough for parts: the first's next part, or its next verify, then found nothing."""
+    target.prefill_chunk_tokens = 100
+    target.begin_prefill(PrefillInput("d", _prompt(300), GREEDY))
+    target.prefill_part("d")
+    with pytest.raises(DuplicateRequest):
+        target.begin_prefill(PrefillInput("d", _prompt(250), GREEDY))
+    while (out := target.prefill_part("d")) is None:
+        pass
+    assert out.request_id == "d" and target.requests["d"].kv_len == 300
+    with pytest.raises(DuplicateRequest):  # decoding now: a long duplicate is refused, the request goes on
+        target.prefill([PrefillInput("d", _prompt(250), GREEDY)])
+    assert target.verify([VerifyInput("d", [], [])])[0].tokens
