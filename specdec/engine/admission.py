@@ -138,17 +138,16 @@ class Admission:
         return len(self.admitting) + len(self.flights)
 
     def _send_long(self, group: list[RunState]) -> list[RunState]:
-        """Send the group's prompts that the target prefills in parts, left in flight while the batch runs; -> the
-        others, admitted now. Only a remote target (`prefill_send`) that runs the batch's Verify calls between a
-        prompt's parts lets the batch go on meanwhile; elsewhere the whole group is admitted now."""
+        """Send the group's prompts that the target prefills in parts, each left in flight on its own while the
+        batch runs; -> the others, admitted now. Only a remote target (`prefill_send`) that runs the batch's Verify
+        calls between a prompt's parts lets the batch go on meanwhile; elsewhere the whole group is admitted now."""
         chunk = getattr(self.target, "prefill_chunk_tokens", 0)
         if not chunk or not callable(getattr(self.target, "prefill_send", None)):
             return group
-        long = [s for s in group if len(s.prompt_ids) > chunk]
-        if long:
-            answers: list = [None] * len(long)
-            inputs, where = self._prefill_inputs(long, answers)
-            self.flights.send(self.target, long, inputs, answers, where)
+        for state in (s for s in group if len(s.prompt_ids) > chunk):  # a flight each: each starts once it is in
+            answers: list = [None]  # (QA: four sent as one flight all started with the longest, 3 s in)
+            inputs, where = self._prefill_inputs([state], answers)
+            self.flights.send(self.target, [state], inputs, answers, where)
         return [s for s in group if len(s.prompt_ids) <= chunk]
 
     def _land_flights(self, events: list[Event], extend: list) -> bool:

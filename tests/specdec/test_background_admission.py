@@ -146,3 +146,20 @@ def test_short_prompts_do_not_wait_for_long_ones_in_flight(dev_prompts, tiny_tok
         events += sched.step()
     assert all(ev.error is None for ev in events) and {"l", "l2"} <= {ev.request_id for ev in events}
     assert not engine.requests and draft.kv.num_free_pages == draft.kv.num_total_pages
+
+
+def test_long_prompts_admitted_together_start_each_when_answered(dev_prompts, tiny_tokenizer):
+    """Each long prompt is a flight of its own: one answered first starts while the other is still in flight."""
+    engine, draft, target, sched = _long_in_flight(dev_prompts, tiny_tokenizer)
+    _, long = _prompts(dev_prompts, tiny_tokenizer)
+    sched.add("l2", long[20:], PARAMS)
+    sched.step()
+    assert target.sent[-1] == ["l2"] and len(sched.flights.out) == 2
+    target.prefill_ready = lambda sent: [inp.request_id for inp in sent] == ["l2"]  # "l2" answered, "l" not yet
+    started = {ev.request_id for ev in sched.step()}
+    assert "l2" in started and "l2" in sched.running and sched.flights.ids() == {"l"}
+    target.ready = True
+    del target.prefill_ready
+    while sched.has_work:
+        assert all(ev.error is None for ev in sched.step())
+    assert not engine.requests and draft.kv.num_free_pages == draft.kv.num_total_pages
