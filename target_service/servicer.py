@@ -118,9 +118,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         """A prompt longer than `prefill_chunk_tokens`: admitted, then one engine call per part
         (`specdec.engine.prefill_parts`). Each part's call joins the loop's queue behind the calls that came
         meanwhile, so the Verify calls of running streams run between two parts; several such prompts take turns, a
-        part each (`_part_turn`). A caller that leaves (a draft
-        cancelling the Prefill of a request whose client left) stops it after the part under way: the request is
-        released, its pages freed."""
+        part each (`_part_turn`). A caller that leaves (a draft cancelling the Prefill of a request whose client
+        left) stops it after the part under way: the request is released, its pages freed."""
         await self.loop.call(self.engine.begin_prefill, inp)
         packed = {inp.request_id} if inp.feature_wire == FP8_ROWS else set()
         try:

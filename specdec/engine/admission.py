@@ -146,32 +146,30 @@ class Admission:
             return group
         for state in (s for s in group if len(s.prompt_ids) > chunk):  # a flight each: each starts once it is in
             answers: list = [None]  # (QA: four sent as one flight all started with the longest, 3 s in)
-            inputs, where = self._prefill_inputs([state], answers)
-            self.flights.send(self.target, [state], inputs, answers, where)
+            inputs, _ = self._prefill_inputs([state], answers)
+            self.flights.send(self.target, state, inputs[0] if inputs else answers[0])
         return [s for s in group if len(s.prompt_ids) <= chunk]
 
     def _land_flights(self, events: list[Event], extend: list) -> bool:
-        """Start the requests of every flight whose answers are all in (every flight, waiting, when nothing runs);
+        """Start the request of every flight that is answered (every flight, waiting, when nothing runs);
         -> whether the queue is blocked. A request aborted while in flight ends now, before it would run a step."""
         for flight in list(self.flights.out):
             if self.running and not self.flights.ready(self.target, flight):
                 continue
-            answers = self.flights.land(self.target, flight)
-            for i, state in enumerate(flight.group):
-                if state.request_id in self._aborts and not isinstance(answers[i], SpecdecError):
-                    with contextlib.suppress(SpecdecError):
-                        self.target.release(state.request_id)
-                    answers[i] = Cancelled("the request was aborted during its admission")
-            if self._admit_group(flight.group, answers, events, extend):
+            answer, rid = self.flights.land(self.target, flight), flight.state.request_id
+            if rid in self._aborts and not isinstance(answer, SpecdecError):
+                with contextlib.suppress(SpecdecError):
+                    self.target.release(rid)
+                answer = Cancelled("the request was aborted during its admission")
+            if self._admit_group([flight.state], [answer], events, extend):
                 return True
         return False
 
     def _close_flights(self) -> None:
-        """The service stops: groups still in flight are cancelled, and what their target admitted released."""
+        """The service stops: prompts still in flight are cancelled, and what their target admitted released."""
         for flight in list(self.flights.out):
-            for state in flight.group:
-                self.target.cancel_prefill(state.request_id)
-            self._undo_answers(flight.group, self.flights.land(self.target, flight))
+            self.target.cancel_prefill(flight.state.request_id)
+            self._undo_answers([flight.state], [self.flights.land(self.target, flight)])
 
     def _next_group(self) -> list[RunState]:
         group, tokens = [], 0
