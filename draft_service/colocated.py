@@ -60,6 +60,14 @@ class LocalTarget(TakingTurns):
         with _named_target():
             return super().release(request_id)
 
+    def begin_prefill(self, inp):
+        with _named_target():
+            return super().begin_prefill(inp)
+
+    def prefill_part(self, request_id):
+        with _named_target():
+            return super().prefill_part(request_id)
+
     def hold_places(self, inputs) -> None:
         with self.lock:
             self.engine.hold_places(inputs)

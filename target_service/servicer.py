@@ -35,17 +35,6 @@ from specdec.v1 import target_pb2, target_pb2_grpc
 log = logging.getLogger(__name__)
 
 
-def _chunks(inputs: list, max_tokens: int) -> list[list]:
-    chunks, tokens = [], 0
-    for inp in inputs:
-        if not chunks or tokens + len(inp.prompt_ids) > max_tokens:
-            chunks.append([])
-            tokens = 0
-        chunks[-1].append(inp)
-        tokens += len(inp.prompt_ids)
-    return chunks
-
-
 def _in_order(groups: list) -> list[list[int]]:
     """The groups (Verify RPCs, in arrival order) cut into consecutive segments whose groups name disjoint request
     ids: a segment's groups may share engine calls, and the segments run one after another."""
@@ -105,7 +94,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             if self.engine.in_parts(inp):
                 out = await self._prefill_in_parts(inp)
             else:
-                out = await self.loop.call_batched(self._prefill_many, inp)
+                out = await self.loop.call_batched(self._prefill_many, inp, len(inp.prompt_ids), self._prefill_cap())
             elapsed = time.perf_counter() - t0
             trace.get_current_span().set_attribute("num_prompt_tokens", len(inp.prompt_ids))
             # a draft's start-up requests (warm-up, calibration: 382 lines for one calibrating up to 64) at DEBUG
@@ -157,17 +146,20 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if self.metrics is not None:
             self.metrics.observe_phase(phase, seconds)
 
+    def _prefill_cap(self) -> int:
+        """The most prompt tokens of one round's Prefill RPCs (`EngineLoop.call_batched`'s cap): one part
+        (`prefill_chunk_tokens`), so that a burst of short prompts, from one draft or many, stops the Verify calls of
+        running streams for one part at most, as a long prompt's parts do; MAX_PREFILL_TOKENS with parts off."""
+        return min(self.engine.prefill_chunk_tokens or MAX_PREFILL_TOKENS, MAX_PREFILL_TOKENS)
+
     def _prefill_many(self, inputs: list) -> list:
-        """Prefill RPCs that arrived together run as few forwards (engine thread): chunks of up to
-        MAX_PREFILL_TOKENS prompt tokens. A chunk that fails runs again one request at a time, so a bad request
-        (a duplicate id, no KV pages) fails alone; its result is then its exception."""
-        results = []
-        for chunk in _chunks(inputs, MAX_PREFILL_TOKENS):
-            packed = {inp.request_id for inp in chunk if inp.feature_wire == FP8_ROWS}
-            run = lambda part, packed=packed: features_to_host(self.engine.prefill(part), packed)  # noqa: E731
-            answers = _together_or_alone(run, [[inp] for inp in chunk])
-            results += [a if isinstance(a, SpecdecError) else a[0] for a in answers]
-        return results
+        """Prefill RPCs that arrived together run as one forward (engine thread; at most `_prefill_cap` prompt
+        tokens, or one prompt). If it is refused, each runs alone, so a bad request (a duplicate id, no KV pages)
+        fails alone; its result is then its exception."""
+        packed = {inp.request_id for inp in inputs if inp.feature_wire == FP8_ROWS}
+        run = lambda part: features_to_host(self.engine.prefill(part), packed)  # noqa: E731
+        answers = _together_or_alone(run, [[inp] for inp in inputs])
+        return [a if isinstance(a, SpecdecError) else a[0] for a in answers]
 
     def _verify_many(self, groups: list[tuple[list, object, float, tuple[int, int]]]) -> list[list]:
         """Several Verify RPCs that arrived together run as one forward (engine thread), or one per (plain steps,

@@ -2,8 +2,13 @@
 MAX_PREFILL_TOKENS prompt tokens) is prefilled by the target in one call (in-process) or one Prefill RPC each, all at
 once (a remote target, whose answers are taken one by one); the draft then extends over their prompts. A request
 refused for lack of KV pages waits, with every request behind it, up to `max_queue_wait_s`, retried every
-QUEUE_POLL_S; a request refused otherwise fails alone. While a batch runs, the prompts a remote target prefills in
-parts are sent and land later (`specdec.engine.admission_flights`).
+QUEUE_POLL_S; a request refused otherwise fails alone. The prompts the target prefills in parts fly on their own and
+land later (`specdec.engine.admission_flights`): a remote target's while a batch runs, an in-process target's
+always, a part per step.
+
+While a batch runs, one admission prefills at most one part's worth (`prefill_chunk_tokens`) of short prompts a
+step: a burst of short prompts, prefilled together, stopped every running stream for up to MAX_PREFILL_TOKENS of
+prefill, as one long prompt did before it was prefilled in parts.
 
 `Admission` is a part of `Scheduler` (a mixin over its queue, batch, target and draft), kept in its own file.
 """
@@ -13,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import time
 
+from specdec.engine.admission_flights import in_process_parts
 from specdec.engine.plain_steps import PLAIN_STEPS
 from specdec.engine.requests import ABORT, RUNNING, PrefillInput
 from specdec.engine.run_state import Event, RunState
@@ -71,9 +77,9 @@ class Admission:
 
     def _admit(self) -> list[Event]:
         """Admit waiting requests (FIFO) while the batch has room: prefill groups of them in one target call
-        (at most MAX_PREFILL_TOKENS prompt tokens each), then extend the draft over their prompts. While a batch
-        runs, the prompts a remote target prefills in parts are sent and left in flight, and land once answered
-        (`specdec.engine.admission_flights`); the others are admitted at once."""
+        (at most MAX_PREFILL_TOKENS prompt tokens each; one group of at most a part's tokens while a batch runs),
+        then extend the draft over their prompts. The prompts the target prefills in parts are left in flight and
+        land once done (`specdec.engine.admission_flights`); the others are admitted at once."""
         events, extend = [], []
         if self._land_flights(events, extend) or extend:  # (newcomers wait for the next step: the batch goes first)
             return self._extended(events, extend)
@@ -91,20 +97,35 @@ class Admission:
         # the batch these requests will decode in, as far as the queue tells (128 arriving at once: 128)
         self._joining = min(self.max_batch_size, len(self.running) + len(self.flights) + len(self.waiting))
         self._prompt_window = self._window(min(len(self.waiting), self.max_batch_size - len(self.running)))
+        step_tokens = self._step_tokens()
         while self.waiting and len(self.running) + len(self.flights) < self.max_batch_size:
-            group = self._next_group()
-            if self.running:
-                group = self._send_long(group)
-                if not group:
-                    continue
+            group = self._send_long(self._next_group(step_tokens or MAX_PREFILL_TOKENS))
+            if not group:
+                continue
             self.admitting = group  # (the gauges count them as waiting)
             try:
                 blocked = self._admit_group(group, self._prefill_each(group), events, extend)
             finally:
                 self.admitting = []
-            if blocked:
+            if blocked or step_tokens:  # (a batch runs: the rest waits for the next step)
                 break
         return self._extended(events, extend)
+
+    def _step_tokens(self) -> int:
+        """While a batch runs, the most prompt tokens prefilled in this step's one group (the target's part,
+        `prefill_chunk_tokens`, where it prefills in parts); 0: no such bound (groups of up to MAX_PREFILL_TOKENS,
+        as many as fit)."""
+        chunk = getattr(self.target, "prefill_chunk_tokens", 0)
+        return min(chunk, MAX_PREFILL_TOKENS) if self.running and chunk > 0 else 0
+
+    def _flies(self, state: RunState) -> bool:
+        """Is the request's prompt prefilled in flight, in parts (`_send_long`)?"""
+        chunk = getattr(self.target, "prefill_chunk_tokens", 0)
+        if not 0 < chunk < len(state.prompt_ids):
+            return False
+        if in_process_parts(self.target):
+            return True
+        return bool(self.running) and callable(getattr(self.target, "prefill_send", None))
 
     def _extended(self, events: list[Event], extend: list) -> list[Event]:
         if extend:
@@ -138,23 +159,23 @@ class Admission:
         return len(self.admitting) + len(self.flights)
 
     def _send_long(self, group: list[RunState]) -> list[RunState]:
-        """Send the group's prompts that the target prefills in parts, each left in flight on its own while the
-        batch runs; -> the others, admitted now. Only a remote target (`prefill_send`) that runs the batch's Verify
-        calls between a prompt's parts lets the batch go on meanwhile; elsewhere the whole group is admitted now."""
-        chunk = getattr(self.target, "prefill_chunk_tokens", 0)
-        if not chunk or not callable(getattr(self.target, "prefill_send", None)):
-            return group
-        for state in (s for s in group if len(s.prompt_ids) > chunk):  # a flight each: each starts once it is in
+        """Send the group's prompts that the target prefills in parts, each left in flight on its own; -> the
+        others, admitted now. A remote target (`prefill_send`) runs the batch's Verify calls between a prompt's parts
+        (only while a batch runs: otherwise the draft waits for them), an in-process one runs a part per step
+        (`Flights.advance`)."""
+        for state in (s for s in group if self._flies(s)):  # a flight each: each starts once it is in
             answers: list = [None]  # (QA: four sent as one flight all started with the longest, 3 s in)
             inputs, _ = self._prefill_inputs([state], answers)
             self.flights.send(self.target, state, inputs[0] if inputs else answers[0])
-        return [s for s in group if len(s.prompt_ids) <= chunk]
+        return [s for s in group if not self._flies(s)]
 
     def _land_flights(self, events: list[Event], extend: list) -> bool:
-        """Start the request of every flight that is answered (every flight, waiting, when nothing runs);
-        -> whether the queue is blocked. A request aborted while in flight ends now, before it would run a step."""
+        """Run a part of the in-process flights, then start the request of every flight that is answered (every
+        remote flight, waiting, when nothing runs); -> whether the queue is blocked. A request aborted while in
+        flight ends now, before it would run a step."""
+        self.flights.advance(self.target, self._aborts)
         for flight in list(self.flights.out):
-            if self.running and not self.flights.ready(self.target, flight):
+            if (self.running or flight.parts) and not self.flights.ready(self.target, flight):
                 continue
             answer, rid = self.flights.land(self.target, flight), flight.state.request_id
             if rid in self._aborts and not isinstance(answer, SpecdecError):
@@ -167,15 +188,16 @@ class Admission:
 
     def _close_flights(self) -> None:
         """The service stops: prompts still in flight are cancelled, and what their target admitted released."""
-        for flight in list(self.flights.out):
-            self.target.cancel_prefill(flight.state.request_id)
-            self._undo_answers([flight.state], [self.flights.land(self.target, flight)])
+        for state, answer in self.flights.close(self.target):
+            self._undo_answers([state], [answer])
 
-    def _next_group(self) -> list[RunState]:
+    def _next_group(self, limit: int) -> list[RunState]:
+        """The queue's next requests whose prompts prefilled now (not in flight) hold at most `limit` tokens (the
+        first one always goes)."""
         group, tokens = [], 0
         while self.waiting and len(self.running) + len(self.flights) + len(group) < self.max_batch_size:
-            n = len(self.waiting[0].prompt_ids)
-            if group and tokens + n > MAX_PREFILL_TOKENS:
+            n = 0 if self._flies(self.waiting[0]) else len(self.waiting[0].prompt_ids)
+            if group and tokens + n > limit:
                 break
             group.append(self.waiting.popleft())
             tokens += n

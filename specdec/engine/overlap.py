@@ -82,6 +82,14 @@ class TakingTurns:
         with self.lock:
             return self._target.release(request_id)
 
+    def begin_prefill(self, inp):
+        with self.lock:
+            return self._target.begin_prefill(inp)
+
+    def prefill_part(self, request_id):
+        with self.lock:
+            return self._target.prefill_part(request_id)
+
 
 def split_by_tokens(rids: list[str], weights: list[int], share: float) -> tuple[list[str], list[str]]:
     """(the first requests, in order, until they hold `share` of the tokens - at least one; the rest)."""

@@ -88,7 +88,7 @@ class Scheduler(Admission):
         self.feature_layers = feature_layers
         self.waiting: deque[RunState] = deque()
         self.admitting: list[RunState] = []  # taken off `waiting`, their prefill under way (`Admission._admit`)
-        self.flights = Flights()  # long prompts' Prefill RPCs in flight while the batch runs (`Admission._send_long`)
+        self.flights = Flights()  # long prompts prefilled in parts meanwhile (`Admission._send_long`)
         self.running: dict[str, RunState] = {}
         self._aborts: set[str] = set()
         self.timings = timings if timings is not None else StepTimings()

@@ -37,6 +37,8 @@ class _Call:
     args: tuple
     future: asyncio.Future
     batch_fn: Callable | None = None  # when set: fn is None and args[0] is the batch item
+    weight: int = 0  # a batch item's share of its batch's cap (`call_batched`)
+    cap: int = 0
 
 
 @dataclass
@@ -114,12 +116,14 @@ class EngineLoop:
         """Run fn(*args) on the engine thread between steps."""
         return await self._submit(_Call(fn, args, asyncio.get_running_loop().create_future()))
 
-    async def call_batched(self, batch_fn: Callable[[list], list], item) -> Any:
+    async def call_batched(self, batch_fn: Callable[[list], list], item, weight: int = 0, cap: int = 0) -> Any:
         """Queue `item`; items queued together run as one `batch_fn(items) -> results`. If the batch raises a
         SpecdecError, each item is retried alone so only the bad one fails; a result that is an exception is
-        raised to its caller alone."""
+        raised to its caller alone. `cap` (0: none): a round of the thread takes items, in order, while their
+        `weight`s sum to at most `cap` (the first always); the rest wait for the next round, so the calls and the
+        step that came meanwhile run in between (the target's Prefill RPCs: their prompt tokens)."""
         fut = asyncio.get_running_loop().create_future()
-        return await self._submit(_Call(None, (item,), fut, batch_fn))
+        return await self._submit(_Call(None, (item,), fut, batch_fn, weight, cap))
 
     async def _submit(self, call: _Call) -> Any:
         with self._cond:
@@ -267,7 +271,7 @@ class EngineLoop:
             # a caller that left while its item waited (a cancelled RPC: its handler's future is cancelled) is not
             # run: a draft's Prefill of a request its client cancelled during admission once ran anyway, seconds of
             # prompt forwards on a slow device, while requests behind it waited (QA)
-            group = [c for c in group if not c.future.cancelled()]
+            group = self._capped([c for c in group if not c.future.cancelled()])
             if not group:
                 continue
             try:
@@ -285,6 +289,20 @@ class EngineLoop:
                     self._set(c.future, exc=r)
                 else:
                     self._set(c.future, result=r)
+
+    def _capped(self, group: list[_Call]) -> list[_Call]:
+        """The batch's items this round takes under its cap; the others go back to the head of the queue."""
+        if not group or not group[0].cap:
+            return group
+        n, weight = 1, group[0].weight
+        while n < len(group) and weight + group[n].weight <= group[0].cap:
+            weight += group[n].weight
+            n += 1
+        if n < len(group):
+            with self._cond:
+                self._calls[:0] = group[n:]
+                self._queued_since = self._queued_since or time.monotonic()
+        return group[:n]
 
     def _resolve(self, call: _Call, thunk: Callable) -> None:
         try:

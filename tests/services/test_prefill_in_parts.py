@@ -1,6 +1,7 @@
 """A long prompt through the real services with `--prefill-chunk-tokens`: the target runs Verify calls between its
 parts, a draft admits it while its running stream goes on, the text is the target's own, a Prefill cancelled mid-way
-leaves nothing held."""
+leaves nothing held. The target's own `Generate` and a draft with its target in-process run it a part per step:
+their running streams go on too."""
 
 from __future__ import annotations
 
@@ -78,6 +79,71 @@ async def _stream(stub, rid, prompt, n, arrivals: list):
         tokens += list(msg.token_ids)
         arrivals.append((time.monotonic(), len(tokens)))
     return tokens
+
+
+async def _target_stream(stub, rid, prompt, n, arrivals: list):
+    tokens = []
+    async for msg in stub.Generate(target_pb2.TargetServiceGenerateRequest(
+            request_id=rid, prompt_ids=prompt, sampling=common_pb2.SamplingParams(max_new_tokens=n,
+                                                                                   ignore_eos=True))):
+        tokens += list(msg.token_ids)
+        arrivals.append((time.monotonic(), len(tokens)))
+    return tokens
+
+
+async def _during(start_a, start_b) -> tuple[list, list, float, list]:
+    """Stream "a" (short prompt, 400 tokens); once it streams, "b" (the long prompt, 16 tokens). -> a's tokens, its
+    arrivals, when b was sent, b's tokens and arrivals."""
+    a_times, b_times = [], []
+    a = asyncio.ensure_future(start_a(a_times))
+    while not a_times:
+        await asyncio.sleep(0.005)
+    b_sent = time.monotonic()
+    b = await start_b(b_times)
+    return await a, a_times, b_sent, b, b_times
+
+
+def _streamed_meanwhile(a_times, b_sent, b_times) -> int:
+    return len([n for t, n in a_times if b_sent < t < b_times[0][0]])
+
+
+def test_the_targets_own_generate_streams_on_while_a_long_prompt_is_admitted(stack, long_prompt):
+    target, draft = stack
+
+    async def run():
+        async with make_channel(target.addr) as tch, make_channel(draft.addr) as dch:
+            t = target_pb2_grpc.TargetServiceStub(tch)
+            got = await _during(lambda at: _target_stream(t, "ga", long_prompt[:30], 400, at),
+                                lambda bt: _target_stream(t, "gb", long_prompt, 16, bt))
+            spec = await _stream(draft_pb2_grpc.DraftServiceStub(dch), "spec-b", long_prompt, 16, [])
+            return got, spec
+
+    (a_tokens, a_times, b_sent, b, b_times), spec = asyncio.run(run())
+    assert _streamed_meanwhile(a_times, b_sent, b_times) >= 10  # 47 parts, a step between two (one forward: 1-2)
+    assert len(a_tokens) == 400 and b == spec
+
+
+def test_a_colocated_draft_streams_on_while_a_long_prompt_is_admitted(stack, long_prompt):
+    target, _ = stack
+    colocated = start_draft("in-process", "--num-pages", "600",
+                            "--prefill-chunk-tokens", str(CHUNK), "--num-steps", "4", "--num-draft-tokens", "4")
+    try:
+        async def run():
+            async with make_channel(colocated.addr) as ch, make_channel(target.addr) as tch:
+                d = draft_pb2_grpc.DraftServiceStub(ch)
+                got = await _during(lambda at: _stream(d, "ca", long_prompt[:30], 400, at),
+                                    lambda bt: _stream(d, "cb", long_prompt, 16, bt))
+                plain = await _target_stream(target_pb2_grpc.TargetServiceStub(tch), "plain-cb", long_prompt, 16, [])
+                info = await target_pb2_grpc.TargetServiceStub(ch).GetModelInfo(
+                    target_pb2.TargetServiceGetModelInfoRequest())
+                return got, plain, info
+
+        (a_tokens, a_times, b_sent, b, b_times), plain, info = asyncio.run(run())
+    finally:
+        colocated.stop()
+    assert _streamed_meanwhile(a_times, b_sent, b_times) >= 10  # 47 parts, a step between two (one forward: 1-2)
+    assert len(a_tokens) == 400 and b == plain
+    assert info.prefill_chunk_tokens == CHUNK and info.kv.pages_free == info.kv.pages_total
 
 
 def test_a_running_stream_goes_on_while_a_long_prompt_is_admitted(stack, long_prompt):

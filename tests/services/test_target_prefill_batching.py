@@ -242,3 +242,34 @@ def test_long_prompts_in_parts_take_turns_a_part_per_round(target):
         engine.release(f"alone{r}")
         assert reply.first_token == alone.first_token
     assert engine.kv.num_free_pages == engine.kv.num_total_pages
+
+
+def test_a_burst_of_short_prompts_runs_a_part_worth_a_round(target):
+    """Short Prefill RPCs arriving together run in rounds of at most `prefill_chunk_tokens` prompt tokens (one
+    forward each), so calls that arrive meanwhile (running streams' Verify RPCs) wait for one part's worth at most;
+    each reply equals the prompt's prefill alone."""
+    engine, batches = target
+    engine.prefill_chunk_tokens = 64
+    loop = EngineLoop(None, "target-engine")
+    servicer = TargetServicer(engine, loop, "tiny")
+    rounds = []
+    run_calls = loop._run_calls
+
+    def counted(calls):
+        rounds.append(len(batches))
+        run_calls(calls)
+
+    loop._run_calls = counted
+    prompts = [[(11 * i + r) % 8000 + 10 for i in range(20 + 5 * r)] for r in range(5)]  # 20, 25, 30, 35, 40
+    try:
+        replies = asyncio.run(_together(servicer, loop, [_request(f"s{r}", p) for r, p in enumerate(prompts)]))
+    finally:
+        loop.stop()
+    assert batches == [["s0", "s1"], ["s2"], ["s3"], ["s4"]]  # 45, 30, 35, 40 tokens
+    assert rounds == [0, 1, 2, 3]  # a forward a round
+    for r, (reply, prompt) in enumerate(zip(replies, prompts, strict=True)):
+        engine.release(f"s{r}")
+        alone = engine.prefill([engine_input(f"alone{r}", prompt)])[0]
+        engine.release(f"alone{r}")
+        assert reply.first_token == alone.first_token
+    assert engine.kv.num_free_pages == engine.kv.num_total_pages
