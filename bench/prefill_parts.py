@@ -1,13 +1,16 @@
-"""How long a running stream stops while a long prompt is admitted, with the target's prompt in one forward
-(`--prefill-chunk-tokens 0`) and in parts (`specdec.engine.prefill_parts`).
+"""How long a running stream stops while a long prompt (or a burst of prompts) is admitted, with the target's prompt
+in one forward (`--prefill-chunk-tokens 0`) and in parts (`specdec.engine.prefill_parts`).
 
-Target and draft run as their own processes (as deployed). Per setting: stream A (a short prompt) runs; once it
-has streamed `--lead-messages` messages, stream B (a `--long-tokens` prompt) is sent. Reported per setting (median
-over `--repeats`): A's longest gap between two messages while B is admitted (from B's send to its first token), B's
-time to first token, and A's tokens/s over the whole run; `--streams N` runs N A streams (the longest gap of any).
-B's text is checked against the target's own Generate.
+Per setting: stream A (a short prompt) runs; once it has streamed `--lead-messages` messages, B is sent: one
+`--long-tokens` prompt, or with `--burst N` N such prompts at once. Reported per setting (median over `--repeats`):
+A's longest gap between two messages while B is admitted (from B's send to the last B's first token), B's time to
+first token (the last B's), and A's tokens/s over the whole run; `--streams N` runs N A streams (the longest gap of
+any). B's text is checked against the target's own Generate. `--pair`: `remote` (target and draft as their own
+processes, as deployed), `colocated` (one draft process with `--target in-process`), `target` (A and B through the
+target's own plain `Generate`).
 
 CPU, the tiny pair:     python bench/prefill_parts.py
+A burst of short ones:  python bench/prefill_parts.py --burst 16 --long-tokens 200 --chunks 0,512
 GPU, 8B shape (dummy):  python bench/prefill_parts.py --long-tokens 8000 --target-flags "--load-format dummy \
     --config llama3-8b --device cuda:0 --attention-backend flashinfer --dtype bfloat16 --max-context 16384 \
     --simulate-accept-len 5" --draft-flags "--load-format dummy --config llama3-8b-eagle1 --target-model llama3-8b \
@@ -44,53 +47,72 @@ async def _stream(call, request, arrivals: list) -> list[int]:
     return tokens
 
 
-async def one_round(draft_addr: str, target_addr: str, short: list[int], long: list[int], args, tag: str) -> dict:
+def _generate(stub, rid: str, prompt: list[int], n: int, arrivals: list):
+    """A Generate stream through the draft (DraftServiceStub) or the target (TargetServiceStub)."""
+    kind = draft_pb2.DraftServiceGenerateRequest if isinstance(stub, draft_pb2_grpc.DraftServiceStub) else \
+        target_pb2.TargetServiceGenerateRequest
+    return _stream(stub.Generate, kind(request_id=rid, prompt_ids=prompt, sampling=_sampling(n)), arrivals)
+
+
+async def one_round(draft_addr: str, target_addr: str, short: list[int], longs: list[list[int]], args,
+                    tag: str) -> dict:
     async with make_channel(draft_addr) as dch, make_channel(target_addr) as tch:
-        d = draft_pb2_grpc.DraftServiceStub(dch)
+        t = target_pb2_grpc.TargetServiceStub(tch)
+        d = t if args.pair == "target" else draft_pb2_grpc.DraftServiceStub(dch)
         a_times = [[] for _ in range(args.streams)]
-        b_times = []
-        a = [asyncio.ensure_future(_stream(d.Generate, draft_pb2.DraftServiceGenerateRequest(
-            request_id=f"a{i}-{tag}", prompt_ids=short[i:] + short[:i], sampling=_sampling(args.a_tokens)), times))
-            for i, times in enumerate(a_times)]
+        b_times = [[] for _ in longs]
+        a = [asyncio.ensure_future(_generate(d, f"a{i}-{tag}", short[i:] + short[:i], args.a_tokens, times))
+             for i, times in enumerate(a_times)]
         t0 = time.monotonic()
-        while min(len(t) for t in a_times) < args.lead_messages and not all(x.done() for x in a):
+        while a and min(len(t) for t in a_times) < args.lead_messages and not all(x.done() for x in a):
             await asyncio.sleep(0.001)
         b_sent = time.monotonic()
-        b = await _stream(d.Generate, draft_pb2.DraftServiceGenerateRequest(
-            request_id=f"b-{tag}", prompt_ids=long, sampling=_sampling(args.b_tokens)), b_times)
+        bs = await asyncio.gather(*(_generate(d, f"b{j}-{tag}", long, args.b_tokens, times)
+                                    for j, (long, times) in enumerate(zip(longs, b_times, strict=True))))
         a_tokens = await asyncio.gather(*a)
-        first_b = b_times[0]
+        first_b = max(times[0] for times in b_times)
         gaps = []
         for times in a_times:  # each A stream's longest silence from B's send to B's first token (ended by that
             after = next((t for t in times if t >= first_b), first_b)  # stream's first message after it, if any)
             marks = [b_sent, *(t for t in times if b_sent < t < first_b), after]
             gaps += [t2 - t1 for t1, t2 in zip(marks, marks[1:], strict=False)]
-        plain = []
-        if args.check:
-            plain = await _stream(target_pb2_grpc.TargetServiceStub(tch).Generate,
-                                  target_pb2.TargetServiceGenerateRequest(request_id=f"p-{tag}", prompt_ids=long,
-                                                                          sampling=_sampling(args.b_tokens)), [])
+        matches = None
+        if args.check:  # (the target's own Generate, one at a time)
+            plain = [await _generate(t, f"p{j}-{tag}", long, args.b_tokens, []) for j, long in enumerate(longs)]
+            matches = bs == plain
         return {"a_max_gap_s": max(gaps, default=first_b - b_sent), "b_ttft_s": first_b - b_sent,
                 "a_messages_during_b": sum(b_sent < t < first_b for times in a_times for t in times),
-                "a_tokens_per_s": sum(map(len, a_tokens)) / (max(t[-1] for t in a_times) - t0),
-                "b_matches_target": (b == plain) if plain else None}
+                "a_tokens_per_s": sum(map(len, a_tokens)) / (max(t[-1] for t in a_times) - t0) if a else 0.0,
+                "b_matches_target": matches}
 
 
-def run_setting(chunk: int, short, long, args) -> dict:
-    common = ["--log-level", "WARNING", "--drain-seconds", "1"]
-    target = ServiceProcess(["serve-target", *shlex.split(args.target_flags), *common,
-                             "--prefill-chunk-tokens", str(chunk)], "specdec.v1.TargetService")
-    try:
-        draft = ServiceProcess(["serve-draft", "--target", target.addr, *shlex.split(args.draft_flags), *common,
-                                "--speculation", args.speculation], "specdec.v1.DraftService")
+def _services(chunk: int, args) -> list[ServiceProcess]:
+    """The processes of the `--pair` setting, started; the last one's address serves both services' Generate."""
+    common = ["--log-level", "WARNING", "--drain-seconds", "1", "--prefill-chunk-tokens", str(chunk)]
+    draft_args = [*shlex.split(args.draft_flags), *common, "--speculation", args.speculation]
+    if args.pair == "colocated":
+        return [ServiceProcess(["serve-draft", "--target", "in-process", *draft_args], "specdec.v1.DraftService")]
+    procs = [ServiceProcess(["serve-target", *shlex.split(args.target_flags), *common], "specdec.v1.TargetService")]
+    if args.pair == "remote":
         try:
-            asyncio.run(one_round(draft.addr, target.addr, short, long, args, "warm"))
-            rounds = [asyncio.run(one_round(draft.addr, target.addr, short, long, args, f"r{i}"))
-                      for i in range(args.repeats)]
-        finally:
-            draft.stop()
+            procs.append(ServiceProcess(["serve-draft", "--target", procs[0].addr, *draft_args],
+                                        "specdec.v1.DraftService"))
+        except BaseException:
+            procs[0].stop()
+            raise
+    return procs
+
+
+def run_setting(chunk: int, short, longs, args) -> dict:
+    procs = _services(chunk, args)
+    draft, target = procs[-1], procs[0]
+    try:
+        asyncio.run(one_round(draft.addr, target.addr, short, longs, args, "warm"))
+        rounds = [asyncio.run(one_round(draft.addr, target.addr, short, longs, args, f"r{i}"))
+                  for i in range(args.repeats)]
     finally:
-        target.stop()
+        for proc in reversed(procs):
+            proc.stop()
     med = {k: round(statistics.median(r[k] for r in rounds), 4) for k in
            ("a_max_gap_s", "b_ttft_s", "a_messages_during_b", "a_tokens_per_s")}
     return {"prefill_chunk_tokens": chunk, **med, "b_matches_target": [r["b_matches_target"] for r in rounds]}
@@ -100,7 +122,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--chunks", default="0,2048,512", help="--prefill-chunk-tokens settings, comma-separated")
     p.add_argument("--long-tokens", type=int, default=1800, help="stream B's prompt length")
-    p.add_argument("--streams", type=int, default=1, help="A streams running when B is sent")
+    p.add_argument("--streams", type=int, default=1, help="A streams running when B is sent (0: B alone, its TTFT)")
+    p.add_argument("--burst", type=int, default=1, help="B prompts sent at once")
+    p.add_argument("--pair", choices=["remote", "colocated", "target"], default="remote",
+                   help="target and draft processes; a draft with its target in-process; the target's Generate")
     p.add_argument("--a-tokens", type=int, default=400, help="each A stream's new tokens")
     p.add_argument("--b-tokens", type=int, default=16, help="stream B's new tokens")
     p.add_argument("--lead-messages", type=int, default=5, help="A's messages before B is sent")
@@ -114,10 +139,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     vocab = 8000
     short = [(7 * i + 11) % vocab + 100 for i in range(32)]
-    long = [(13 * i + 5) % vocab + 100 for i in range(args.long_tokens)]
+    longs = [[(13 * i + 5 + 17 * j) % vocab + 100 for i in range(args.long_tokens)] for j in range(args.burst)]
     rows = []
     for chunk in (int(c) for c in args.chunks.split(",")):
-        row = run_setting(chunk, short, long, args)
+        row = run_setting(chunk, short, longs, args)
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.out:
