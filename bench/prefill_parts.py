@@ -4,10 +4,10 @@ in one forward (`--prefill-chunk-tokens 0`) and in parts (`specdec.engine.prefil
 Per setting: stream A (a short prompt) runs; once it has streamed `--lead-messages` messages, B is sent: one
 `--long-tokens` prompt, or with `--burst N` N such prompts at once. Reported per setting (median over `--repeats`):
 A's longest gap between two messages while B is admitted (from B's send to the last B's first token), B's time to
-first token (the last B's), and A's tokens/s over the whole run; `--streams N` runs N A streams (the longest gap of
-any). B's text is checked against the target's own Generate. `--pair`: `remote` (target and draft as their own
-processes, as deployed), `colocated` (one draft process with `--target in-process`), `target` (A and B through the
-target's own plain `Generate`).
+first token (the last B's, and the mean over a burst), and A's tokens/s over the whole run; `--streams N` runs N A
+streams (the longest gap of any). B's text is checked against the target's own Generate. `--pair`: `remote`
+(target and draft as their own processes, as deployed), `colocated` (one draft process with `--target
+in-process`), `target` (A and B through the target's own plain `Generate`).
 
 CPU, the tiny pair:     python bench/prefill_parts.py
 A burst of short ones:  python bench/prefill_parts.py --burst 16 --long-tokens 200 --chunks 0,512
@@ -81,6 +81,7 @@ async def one_round(draft_addr: str, target_addr: str, short: list[int], longs: 
             plain = [await _generate(t, f"p{j}-{tag}", long, args.b_tokens, []) for j, long in enumerate(longs)]
             matches = bs == plain
         return {"a_max_gap_s": max(gaps, default=first_b - b_sent), "b_ttft_s": first_b - b_sent,
+                "b_ttft_mean_s": statistics.mean(times[0] - b_sent for times in b_times),
                 "a_messages_during_b": sum(b_sent < t < first_b for times in a_times for t in times),
                 "a_tokens_per_s": sum(map(len, a_tokens)) / (max(t[-1] for t in a_times) - t0) if a else 0.0,
                 "b_matches_target": matches}
@@ -114,7 +115,7 @@ def run_setting(chunk: int, short, longs, args) -> dict:
         for proc in reversed(procs):
             proc.stop()
     med = {k: round(statistics.median(r[k] for r in rounds), 4) for k in
-           ("a_max_gap_s", "b_ttft_s", "a_messages_during_b", "a_tokens_per_s")}
+           ("a_max_gap_s", "b_ttft_s", "b_ttft_mean_s", "a_messages_during_b", "a_tokens_per_s")}
     return {"prefill_chunk_tokens": chunk, **med, "b_matches_target": [r["b_matches_target"] for r in rounds]}
 
 

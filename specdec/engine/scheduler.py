@@ -255,9 +255,11 @@ class Scheduler(Admission):
         16 for an 8B shape). Requests that arrive during a call join only after it (one burst of 32 came as waves
         of 2 and 30), and a 16-step call at 32 requests of an 8B shape is ~90 ms of waiting where `Generate` admits
         them within a step; a small model's steps (the tiny pair: under 1 ms) fit 16 in the window at once, where
-        short calls would pay a round trip every few steps."""
+        short calls would pay a round trip every few steps. One step while prompts are prefilled in parts."""
         if micro:
             return min(self.plain_steps, PLAIN_STEPS)
+        if self.flights.out:  # a prompt is prefilled a part at a time meanwhile: a call of many steps would hold
+            return 1  # its next part back (the target's Generate, 8B shape: an 8,000-token prompt's first token +31%)
         if len(self.running) >= self.max_batch_size:  # no one could join: the ramp is over
             self._plain_ramp = self.plain_steps
         fits = int(self.admit_window_s / self._plain_step_s) if self._plain_step_s else 0
