@@ -72,34 +72,26 @@ def test_verify_calls_run_between_the_parts_and_a_cancel_frees_the_pages(stack, 
 
 
 async def _stream(stub, rid, prompt, n, arrivals: list):
+    """A Generate stream through a draft's or a target's stub; `arrivals` gets (time, tokens so far) per message."""
+    kind = (target_pb2.TargetServiceGenerateRequest if isinstance(stub, target_pb2_grpc.TargetServiceStub)
+            else draft_pb2.DraftServiceGenerateRequest)
     tokens = []
-    async for msg in stub.Generate(draft_pb2.DraftServiceGenerateRequest(
-            request_id=rid, prompt_ids=prompt, sampling=common_pb2.SamplingParams(max_new_tokens=n,
-                                                                                   ignore_eos=True))):
+    sampling = common_pb2.SamplingParams(max_new_tokens=n, ignore_eos=True)
+    async for msg in stub.Generate(kind(request_id=rid, prompt_ids=prompt, sampling=sampling)):
         tokens += list(msg.token_ids)
         arrivals.append((time.monotonic(), len(tokens)))
     return tokens
 
 
-async def _target_stream(stub, rid, prompt, n, arrivals: list):
-    tokens = []
-    async for msg in stub.Generate(target_pb2.TargetServiceGenerateRequest(
-            request_id=rid, prompt_ids=prompt, sampling=common_pb2.SamplingParams(max_new_tokens=n,
-                                                                                   ignore_eos=True))):
-        tokens += list(msg.token_ids)
-        arrivals.append((time.monotonic(), len(tokens)))
-    return tokens
-
-
-async def _during(start_a, start_b) -> tuple[list, list, float, list]:
-    """Stream "a" (short prompt, 400 tokens); once it streams, "b" (the long prompt, 16 tokens). -> a's tokens, its
-    arrivals, when b was sent, b's tokens and arrivals."""
+async def _during(stub, tag: str, long_prompt: list[int]) -> tuple[list, list, float, list, list]:
+    """Stream "<tag>a" (a short prompt, 400 tokens) through `stub`; once it streams, "<tag>b" (the long prompt, 16
+    tokens). -> a's tokens, its arrivals, when b was sent, b's tokens and arrivals."""
     a_times, b_times = [], []
-    a = asyncio.ensure_future(start_a(a_times))
+    a = asyncio.ensure_future(_stream(stub, f"{tag}a", long_prompt[:30], 400, a_times))
     while not a_times:
         await asyncio.sleep(0.005)
     b_sent = time.monotonic()
-    b = await start_b(b_times)
+    b = await _stream(stub, f"{tag}b", long_prompt, 16, b_times)
     return await a, a_times, b_sent, b, b_times
 
 
@@ -113,8 +105,7 @@ def test_the_targets_own_generate_streams_on_while_a_long_prompt_is_admitted(sta
     async def run():
         async with make_channel(target.addr) as tch, make_channel(draft.addr) as dch:
             t = target_pb2_grpc.TargetServiceStub(tch)
-            got = await _during(lambda at: _target_stream(t, "ga", long_prompt[:30], 400, at),
-                                lambda bt: _target_stream(t, "gb", long_prompt, 16, bt))
+            got = await _during(t, "g", long_prompt)
             spec = await _stream(draft_pb2_grpc.DraftServiceStub(dch), "spec-b", long_prompt, 16, [])
             return got, spec
 
@@ -131,9 +122,8 @@ def test_a_colocated_draft_streams_on_while_a_long_prompt_is_admitted(stack, lon
         async def run():
             async with make_channel(colocated.addr) as ch, make_channel(target.addr) as tch:
                 d = draft_pb2_grpc.DraftServiceStub(ch)
-                got = await _during(lambda at: _stream(d, "ca", long_prompt[:30], 400, at),
-                                    lambda bt: _stream(d, "cb", long_prompt, 16, bt))
-                plain = await _target_stream(target_pb2_grpc.TargetServiceStub(tch), "plain-cb", long_prompt, 16, [])
+                got = await _during(d, "c", long_prompt)
+                plain = await _stream(target_pb2_grpc.TargetServiceStub(tch), "plain-cb", long_prompt, 16, [])
                 info = await target_pb2_grpc.TargetServiceStub(ch).GetModelInfo(
                     target_pb2.TargetServiceGetModelInfoRequest())
                 return got, plain, info

@@ -213,35 +213,49 @@ def test_a_refused_verify_beside_others_fails_alone_and_runs_nothing_twice(targe
     assert engine.kv.num_free_pages == engine.kv.num_total_pages
 
 
+def _first_tokens_as_alone(engine, replies, prompts, prefix: str) -> None:
+    """Each reply (request `<prefix><i>`, released here) has the first token of its prompt prefilled alone, and every
+    page is free after."""
+    for r, (reply, prompt) in enumerate(zip(replies, prompts, strict=True)):
+        engine.release(f"{prefix}{r}")
+        alone = engine.prefill([engine_input(f"alone{r}", prompt)])[0]
+        engine.release(f"alone{r}")
+        assert reply.first_token == alone.first_token
+    assert engine.kv.num_free_pages == engine.kv.num_total_pages
+
+
+def _counted_rounds(engine, chunk: int = 64):
+    """(loop, servicer, the calls of each round of the engine thread), with parts of `chunk` tokens."""
+    engine.prefill_chunk_tokens = chunk
+    loop = EngineLoop(None, "target-engine")
+    servicer = TargetServicer(engine, loop, "tiny")
+    calls_per_round = []
+    run_calls = loop._run_calls
+
+    def counted(calls):
+        calls_per_round.append(list(calls))
+        run_calls(calls)
+
+    loop._run_calls = counted
+    return loop, servicer, calls_per_round
+
+
 def test_long_prompts_in_parts_take_turns_a_part_per_round(target):
     """Prompts longer than `prefill_chunk_tokens` arriving together: each engine round runs at most one part (QA: four
     admitted together put four parts in a round, past a 2 s stall limit on a CPU), and each reply equals the prompt's
     prefill in one forward."""
     engine, _ = target
-    engine.prefill_chunk_tokens = 64
-    loop = EngineLoop(None, "target-engine")
-    servicer = TargetServicer(engine, loop, "tiny")
-    parts_per_round = []
-    run_calls = loop._run_calls
-
-    def counted(calls):
-        parts_per_round.append(sum(getattr(c.fn, "__func__", None) is TargetServicer._prefill_part for c in calls))
-        run_calls(calls)
-
-    loop._run_calls = counted
+    loop, servicer, calls_per_round = _counted_rounds(engine)
     prompts = [[(7 * i + 3 * r) % 8000 + 10 for i in range(200 + 30 * r)] for r in range(3)]
     try:
         replies = asyncio.run(_together(servicer, loop, [_request(f"p{r}", p) for r, p in enumerate(prompts)]))
     finally:
         loop.stop()
+    parts_per_round = [sum(getattr(c.fn, "__func__", None) is TargetServicer._prefill_part for c in calls)
+                       for calls in calls_per_round]
     assert max(parts_per_round) == 1 and sum(parts_per_round) == 4 + 4 + 5  # 200, 230, 260 tokens in parts of 64
     engine.prefill_chunk_tokens = 0
-    for r, (reply, prompt) in enumerate(zip(replies, prompts, strict=True)):
-        engine.release(f"p{r}")
-        alone = engine.prefill([engine_input(f"alone{r}", prompt)])[0]
-        engine.release(f"alone{r}")
-        assert reply.first_token == alone.first_token
-    assert engine.kv.num_free_pages == engine.kv.num_total_pages
+    _first_tokens_as_alone(engine, replies, prompts, "p")
 
 
 def test_a_burst_of_short_prompts_runs_a_part_worth_a_round(target):
@@ -249,27 +263,12 @@ def test_a_burst_of_short_prompts_runs_a_part_worth_a_round(target):
     forward each), so calls that arrive meanwhile (running streams' Verify RPCs) wait for one part's worth at most;
     each reply equals the prompt's prefill alone."""
     engine, batches = target
-    engine.prefill_chunk_tokens = 64
-    loop = EngineLoop(None, "target-engine")
-    servicer = TargetServicer(engine, loop, "tiny")
-    rounds = []
-    run_calls = loop._run_calls
-
-    def counted(calls):
-        rounds.append(len(batches))
-        run_calls(calls)
-
-    loop._run_calls = counted
+    loop, servicer, calls_per_round = _counted_rounds(engine)
     prompts = [[(11 * i + r) % 8000 + 10 for i in range(20 + 5 * r)] for r in range(5)]  # 20, 25, 30, 35, 40
     try:
         replies = asyncio.run(_together(servicer, loop, [_request(f"s{r}", p) for r, p in enumerate(prompts)]))
     finally:
         loop.stop()
     assert batches == [["s0", "s1"], ["s2"], ["s3"], ["s4"]]  # 45, 30, 35, 40 tokens
-    assert rounds == [0, 1, 2, 3]  # a forward a round
-    for r, (reply, prompt) in enumerate(zip(replies, prompts, strict=True)):
-        engine.release(f"s{r}")
-        alone = engine.prefill([engine_input(f"alone{r}", prompt)])[0]
-        engine.release(f"alone{r}")
-        assert reply.first_token == alone.first_token
-    assert engine.kv.num_free_pages == engine.kv.num_total_pages
+    assert len(calls_per_round) == 4  # a forward a round
+    _first_tokens_as_alone(engine, replies, prompts, "s")

@@ -17,6 +17,16 @@ def tiny_target():
     return build_target(str(TINY / "target"), OPTS)
 
 
+def restored_target():
+    """For a fixture (`yield from`): the tiny target; its part size restored and its requests released after."""
+    engine = tiny_target()
+    before = engine.prefill_chunk_tokens
+    yield engine
+    engine.prefill_chunk_tokens = before
+    for rid in list(engine.requests):
+        engine.release(rid)
+
+
 def tiny_draft(kind: str = "draft", spec: SpecConfig = SpecConfig(5, 1, 5)):
     return build_draft(str(TINY / kind), str(TINY / "target"), spec, OPTS, tiny_target().max_context)
 

@@ -6,7 +6,7 @@ an abort, a failed part or a close mid-way release what the prompt held."""
 from __future__ import annotations
 
 import pytest
-from core_engines import tiny_draft, tiny_target
+from core_engines import restored_target, tiny_draft
 
 from draft_service.colocated import LocalTarget
 from specdec.engine.generate import feature_layers_for
@@ -22,12 +22,7 @@ CHUNK = 64
 
 @pytest.fixture
 def engine():
-    engine = tiny_target()
-    before = engine.prefill_chunk_tokens
-    yield engine
-    engine.prefill_chunk_tokens = before
-    for rid in list(engine.requests):
-        engine.release(rid)
+    yield from restored_target()
 
 
 def _prompts(dev_prompts, tiny_tokenizer):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from core_engines import tiny_target
+from core_engines import restored_target
 
 from specdec.engine.requests import PrefillInput, VerifyInput
 from specdec.errors import DuplicateRequest, InvalidInput, UnknownRequest
@@ -17,12 +17,7 @@ GREEDY = SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture
 def target():
-    engine = tiny_target()
-    before = engine.prefill_chunk_tokens
-    yield engine
-    engine.prefill_chunk_tokens = before
-    for rid in list(engine.requests):
-        engine.release(rid)
+    yield from restored_target()
 
 
 def _prompt(n: int) -> list[int]:
