@@ -111,17 +111,19 @@ class Admission:
                 break
         return self._extended(events, extend)
 
+    @property
+    def _chunk(self) -> int:
+        """The target's part (`prefill_chunk_tokens`; 0: it prefills every prompt in one forward)."""
+        return getattr(self.target, "prefill_chunk_tokens", 0)
+
     def _step_tokens(self) -> int:
-        """While a batch runs, the most prompt tokens prefilled in this step's one group (the target's part,
-        `prefill_chunk_tokens`, where it prefills in parts); 0: no such bound (groups of up to MAX_PREFILL_TOKENS,
-        as many as fit)."""
-        chunk = getattr(self.target, "prefill_chunk_tokens", 0)
-        return min(chunk, MAX_PREFILL_TOKENS) if self.running and chunk > 0 else 0
+        """While a batch runs, the most prompt tokens prefilled in this step's one group (the target's part, where
+        it prefills in parts); 0: no such bound (groups of up to MAX_PREFILL_TOKENS, as many as fit)."""
+        return min(self._chunk, MAX_PREFILL_TOKENS) if self.running and self._chunk > 0 else 0
 
     def _flies(self, state: RunState) -> bool:
         """Is the request's prompt prefilled in flight, in parts (`_send_long`)?"""
-        chunk = getattr(self.target, "prefill_chunk_tokens", 0)
-        if not 0 < chunk < len(state.prompt_ids):
+        if not 0 < self._chunk < len(state.prompt_ids):
             return False
         if in_process_parts(self.target):
             return True
@@ -163,11 +165,15 @@ class Admission:
         others, admitted now. A remote target (`prefill_send`) runs the batch's Verify calls between a prompt's parts
         (only while a batch runs: otherwise the draft waits for them), an in-process one runs a part per step
         (`Flights.advance`)."""
-        for state in (s for s in group if self._flies(s)):  # a flight each: each starts once it is in
-            answers: list = [None]  # (QA: four sent as one flight all started with the longest, 3 s in)
-            inputs, _ = self._prefill_inputs([state], answers)
+        now = []
+        for state in group:
+            if not self._flies(state):
+                now.append(state)
+                continue
+            answers: list = [None]  # a flight each, each starting once it is in (QA: four sent as one flight all
+            inputs, _ = self._prefill_inputs([state], answers)  # started with the longest, 3 s in)
             self.flights.send(self.target, state, inputs[0] if inputs else answers[0])
-        return [s for s in group if not self._flies(s)]
+        return now
 
     def _land_flights(self, events: list[Event], extend: list) -> bool:
         """Run a part of the in-process flights, then start the request of every flight that is answered (every

@@ -69,14 +69,12 @@ class Flights:
             if flight.state.request_id in aborted:
                 self._drop(target, flight)
                 flight.answer = Cancelled("the request was aborted during its admission")
-        pending = [f for f in self.out if f.parts and f.answer is None]
-        if not pending:
+                continue
+            try:
+                flight.answer = target.prefill_part(flight.state.request_id)
+            except Exception as exc:  # noqa: BLE001 - a bad prompt, a failed forward: this request fails alone
+                flight.answer = exc if isinstance(exc, SpecdecError) else SpecdecError(f"prefill failed: {exc!r}")
             return
-        flight = pending[0]
-        try:
-            flight.answer = target.prefill_part(flight.state.request_id)
-        except Exception as exc:  # noqa: BLE001 - a bad prompt, a failed forward: this request fails, not the batch
-            flight.answer = exc if isinstance(exc, SpecdecError) else SpecdecError(f"prefill failed: {exc!r}")
 
     @staticmethod
     def ready(target, flight: Flight) -> bool:
