@@ -9,7 +9,7 @@ import argparse
 import shlex
 import sys
 
-from gateway.config import DEFAULT_MAX_INPUT_CHARS, DEFAULT_MAX_NEW_TOKENS_LIMIT
+from gateway.config import DEFAULT_MAX_INPUT_CHARS, DEFAULT_MAX_NEW_TOKENS_LIMIT, DEFAULT_PAIR_WAIT_S
 from gateway.local_stack import DEFAULT_DRAFT_DIR, DEFAULT_PORTS, DEFAULT_TARGET_DIR
 from specdec.serving.engine_args import port, ranged, seconds
 
@@ -63,6 +63,10 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
                         f"tokenizing (default {DEFAULT_MAX_INPUT_CHARS})")
     p.add_argument("--drain-seconds", type=seconds("running streams end at once"), default=30.0,
                    help="on SIGTERM, let streams finish this long (default 30)")
+    p.add_argument("--pair-wait-seconds", type=seconds("UNAVAILABLE at once"), default=DEFAULT_PAIR_WAIT_S,
+                   help="while no pair is up, a request (a new one, or a stream whose pair failed under it) waits "
+                        "this long for one to come up, e.g. its pair restarting, within the client's deadline; then "
+                        f"UNAVAILABLE (default {DEFAULT_PAIR_WAIT_S:g})")
     add_tls_args(p, who="the gateway, also used towards its pairs")
     p.add_argument("--tls-client-certs", choices=("required", "optional"), default="required",
                    help="with --tls-ca: whether the gateway's clients must present a certificate (optional: an "

@@ -20,6 +20,10 @@ MAX_CHAT_MESSAGES = 4096
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_MODEL_NAME_CHARS = 256
+# how long a request waits for a pair when none is up (a new one, or a stream whose pair failed under it): a pair
+# restarting (`specdec up` brings a killed target back in ~5 s on a CPU, a Pod in tens of seconds on a GPU) is
+# waited out rather than failing the streams it served; within the client's deadline
+DEFAULT_PAIR_WAIT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,7 @@ class GatewayConfig:
     limits: GatewayLimits = GatewayLimits()
     health_interval_s: float = 2.0  # how often pairs are health-checked (faster while none is up)
     served_model_name: str = ""  # the model id ListModels reports; "": the target's model name
+    pair_wait_s: float = DEFAULT_PAIR_WAIT_S  # a request's wait for a pair while none is up (0: UNAVAILABLE at once)
 
     def __post_init__(self) -> None:
         if not self.pairs:
@@ -82,6 +87,8 @@ class GatewayConfig:
         twice = sorted({str(p) for p in self.pairs if self.pairs.count(p) > 1})
         if twice:  # it doubled the pair's metric series and its share of the load (QA)
             raise ConfigError(f"--pair {twice[0]} is given more than once")
+        if not self.pair_wait_s >= 0:
+            raise ConfigError(f"--pair-wait-seconds must be at least 0, got {self.pair_wait_s}")
         name = self.served_model_name
         if name and (len(name) > MAX_MODEL_NAME_CHARS or not name.isprintable() or name != name.strip()):
             raise ConfigError(f"--served-model-name {name!r}: expected up to {MAX_MODEL_NAME_CHARS} printable "

@@ -3,9 +3,11 @@
 The request starts on its pair's draft (speculative) or, without speculation or with the draft down, on the
 pair's target. When the draft fails (down, broken stream, an error status) the request continues on
 the same pair's target with plain `Generate` over `prompt + tokens already produced` and the remaining token
-budget; when the target fails, it continues the same way on another pair. The caller sees one stream of token
-deltas. Greedy decoding is deterministic, so the text is exactly what an uninterrupted run gives; sampled
-requests keep the target's distribution but not the same sample.
+budget; when the target fails, it continues the same way on another pair, through that pair's draft when it has
+one. While no pair is up (a new request, or one whose only pair failed) the request waits for one, up to the
+gateway's `--pair-wait-seconds` within the client's deadline: a pair back from a restart will do. The caller sees
+one stream of token deltas. Greedy decoding is deterministic, so the text is exactly what an uninterrupted run
+gives; sampled requests keep the target's distribution but not the same sample.
 
 Each attempt uses its own downstream request id (`rid`, `rid~1`, `rid~2`, ...), since the failed service may
 still hold the old one. Client ids may contain `~`: a continuation whose id another request runs under already
@@ -18,6 +20,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -38,6 +41,7 @@ FINISH_STOP = common_pb2.FINISH_REASON_STOP
 FINISH_LENGTH = common_pb2.FINISH_REASON_LENGTH
 FINISH_ABORT = common_pb2.FINISH_REASON_ABORT
 MAX_ID_TRIES = 8  # continuation ids tried past ones another request runs under
+WAIT_WORTH_SAYING_S = 0.01  # a wait for a pair this long or longer gets a span event and a log line
 
 
 @dataclass(frozen=True)
@@ -53,10 +57,12 @@ class GenerationPlan:
 class FallbackGeneration:
     """`async for chunk in FallbackGeneration(router, plan, timeout).run()`; then read the summary fields."""
 
-    def __init__(self, router: Router, plan: GenerationPlan, timeout_s: Callable[[], float | None]) -> None:
+    def __init__(self, router: Router, plan: GenerationPlan, timeout_s: Callable[[], float | None],
+                 pair_wait_s: float = 0.0) -> None:
         self._router = router
         self._plan = plan
         self._timeout_s = timeout_s  # seconds left on the client's deadline, asked before each attempt
+        self._pair_wait_s = pair_wait_s  # how long the request waits for a pair when none is up (`_wait_s`)
         self.generated: list[int] = []
         self.num_fallbacks = 0
         self.speculative = plan.speculative  # false once any part of the stream came from a plain Generate
@@ -65,7 +71,8 @@ class FallbackGeneration:
 
     async def run(self) -> AsyncIterator[Chunk]:
         with get_tracer().start_as_current_span("gateway.route") as span:
-            lease = self._router.acquire(self._plan.speculative, fit=self._fits)
+            lease = await self._waited(self._router.acquire_waiting(self._plan.speculative, self._wait_s(),
+                                                                    fit=self._fits))
             span.set_attribute("specdec.pair", str(lease.pair))
             span.set_attribute("speculative", self._plan.speculative and self._drafts(lease.pair))
         failure: Exception | None = None
@@ -99,7 +106,7 @@ class FallbackGeneration:
                         break
                 if not is_backend_failure(failure):
                     raise failure
-                lease, use_draft = self._recover(lease, rid, use_draft, failure)
+                lease, use_draft = await self._recover(lease, rid, use_draft, failure)
             raise StreamBroken(f"request {self._plan.request_id} failed on {max_attempts} attempts")
         finally:
             failure = None  # raised from this frame, it would hold the frame through its traceback (a cycle)
@@ -130,10 +137,12 @@ class FallbackGeneration:
                     return
         raise StreamBroken(f"{pair}: the stream ended without a finish")
 
-    def _recover(self, lease: Lease, rid: str, used_draft: bool, exc: Exception) -> tuple[Lease, bool]:
-        """Mark what failed and say where the request continues: (lease, use_draft). May raise NotReady."""
+    async def _recover(self, lease: Lease, rid: str, used_draft: bool, exc: Exception) -> tuple[Lease, bool]:
+        """Mark what failed and say where the request continues: (lease, use_draft). Off a failed target the request
+        goes to another pair, through its draft when it has one; with none up it waits for one (`_wait_s`: the
+        failed pair back after a restart will do). May raise NotReady."""
         self.num_fallbacks += 1
-        self.speculative = False
+        self.speculative = False  # the final stats of a stream with a fallback say so (tau 0: gateway.proto)
         reason = _describe(exc)
         if isinstance(exc, PartHung) and exc.part is Part.TARGET:
             used_draft = False  # the pair's target froze under its draft: the request moves to another pair
@@ -152,9 +161,31 @@ class FallbackGeneration:
             log.warning("draft of %s failed (%s); continuing on its target", lease.pair, reason)
             return lease, False
         self._router.report_failure(lease.pair, Part.TARGET, reason)
-        new_lease = self._router.switch(lease, speculative=False)
-        log.warning("target of %s failed (%s); continuing on %s", lease.pair, reason, new_lease.pair)
-        return new_lease, False
+        new_lease = await self._waited(self._router.switch(lease, self._plan.speculative, self._wait_s(),
+                                                           fit=self._fits))
+        use_draft = self._plan.speculative and self._drafts(new_lease.pair)
+        log.warning("target of %s failed (%s); continuing on %s%s", lease.pair, reason, new_lease.pair,
+                    " through its draft" if use_draft else "")
+        return new_lease, use_draft
+
+    @staticmethod
+    async def _waited(acquiring) -> Lease:
+        """The lease `acquiring` gets; a wait for a pair to come up is said on the current span (an event in the
+        request's trace, Jaeger) and in the log."""
+        t0 = time.monotonic()
+        lease = await acquiring
+        waited = time.monotonic() - t0
+        if waited >= WAIT_WORTH_SAYING_S:
+            trace.get_current_span().add_event("specdec.waited_for_pair", {
+                "specdec.wait_s": round(waited, 3), "specdec.pair": str(lease.pair)})
+            log.info("waited %.1f s for a pair to come up; going on on %s", waited, lease.pair)
+        return lease
+
+    def _wait_s(self) -> float:
+        """How long to wait for a pair when none is up: the gateway's `--pair-wait-seconds`, within the client's
+        deadline."""
+        left = self._timeout_s()
+        return self._pair_wait_s if left is None else max(0.0, min(self._pair_wait_s, left))
 
     def _fits(self, pair) -> bool:
         """Does the request's own tree shape (`spec`) fit the pair's draft? (Its shape unknown: the draft checks.)

@@ -102,6 +102,7 @@ class Router:
         # was found down with, CALL_FAILED after `report_failure`); absent: not checked yet
         self._said: dict[tuple[int, Part], set[str]] = {}
         self.any_up = asyncio.Event()
+        self._came_up = asyncio.Event()  # set (then replaced) each time a pair becomes usable: `acquire_waiting`
 
     @classmethod
     def connect(cls, addresses: Sequence[PairAddress], tls: TlsConfig | None, health_interval_s: float) -> Router:
@@ -131,15 +132,36 @@ class Router:
         pair.in_flight += 1
         return Lease(pair)
 
+    async def acquire_waiting(self, speculative: bool, wait_s: float, exclude: Sequence[Pair] = (),
+                              fit: Callable[[Pair], bool] | None = None) -> Lease:
+        """`acquire`, but when no pair outside `exclude` is usable, wait up to `wait_s` for one to come up (a pair's
+        target back after a restart, `exclude`d ones included: a request that left a failed pair may go back to it
+        once it answers SERVING again); NotReady when none did."""
+        with contextlib.suppress(NotReady):
+            return self.acquire(speculative, exclude, fit)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(wait_s, 0.0)
+        while not any(p.usable for p in self.pairs):
+            left = deadline - loop.time()
+            if left <= 0:
+                down = ", ".join(str(p.address) for p in self.pairs)
+                waited = f" in {wait_s:g} s" if wait_s > 0 else ""
+                raise NotReady(f"no draft/target pair is available{waited} (pairs: {down}); retry later")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._came_up.wait(), left)
+        return self.acquire(speculative, fit=fit)
+
     def release(self, lease: Lease) -> None:
         if not lease.released:
             lease.released = True
             lease.pair.in_flight -= 1
 
-    def switch(self, lease: Lease, speculative: bool) -> Lease:
-        """Move a request off its failed pair onto another one (NotReady when there is none)."""
+    async def switch(self, lease: Lease, speculative: bool, wait_s: float,
+                     fit: Callable[[Pair], bool] | None = None) -> Lease:
+        """Move a request off its failed pair onto another one, waiting up to `wait_s` for one (or the failed one,
+        back) to come up when none is usable (`acquire_waiting`)."""
         self.release(lease)
-        return self.acquire(speculative, exclude=[lease.pair])
+        return await self.acquire_waiting(speculative, wait_s, exclude=[lease.pair], fit=fit)
 
     def report_failure(self, pair: Pair, part: Part, reason: str) -> None:
         """Take `part` of `pair` out of rotation until a health check finds it SERVING again."""
@@ -160,9 +182,13 @@ class Router:
     async def _check_pair(self, pair: Pair) -> None:
         """Both parts at once (one after the other, a silent target delayed its draft's check by its deadline)."""
         parts = [(Part.TARGET, pair.target)] + ([(Part.DRAFT, pair.draft)] if pair.draft is not None else [])
+        was_usable = pair.usable
         await asyncio.gather(*(self._check_part(pair, part, client) for part, client in parts))
         if self.pairs_up:
             self.any_up.set()
+        if pair.usable and not was_usable:  # requests waiting for a pair take it, its draft judged too
+            self._came_up.set()
+            self._came_up = asyncio.Event()
 
     async def _check_part(self, pair: Pair, part: Part, client: TargetClient | DraftClient) -> None:
         client.renew_channel()  # renewed TLS files: new connections present (and trust) the new certificates

@@ -86,7 +86,7 @@ async def start_gateway(
     tokenizer = load_tokenizer(config.model_dir)
     router = Router.connect(config.pairs, pair_tls(tls), config.health_interval_s)
     servicer = GatewayServicer(tokenizer, router, config.limits, config.model_dir, clients_by_key=bool(api_keys),
-                               served_model_name=config.served_model_name)
+                               served_model_name=config.served_model_name, pair_wait_s=config.pair_wait_s)
     interceptors = [*server_interceptors(), AccessLogInterceptor()]
     if metrics is not None:
         interceptors.append(MetricsInterceptor(metrics))
@@ -116,6 +116,7 @@ async def serve(args: argparse.Namespace, shutdown: asyncio.Event, ready: Callab
         limits=GatewayLimits(args.max_prompt_tokens, args.max_new_tokens, args.max_concurrent_streams,
                              args.max_streams_per_client, args.max_input_chars),
         served_model_name=args.served_model_name,
+        pair_wait_s=args.pair_wait_seconds,
     )
     tls = server_tls(args)
     api_keys = ApiKeyFile(args.api_key_file) if args.api_key_file else ()

@@ -46,7 +46,7 @@ GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full
 @map_servicer_errors
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     def __init__(self, tokenizer: Tokenizer, router: Router, limits: GatewayLimits, model_dir: str,
-                 clients_by_key: bool = False, served_model_name: str = "") -> None:
+                 clients_by_key: bool = False, served_model_name: str = "", pair_wait_s: float = 0.0) -> None:
         self._tokenizer = tokenizer
         self._router = router
         self._limits = limits
@@ -54,6 +54,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self._clients_by_key = clients_by_key  # API keys are checked: a key identifies a client
         self._model_dir = model_dir  # ListModels' target until a pair answers: the --model the gateway was given
         self._served_model_name = served_model_name  # ListModels' id; "": the target's model name
+        self._pair_wait_s = pair_wait_s  # a request's wait for a pair while none is up (`FallbackGeneration`)
 
     # -- Generate -------------------------------------------------------------------------------------------
     async def Generate(self, request, context):
@@ -66,7 +67,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         with bind_request_id(request_id):
             plan, stops = await self._plan(request, request_id)
             with self._slots.hold(client_identity(context, self._clients_by_key)):
-                generation = FallbackGeneration(self._router, plan, lambda: downstream_timeout(context))
+                generation = FallbackGeneration(self._router, plan, lambda: downstream_timeout(context),
+                                                self._pair_wait_s)
                 try:
                     async for response in self._stream(generation, plan, stops, started):
                         yield response

@@ -164,3 +164,14 @@ def test_drain_seconds_reach_every_service_within_its_grace_period(case):
         pre_stop = c.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
         assert pod_spec(doc)["terminationGracePeriodSeconds"] > 120 + pre_stop, (doc["metadata"]["name"], c["name"])
     assert seen == SPECDEC_CONTAINERS
+
+
+# ---------- the gateway's wait for a pair ----------
+
+
+@pytest.mark.parametrize(("sets", "want"), [((), "30"), (("--set", "gateway.pairWaitSeconds=300"), "300")])
+def test_the_gateway_waits_for_a_restarting_pair_as_set(sets, want):
+    """`gateway.pairWaitSeconds` reaches `--pair-wait-seconds` (a GPU pair's restart may outlast the default)."""
+    docs = render("default", *sets)
+    (gateway,) = [c for _, c in specdec_containers(docs) if c["name"] == "gateway"]
+    assert flag(gateway, "pair-wait-seconds") == want

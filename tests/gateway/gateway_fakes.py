@@ -155,10 +155,10 @@ async def start_fake_pair(model: FakeModel) -> FakePair:
 
 @contextlib.asynccontextmanager
 async def gateway_over(addresses, model_dir: str, limits: GatewayLimits = GatewayLimits(), api_keys=(),
-                       served_model_name: str = "", metrics=None):
+                       served_model_name: str = "", metrics=None, pair_wait_s: float = 30.0):
     """A gateway over `addresses`, waited until some pair is up; yields (gateway, stub)."""
     config = GatewayConfig(model_dir=model_dir, pairs=tuple(addresses), limits=limits, health_interval_s=0.2,
-                           served_model_name=served_model_name)
+                           served_model_name=served_model_name, pair_wait_s=pair_wait_s)
     gateway = await start_gateway(config, api_keys=api_keys, metrics=metrics)
     await asyncio.wait_for(gateway.router.any_up.wait(), 10)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}")

@@ -50,7 +50,8 @@ def test_gateway_draft_failing_mid_stream_continues_on_the_target(fake_model, mo
 
 def test_a_draft_failing_for_its_target_moves_the_stream_to_another_pair(fake_model, model_dir):
     """The draft says its target failed it ("target: ...": stalled, away): the stream moves to the other pair at
-    once, not onto the same target (QA: two fallbacks for one stalled target), and the draft stays in."""
+    once, through its draft, not onto the same target (QA: two fallbacks for one stalled target), and the draft
+    stays in."""
     async def body():
         async with fake_stack(fake_model, model_dir, num_pairs=2) as (pairs, gateway, stub):
             gateway.router.pairs[1].in_flight = 5  # make pair 0 the least loaded
@@ -62,15 +63,16 @@ def test_a_draft_failing_for_its_target_moves_the_stream_to_another_pair(fake_mo
             return pairs, gateway, result
 
     pairs, gateway, (text, _, final, _) = run(body())
-    assert text == SCRIPT_TEXT and final.fallbacks == 1 and not final.speculative
+    assert text == SCRIPT_TEXT and final.fallbacks == 1 and not final.speculative  # (any fallback: gateway.proto)
     assert not pairs[0].target.seen.requests  # not onto the stalled target
-    assert [r[0] for r in pairs[1].target.seen.requests] == ["t1~1"]
+    assert [r[0] for r in pairs[1].draft.seen.requests] == ["t1~1"] and not pairs[1].target.seen.requests
     assert gateway.router.pairs[0].draft_up and not gateway.router.pairs[0].target_up
 
 
 def test_a_colocated_pair_cut_under_its_draft_stream_moves_to_another_pair(fake_model, model_dir):
     """Draft and target at one address (`--target in-process`): a draft stream cut UNAVAILABLE means the process
-    serving both is going; the stream moves to the other pair at once (one fallback), not onto that target."""
+    serving both is going; the stream moves to the other pair at once (one fallback), not onto that target; a
+    pair without a draft continues it plainly."""
     from gateway_fakes import FakeDraft, FakeTarget, gateway_over
 
     from specdec.rpc.server import start_server
@@ -85,7 +87,8 @@ def test_a_colocated_pair_cut_under_its_draft_stream_moves_to_another_pair(fake_
         other = await start_fake_pair(fake_model)
         addr = f"127.0.0.1:{both.bound_port}"
         try:
-            async with gateway_over([PairAddress(addr, addr), other.address], model_dir) as (gateway, stub):
+            plain = PairAddress(None, other.address.target)  # a pair without a draft
+            async with gateway_over([PairAddress(addr, addr), plain], model_dir) as (gateway, stub):
                 gateway.router.pairs[1].in_flight = 5  # make the colocated pair the least loaded
                 draft.fail_after_chunks, draft.fail_details = 2, "Socket closed"
                 result = await collect(stub.Generate(request(request_id="c1")))
@@ -211,7 +214,8 @@ def test_gateway_unavailable_when_no_pair_is_up(model_dir):
         from gateway.config import GatewayConfig
         from gateway.serve import start_gateway
 
-        config = GatewayConfig(model_dir=model_dir, pairs=(PairAddress(None, "127.0.0.1:9"),), health_interval_s=0.1)
+        config = GatewayConfig(model_dir=model_dir, pairs=(PairAddress(None, "127.0.0.1:9"),), health_interval_s=0.1,
+                               pair_wait_s=0.5)
         gateway = await start_gateway(config)
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
@@ -223,15 +227,18 @@ def test_gateway_unavailable_when_no_pair_is_up(model_dir):
                 statuses = [(await health.Check(health_pb2.HealthCheckRequest(service=name))).status
                             for name in ("specdec.v1.GatewayService", "", "liveness")]
                 stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+                t0 = time.monotonic()
                 try:
                     await collect(stub.Generate(request()))
                 except grpc.aio.AioRpcError as exc:
-                    return exc.code(), exc.details(), statuses
+                    return exc.code(), exc.details(), statuses, time.monotonic() - t0
         finally:
             await gateway.stop(None)
 
-    code, details, statuses = run(body())
-    assert code.name == "UNAVAILABLE" and "no draft/target pair is available" in details
+    code, details, statuses, waited = run(body())
+    # after waiting --pair-wait-seconds for a pair to come up
+    assert code.name == "UNAVAILABLE" and "no draft/target pair is available in 0.5 s" in details
+    assert 0.5 <= waited < 3
     # not ready without a pair, yet alive: a Kubernetes liveness / startup probe on "liveness" does not restart a
     # gateway whose pairs are still loading
     from grpc_health.v1 import health_pb2
@@ -341,11 +348,12 @@ def test_a_stream_on_a_part_that_stops_answering_moves_on(fake_model, model_dir,
             return first.text + text, final, time.monotonic() - t0, pairs
 
     text, final, waited, pairs = run(body())
-    assert text == SCRIPT_TEXT and not final.speculative
+    assert text == SCRIPT_TEXT
     assert waited < 5
-    moved_to = pairs[0] if frozen == "draft" else pairs[1]
-    assert [r[0] for r in moved_to.target.seen.requests] == ["h1~1"]
-    if frozen == "target":
+    if frozen == "draft":  # on to its pair's target, plainly
+        assert [r[0] for r in pairs[0].target.seen.requests] == ["h1~1"] and not final.speculative
+    else:  # on to the other pair, through its draft
+        assert [r[0] for r in pairs[1].draft.seen.requests] == ["h1~1"] and not final.speculative
         assert not pairs[0].target.seen.requests
 
 
@@ -377,10 +385,10 @@ def test_a_stream_on_a_part_that_says_its_engine_stalled_moves_on_at_the_next_ch
             return first.text + text, final, waited, down, pairs
 
     text, final, waited, down, pairs = run(body())
-    assert text == SCRIPT_TEXT and not final.speculative and down
+    assert text == SCRIPT_TEXT and down
     assert waited < 1.5, waited  # one health interval (0.2 s) and a check, not three unanswered ones
-    moved_to = pairs[0] if stalled == "draft" else pairs[1]
-    assert [r[0] for r in moved_to.target.seen.requests] == ["s1~1"]
+    moved_to = pairs[0].target if stalled == "draft" else pairs[1].draft
+    assert [r[0] for r in moved_to.seen.requests] == ["s1~1"] and not final.speculative
     assert any("stalled (it answered UNKNOWN" in r.getMessage() for r in caplog.records)
 
 
@@ -447,3 +455,61 @@ def test_leaving_a_hung_part_cancels_only_the_read_and_keeps_a_real_cancel():
         result, log = run(scenario(kind))
         assert result == want, kind
         assert kind == "between" or log == ["closed"], kind  # the downstream read was cancelled and closed
+
+
+def test_a_stream_whose_only_pair_restarts_waits_for_it_and_goes_on(fake_model, model_dir):
+    """One pair, and its target stalls under a speculative stream (then restarts: NOT_SERVING, SERVING): with no other
+    pair up the stream waits for the pair to come back (`--pair-wait-seconds`) and goes on through its draft, the
+    same text in one stream. Before, it ended UNAVAILABLE `no draft/target pair is available`."""
+    from grpc_health.v1 import health_pb2
+
+    async def body():
+        async with fake_stack(fake_model, model_dir, pair_wait_s=10) as (pairs, gateway, stub):
+            pairs[0].draft.hang_after_chunks = 2
+            call = stub.Generate(request(request_id="w1"))
+            first = await call.read()
+            await pairs[0].target_handle.set_status(health_pb2.HealthCheckResponse.UNKNOWN)  # stalled
+            while gateway.router.pairs[0].target_up:
+                await asyncio.sleep(0.02)
+            pairs[0].draft.hang_after_chunks = None
+            await pairs[0].target_handle.set_status(health_pb2.HealthCheckResponse.NOT_SERVING)  # restarting
+            await asyncio.sleep(0.5)
+            t0 = time.monotonic()
+            await pairs[0].target_handle.set_serving(True)
+            text, _, final, _ = await collect(call)
+            return first.text + text, final, time.monotonic() - t0, pairs
+
+    text, final, after_back, pairs = run(body())
+    assert text == SCRIPT_TEXT and final.fallbacks == 1 and not final.speculative and final.tau == 0
+    assert [r[0] for r in pairs[0].draft.seen.requests] == ["w1", "w1~1"]  # on through its draft
+    assert after_back < 2  # taken up at the pair's next health check
+
+
+def test_a_new_request_waits_for_a_pair_to_come_up(fake_model, model_dir):
+    """No pair up when a request arrives: it waits for one (here its target turns SERVING 0.5 s later) instead of
+    UNAVAILABLE at once; within the client's deadline: one shorter than the wait ends it at that deadline."""
+    import grpc
+    from grpc_health.v1 import health_pb2
+
+    async def body():
+        async with fake_stack(fake_model, model_dir, pair_wait_s=10) as (pairs, gateway, stub):
+            await pairs[0].target_handle.set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
+            while gateway.router.pairs[0].target_up:
+                await asyncio.sleep(0.02)
+            t0 = time.monotonic()
+            try:
+                await collect(stub.Generate(request(), timeout=0.4))
+                short = None
+            except grpc.aio.AioRpcError as exc:
+                short = exc.code(), time.monotonic() - t0
+            t0 = time.monotonic()
+            call = stub.Generate(request())
+            await asyncio.sleep(0.5)
+            await pairs[0].target_handle.set_serving(True)
+            text, _, final, _ = await collect(call)
+            return short, text, final, time.monotonic() - t0
+
+    short, text, final, waited = run(body())
+    assert short is not None and short[0].name in ("DEADLINE_EXCEEDED", "UNAVAILABLE") and short[1] < 2
+    assert text == SCRIPT_TEXT and final.speculative and final.fallbacks == 0
+    assert 0.5 <= waited < 3

@@ -111,3 +111,29 @@ def test_a_fallback_is_an_event_on_the_requests_server_span(fake_model, model_di
     assert event.attributes["specdec.failed_part"] == "draft"
     assert event.attributes["specdec.pair"].startswith("pair 0")
     assert event.attributes["specdec.reason"] == "UNAVAILABLE: fake service went away"
+
+
+def test_a_wait_for_a_pair_is_an_event_in_the_requests_trace(fake_model, model_dir, spans):
+    """A request that arrives while no pair is up waits for one (`--pair-wait-seconds`): its trace says how long, on
+    the route span, and which pair it then took."""
+    import asyncio
+
+    from grpc_health.v1 import health_pb2
+
+    async def body():
+        async with fake_stack(fake_model, model_dir, pair_wait_s=10) as (pairs, gateway, stub):
+            await pairs[0].target_handle.set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
+            while gateway.router.pairs[0].target_up:
+                await asyncio.sleep(0.02)
+            call = status_of(stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(
+                prompt="def fib(n):", sampling=common_pb2.SamplingParams(max_new_tokens=10))))
+            waiting = asyncio.ensure_future(call)
+            await asyncio.sleep(0.3)
+            await pairs[0].target_handle.set_serving(True)
+            return await waiting
+
+    assert run(body()) == ("OK", "")
+    (trace_spans,) = traces(spans.get_finished_spans())
+    (route,) = [s for s in trace_spans if s.name == "gateway.route"]
+    (event,) = [e for e in route.events if e.name == "specdec.waited_for_pair"]
+    assert 0.3 <= event.attributes["specdec.wait_s"] < 3 and event.attributes["specdec.pair"].startswith("pair 0")

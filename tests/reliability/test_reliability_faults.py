@@ -134,6 +134,31 @@ def test_reliability_target_killed_gateway_continues_on_the_other_pair(stack, re
 
 
 
+def test_reliability_target_restarted_under_the_only_pairs_stream_it_waits_and_goes_on(stack, reference):
+    """A gateway over pair A alone: pair A's target is killed under a speculative stream and started again 1 s
+    later. With no other pair, the stream waits for pair A to come back (`--pair-wait-seconds`, default 30) and
+    ends with the same greedy text in one stream. Before, it ended UNAVAILABLE `no draft/target pair is
+    available` the moment the target died."""
+    only_a = start_gateway(f"{stack['draft_a'].addr}={stack['target_a'].addr}")
+    try:
+        call, ch = gateway_generate(only_a.addr)
+        it = iter(call)
+        texts = [next(it).text]
+        stack["target_a"].kill()
+        with futures.ThreadPoolExecutor(1) as pool:
+            restarted = pool.submit(lambda: (time.sleep(1.0), restart_target_a(stack)))
+            msgs = list(it)
+            restarted.result(timeout=120)
+        ch.close()
+    finally:
+        only_a.stop()
+    final = msgs[-1].final
+    texts += [m.text for m in msgs]
+    assert "".join(texts) == reference and final.completion_tokens == 300 and final.fallbacks >= 1
+    assert wait_whole(draft_kv, stack["draft_a"].addr)[2] == 0
+    assert wait_pairs_up(stack["gateway"].addr, 2) < 20
+
+
 def wait_health(addr: str, service: str, want: int, timeout_s: float = 20.0) -> float:
     t0 = time.monotonic()
     while health(addr, service) != want:
