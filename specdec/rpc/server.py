@@ -31,12 +31,12 @@ from dataclasses import dataclass, field
 import grpc
 import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from specdec.errors import ConfigError
 from specdec.rpc.decode_guard import DecodeGuard
 from specdec.rpc.drain_gate import DrainGate
 from specdec.rpc.options import DEFAULT_MAX_MESSAGE_BYTES, server_options
+from specdec.rpc.reflection import enable_reflection
 from specdec.rpc.tls import TlsConfig, add_tls_args
 
 __all__ = ["LIVENESS", "ServerHandle", "TlsConfig", "add_tls_args", "run_server_forever", "start_server"]
@@ -136,7 +136,7 @@ async def start_server(
     # reflection lists the services; a health-only name (LIVENESS) is none, and listed it made `grpcurl describe`
     # fail on the draft ("Symbol not found: liveness")
     services = [name for name in health_names if name != LIVENESS]
-    reflection.enable_server_reflection((*services, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
+    enable_reflection(server, (*services, HEALTH_SERVICE))
     bound_port = _bind(server, host, port, tls)
     handle = ServerHandle(server, health_servicer, bound_port, tuple(health_names), gate)
     await handle.set_serving(False)
