@@ -38,7 +38,10 @@ H200) pulled the whole chain's rate under plain decoding's, though its steady st
 stretches between switches are long (16-256 choices), so the steady rates are what decide.
 Re-measuring costs (a rival's slower steps), so the interval backs off: it starts at `explore_every` choices,
 doubles (up to `max_explore_every`) each time a re-measurement confirms the choice, and resets when one overturns it
-(while every rival measured under half the choice's rate it is `max_explore_every`); a rival overturns it only by
+(while every rival measured under half the choice's rate it is `max_explore_every`, and a rival that far behind is
+re-measured only once its measured cost is at most `explore_cost` of the time since the last re-measurement: on a
+GPU the tiny pair's plain step is 0.5 ms and a half-chain step ~10 ms, and re-measuring it every 256 plain steps
+held `auto` at 0.58x of `Generate` at batch 1); a rival overturns it only by
 measuring `switch_margin` faster (3%: near ties otherwise flip on every re-measurement), except plain decoding,
 which overturns a speculative choice at `plain_margin` (1%). No interval is longer than `max_explore_every` target
 steps (a plain choice runs `plain_call_steps`). Buckets are powers of two. The menu (`budget_menu`) is plain, about half
@@ -55,6 +58,9 @@ from dataclasses import dataclass, field
 log = logging.getLogger(__name__)
 
 FULL = -1  # budget: the draft's whole tree (its --num-draft-tokens)
+# choices a re-measurement is reckoned to cost, at its rival's measured time (`SpeculationPolicy._affordable`): its
+# first landing only warms up (the pipeline fills, the draft catches up: ~2.4x a steady one), the next is sampled
+PROBE_COST_CHOICES = 3
 
 
 def budget_menu(num_draft_tokens: int) -> tuple[int, ...]:
@@ -98,6 +104,11 @@ class SpeculationPolicy:
     # only warms up), at most this many choices: a landing at a request's end or beside an admission is not
     # sampled, and a fixed two choices then measured nothing (CPU, two drafts on one target: 6 of 20 re-measurements)
     probe_choices: int = 4
+    # a rival under half the choice's rate is re-measured only when that costs at most this fraction of the time
+    # recorded at its bucket since the last re-measurement (0: as soon as the interval is up). Counted in steps
+    # alone, a half-chain step of ~10 ms re-measured every 256 plain steps of 0.5 ms (the tiny pair at batch 1 on an
+    # H200) cost ~40% of the time: `auto` ran at 0.58x the target's `Generate`, 1.00x with `--speculation off`
+    explore_cost: float = 0.05
     far_rival: float = 0.8  # a budget not next to the choice in the menu is re-measured only within this of its rate
     # a call of fewer requests than this fraction of its bucket's recent peak batch size is not sampled (a run's
     # tail: see `record`); the peak falls by `peak_decay` a record, so a lasting smaller load is sampled again
@@ -110,6 +121,7 @@ class SpeculationPolicy:
     samples: dict[tuple[int, int], int] = field(default_factory=dict)
     intervals: dict[int, int] = field(default_factory=dict)  # bucket -> current re-measurement interval
     since: dict[int, int] = field(default_factory=dict)  # bucket -> steps since the last re-measurement
+    since_s: dict[int, float] = field(default_factory=dict)  # bucket -> seconds recorded since then
     challenged: dict[int, int] = field(default_factory=dict)  # bucket -> the choice a pending re-measurement tests
     turn: dict[int, int] = field(default_factory=dict)  # bucket -> which other budget is re-measured next
     followed: dict[int, int] = field(default_factory=dict)  # bucket -> the budget it last followed
@@ -159,15 +171,29 @@ class SpeculationPolicy:
         since = self.since.get(b, 0) + weight
         due = min(self._interval(b, best) * weight, max(self.max_explore_every, weight))
         others = self._rivals(b, best) if since >= due else []
-        if others:  # (none: a menu of one budget, nothing to re-measure)
-            turn = self.turn.get(b, 0)
-            self.since[b], self.challenged[b], self.turn[b] = 0, best, turn + 1
+        turn = self.turn.get(b, 0)
+        due_now = [k for k in range(len(others)) if self._affordable(b, best, others[(turn + k) % len(others)],
+                                                                      batch_size)]
+        if due_now:  # (none: a menu of one budget, nothing to re-measure; or a far rival not yet worth its cost)
+            turn += due_now[0]
             rival = others[turn % len(others)]
+            self.since[b], self.since_s[b], self.challenged[b], self.turn[b] = 0, 0.0, best, turn + 1
             if self.probe_choices > 1:
                 self.probing[b] = (rival, self.probe_choices - 1)
             return rival
         self.since[b] = since
         return best
+
+    def _affordable(self, b: int, best: int, rival: int, batch_size: int) -> bool:
+        """May `rival` be re-measured now? Yes, unless it measured under half of `best`'s rate and its re-measurement
+        (`PROBE_COST_CHOICES` choices of `batch_size` requests at its measured time) would cost more than
+        `explore_cost` of the time recorded at bucket `b` since the last one."""
+        key = (b, rival)
+        if not self.explore_cost or key not in self.rates or not self._far_behind(b, rival):
+            return True
+        steps = self.plain_call_steps if rival == 0 else 1
+        cost = PROBE_COST_CHOICES * self.seconds[key] * batch_size * steps
+        return cost <= self.explore_cost * self.since_s.get(b, 0.0)
 
     def _interval(self, b: int, best: int) -> int:
         """Steps between re-measurements at bucket `b`: the backing-off interval, or the longest one when every
@@ -312,6 +338,7 @@ class SpeculationPolicy:
             return
         b = key[0]
         self.target_steps[budget] = self.target_steps.get(budget, 0) + max(1, steps)
+        self.since_s[b] = self.since_s.get(b, 0.0) + seconds
         switched, self.recorded[b] = self.recorded.get(b, budget) != budget, budget
         self.peaks[b] = peak = max(chosen_at, self.peak_decay * self.peaks.get(b, 0.0))
         tail = chosen_at < self.settled_fraction * peak

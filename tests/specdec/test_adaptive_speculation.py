@@ -12,7 +12,8 @@ from specdec.sampling_params import SamplingParams
 
 
 def test_policy_measures_both_modes_then_follows_the_faster_and_keeps_exploring():
-    p = SpeculationPolicy(explore_every=8, max_explore_every=8, min_samples=2, min_request_steps=1)
+    # (explore_cost=0: the schedule in choices alone; a far rival's cost in time is tested below)
+    p = SpeculationPolicy(explore_every=8, max_explore_every=8, min_samples=2, min_request_steps=1, explore_cost=0)
     seen = []
     for i in range(4):  # each budget is tried min_samples times first; its first (warm-up) sample is discarded
         mode = p.choose(4)
@@ -39,7 +40,7 @@ def test_policy_measures_both_modes_then_follows_the_faster_and_keeps_exploring(
 def test_a_re_measurement_lasts_until_it_has_a_steady_sample():
     """A rival's landings that are not sampled (a request's end, an admission beside it) do not end its
     re-measurement: it goes on until one steady sample came back, at most `probe_choices` choices."""
-    p = SpeculationPolicy(explore_every=4, max_explore_every=4, min_samples=2, min_request_steps=1)
+    p = SpeculationPolicy(explore_every=4, max_explore_every=4, min_samples=2, min_request_steps=1, explore_cost=0)
     for mode in (0, 0, FULL, FULL):
         assert p.choose(1) == mode
         p.record(1, mode, tokens=4 if mode else 1, seconds=0.01)
@@ -48,7 +49,7 @@ def test_a_re_measurement_lasts_until_it_has_a_steady_sample():
     p.record(1, 0, tokens=1, seconds=0.01)  # its first landing warms up
     assert [p.choose(1) for _ in range(3)] == [0, 0, 0]  # no landing sampled yet: it goes on, up to 4 choices
     assert p.choose(1) == FULL
-    p = SpeculationPolicy(explore_every=4, max_explore_every=4, min_samples=2, min_request_steps=1)
+    p = SpeculationPolicy(explore_every=4, max_explore_every=4, min_samples=2, min_request_steps=1, explore_cost=0)
     for mode in (0, 0, FULL, FULL):
         p.choose(1)
         p.record(1, mode, tokens=4 if mode else 1, seconds=0.01)
@@ -78,7 +79,7 @@ def test_a_clipped_sample_is_given_back_to_the_short_one_after_it():
 
 def test_budget_menu_and_a_middle_budget_that_wins():
     assert budget_menu(5) == (0, 2, FULL) and budget_menu(16) == (0, 8, FULL) and budget_menu(3) == (0, FULL)
-    p = SpeculationPolicy(budgets=budget_menu(8), explore_every=6, min_samples=2)
+    p = SpeculationPolicy(budgets=budget_menu(8), explore_every=6, min_samples=2, explore_cost=0)
     speed = {0: 10, 4: 25, FULL: 18}  # at this batch size half the chain beats both extremes
     chosen = []
     for _ in range(40):
@@ -159,8 +160,8 @@ def test_rivals_far_behind_are_re_measured_at_the_longest_interval():
     """Where every rival measured under half the choice's rate (the tiny pair at batch 1 on a GPU: the half chain at a
     quarter of plain decoding's rate, its re-measurements ~20% of a 128-token run), they are re-measured every
     `max_explore_every` steps instead of backing off from `explore_every`; still re-measured, and followed once
-    they lead."""
-    p = SpeculationPolicy(explore_every=4, max_explore_every=16, min_samples=2, min_request_steps=8)
+    they lead. (explore_cost=0: here every call takes the same time; a far rival's cost in time is tested below.)"""
+    p = SpeculationPolicy(explore_every=4, max_explore_every=16, min_samples=2, min_request_steps=8, explore_cost=0)
     speed = {0: 100.0, FULL: 20.0}
     chosen = _drive(p, 1, speed, steps=90)
     full = [i for i, b in enumerate(chosen) if b == FULL]
@@ -562,7 +563,7 @@ def test_no_re_measurement_interval_is_longer_than_max_explore_every_target_step
 
     def gaps(plain_call_steps: int, speed: dict[int, float], steps: int = 400) -> list[int]:
         p = SpeculationPolicy(explore_every=16, max_explore_every=256, min_samples=2, min_request_steps=1,
-                              plain_call_steps=plain_call_steps)
+                              plain_call_steps=plain_call_steps, explore_cost=0)  # (steps alone: see below)
         chosen = _drive(p, 1, speed, steps=steps)
         full = [i for i, b in enumerate(chosen) if b == FULL]
         starts = [x for i, x in enumerate(full) if not i or full[i - 1] != x - 1][1:]  # after its first measurement
@@ -575,7 +576,7 @@ def test_no_re_measurement_interval_is_longer_than_max_explore_every_target_step
     far = {0: 100.0, FULL: 10.0}  # every rival under half plain's rate: the longest interval at once
     assert set(gaps(16, far)) == {17}
     p = SpeculationPolicy(explore_every=16, max_explore_every=256, min_samples=2, min_request_steps=1,
-                          plain_call_steps=16)
+                          plain_call_steps=16, explore_cost=0)
     _drive(p, 1, far, steps=80)
     far[FULL] = 400.0  # speculation turns 40x faster: its re-measurements pull its yield up until it leads
     assert _drive(p, 1, far, steps=120)[-5:] == [FULL] * 5
@@ -607,3 +608,57 @@ def test_a_plain_call_records_no_propose_span(dev_prompts, tiny_tokenizer):
     names = [s.name for s in exporter.get_finished_spans()]
     assert "draft.verify" in names and "draft.propose" not in names
     assert all(s.attributes["num_draft_tokens"] == 0 for s in exporter.get_finished_spans() if s.name == "draft.verify")
+
+
+def _run_timed(p: SpeculationPolicy, seconds: dict[int, float], tokens: dict[int, float], until_s: float,
+               clock: float = 0.0) -> tuple[list[tuple[float, int]], float]:
+    """Batch 1 for `until_s` seconds of simulated time: a choice of budget x takes seconds[x] and commits tokens[x]
+    (a plain choice: `plain_call_steps` steps, one token each) -> ((time chosen, budget) ..., the clock after)."""
+    chosen, end = [], clock + until_s
+    while clock < end:
+        b = p.choose(1)
+        chosen.append((clock, b))
+        steps = p.plain_call_steps if b == 0 else 1
+        p.record(1, b, tokens=tokens[b] * steps, seconds=seconds[b], steps=steps)
+        clock += seconds[b]
+    return chosen, clock
+
+
+def test_a_far_rival_is_re_measured_only_as_often_as_it_costs_little():
+    """The tiny pair at batch 1 on an H200: a 16-step plain call takes 8 ms (0.5 ms a token), a half-chain step
+    ~10 ms for 2.4 tokens, the whole chain ~20 ms for 4 (`auto` measured plain 1993, half 237, whole 205 tok/s).
+    Re-measured every 256 plain steps (128 ms) the half chain took ~14% of the time here (more with its catch-up);
+    now a rival that far behind waits until its re-measurement costs at most `explore_cost` (5%) of the time since
+    the last one. A rival near the choice keeps the schedule in steps."""
+    seconds = {0: 0.008, 2: 0.010, FULL: 0.020}
+    tokens = {0: 1.0, 2: 2.4, FULL: 4.0}
+
+    def spent(explore_cost: float) -> tuple[float, SpeculationPolicy]:
+        p = SpeculationPolicy(budgets=(0, 2, FULL), min_samples=2, min_request_steps=4, plain_call_steps=16,
+                              explore_cost=explore_cost)
+        _run_timed(p, seconds, tokens, 2.0)  # measured and settled on plain
+        chosen, _ = _run_timed(p, seconds, tokens, 20.0, clock=2.0)
+        return sum(seconds[b] for _, b in chosen if b) / 20.0, p
+
+    before, _ = spent(0.0)
+    after, p = spent(0.05)
+    assert before > 0.12, before
+    assert 0.01 < after < 0.06, after  # still re-measured, at ~5% of the time
+    assert p._best(1) == 0
+    # speculation turns fast (the half chain 3 tokens a ms, the whole chain 6 in 2 ms: both beat plain's 2 a ms):
+    # the re-measurements of the half chain, its neighbour, find speculation within seconds (each moves its
+    # averages a step: with them every 128 ms, as before, it took about as long), and the whole chain leads
+    tokens.update({2: 3.0, FULL: 6.0})
+    seconds.update({2: 0.001, FULL: 0.002})
+    waited = 0.0
+    while p.followed.get(1) == 0 and waited < 5.0:
+        _run_timed(p, seconds, tokens, 0.1)
+        waited += 0.1
+    assert p.followed[1] != 0 and waited < 3.0, waited
+    _run_timed(p, seconds, tokens, 1.0)
+    assert p._best(1) == FULL
+    near = SpeculationPolicy(budgets=(0, FULL), min_samples=2, min_request_steps=4, plain_call_steps=16,
+                             explore_cost=0.05)  # the whole chain at 0.75x plain's rate: not far behind
+    chosen, _ = _run_timed(near, {0: 0.008, FULL: 0.008}, {0: 1.0, FULL: 12.0}, 4.0)
+    probes = [i for i, (_, b) in enumerate(chosen) if b and i > 10]
+    assert probes and max(b - a for a, b in zip(probes, probes[1:], strict=False)) <= 17  # every 256 steps
