@@ -472,13 +472,17 @@ class TargetEngine(PrefillParts):
             if taken is not None:
                 taken.synchronize()  # the GPU holds step i - 1's inputs: the planner's host buffers are free again
             taken = torch.cuda.Event() if self.device.type == "cuda" else None
-            hidden, aux = self._forward_causal(ids, positions, inputs, positions.tolist(), 1, taken)
+            # a step whose features no request reads (all of them without a draft's features, or before `first`)
+            # returns no aux layers (EAGLE-3's): the plain decode graph, no per-step aux work
+            hidden, aux = self._forward_causal(ids, positions, inputs, positions.tolist(), 1, taken,
+                                               aux=wanted and (not uniform or i >= first))
             ids = self.model.compute_logits(hidden).argmax(-1)
             picked.append(ids)
             if uniform and i >= first:  # row r of the step is request r's: one copy per step into [B, k - first, F]
                 chunk = step_features_into(chunk, i - first, k - first, reqs[0].feature_layers, hidden, aux,
                                            len(reqs))
-            elif wanted:  # some requests want none, or the batch mixes feature layers
+            elif wanted and not uniform:  # some requests want none, or the batch mixes feature layers (a uniform
+                # batch's earlier steps copy nothing: each of its requests gets only its last steps' rows)
                 feats.append(self._batch_features(inputs, [1] * len(inputs), [[0]] * len(inputs), hidden, aux))
         tokens = torch.stack(picked, 1).tolist()  # the chunk's one host sync
         outputs = []
@@ -519,11 +523,13 @@ class TargetEngine(PrefillParts):
             raise UnknownRequest(f"unknown request id {rid!r}")
         return req
 
-    def _forward_causal(self, ids, positions: torch.Tensor, inputs, starts: list[int], n: int, inputs_taken=None):
+    def _forward_causal(self, ids, positions: torch.Tensor, inputs, starts: list[int], n: int, inputs_taken=None,
+                        aux: bool = True):
         """`_forward` for causal sequences of n new tokens each (chains, plain steps), request i's at positions
         starts[i] .. starts[i] + n - 1 (pages already grown to hold them): a captured forward reads the requests'
-        page lists; the eager one gets slot tensors."""
-        layers = self._aux_layers(inputs)
+        page lists; the eager one gets slot tensors. `aux` False: none of the features' layer outputs (a plain
+        step whose features no request reads)."""
+        layers = self._aux_layers(inputs) if aux else ()
         if self.graphs is not None and self.graphs.usable(len(inputs), n, layers, True):
             pages = [self.kv.table(inp.request_id).pages for inp in inputs]
             try:
@@ -535,12 +541,14 @@ class TargetEngine(PrefillParts):
         ctxs = [self.kv.slots(inp.request_id, 0, s + n) for inp, s in zip(inputs, starts, strict=True)]
         seqs = [SeqAttention(ctx, n) for ctx in ctxs]
         write = torch.cat([ctx[s:] for ctx, s in zip(ctxs, starts, strict=True)])
-        return self._forward(ids, positions, seqs, write, inputs, inputs_taken=inputs_taken)
+        return self._forward(ids, positions, seqs, write, inputs, inputs_taken=inputs_taken, layers=layers)
 
-    def _forward(self, ids, positions, seqs, write_slots, inputs, graphable: bool = False, inputs_taken=None):
+    def _forward(self, ids, positions, seqs, write_slots, inputs, graphable: bool = False, inputs_taken=None,
+                 layers: tuple[int, ...] | None = None):
         """hidden [T, H] and aux {layer: [T, H]}. `ids`: a list or a device tensor. `inputs_taken` (a CUDA event)
-        is recorded once the forward's inputs and plan are on the GPU, before it runs."""
-        layers = self._aux_layers(inputs)
+        is recorded once the forward's inputs and plan are on the GPU, before it runs. `layers`: the aux layers
+        returned (None: those the inputs' requests read)."""
+        layers = self._aux_layers(inputs) if layers is None else layers
         n = seqs[0].num_q
         hidden = None
         causal = all(s.tail_mask is None for s in seqs)
