@@ -385,7 +385,9 @@ def test_a_stream_on_a_part_that_says_its_engine_stalled_moves_on_at_the_next_ch
             return first.text + text, final, waited, down, pairs
 
     text, final, waited, down, pairs = run(body())
-    assert text == SCRIPT_TEXT and down
+    assert text == SCRIPT_TEXT
+    # (said in full if it fails: seen once in a full-suite run, not reproduced in 10 runs beside a CPU load)
+    assert down, [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.name.startswith("gateway")]
     assert waited < 1.5, waited  # one health interval (0.2 s) and a check, not three unanswered ones
     moved_to = pairs[0].target if stalled == "draft" else pairs[1].draft
     assert [r[0] for r in moved_to.seen.requests] == ["s1~1"] and not final.speculative
