@@ -38,6 +38,8 @@ FAST_POLL_S = 0.25  # health-check interval while some part of some pair is down
 # call marks its part down at once whatever the checks say.
 MISSED_CHECKS_DOWN = 3
 CALL_FAILED = "call failed"  # what the state log holds of a part `report_failure` took out
+# after waiting for a pair, how long a speculative request also waits for a draft to come up (`acquire_waiting`)
+DRAFT_GRACE_S = 3.0
 
 
 class Part(enum.Enum):
@@ -102,7 +104,8 @@ class Router:
         # was found down with, CALL_FAILED after `report_failure`); absent: not checked yet
         self._said: dict[tuple[int, Part], set[str]] = {}
         self.any_up = asyncio.Event()
-        self._came_up = asyncio.Event()  # set (then replaced) each time a pair becomes usable: `acquire_waiting`
+        # set (then replaced) each time a pair becomes usable or speculative: `acquire_waiting`
+        self._came_up = asyncio.Event()
 
     @classmethod
     def connect(cls, addresses: Sequence[PairAddress], tls: TlsConfig | None, health_interval_s: float) -> Router:
@@ -147,9 +150,24 @@ class Router:
                 down = ", ".join(str(p.address) for p in self.pairs)
                 waited = f" in {wait_s:g} s" if wait_s > 0 else ""
                 raise NotReady(f"no draft/target pair is available{waited} (pairs: {down}); retry later")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._came_up.wait(), left)
+            await self._until_change(left)
+        # a pair back from a restart: its draft answers once it has seen its target again (`TargetWatch`), a check or
+        # two later; a speculative request waits that long for it rather than run to its end plainly (QA: 1 of 2)
+        grace = min(DRAFT_GRACE_S, deadline - loop.time())
+        until = loop.time() + grace
+        while speculative and self._draft_coming() and loop.time() < until:
+            await self._until_change(until - loop.time())
         return self.acquire(speculative, fit=fit)
+
+    def _draft_coming(self) -> bool:
+        """No usable pair speculates, and one has a draft that is down (maybe back a check or two later)."""
+        usable = [p for p in self.pairs if p.usable]
+        return not any(p.speculative for p in usable) and any(p.draft is not None for p in usable)
+
+    async def _until_change(self, timeout_s: float) -> None:
+        """Until a pair becomes usable or speculative, or `timeout_s` passed."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._came_up.wait(), max(timeout_s, 0.0))
 
     def release(self, lease: Lease) -> None:
         if not lease.released:
@@ -182,11 +200,12 @@ class Router:
     async def _check_pair(self, pair: Pair) -> None:
         """Both parts at once (one after the other, a silent target delayed its draft's check by its deadline)."""
         parts = [(Part.TARGET, pair.target)] + ([(Part.DRAFT, pair.draft)] if pair.draft is not None else [])
-        was_usable = pair.usable
+        was_usable, was_speculative = pair.usable, pair.speculative
         await asyncio.gather(*(self._check_part(pair, part, client) for part, client in parts))
         if self.pairs_up:
             self.any_up.set()
-        if pair.usable and not was_usable:  # requests waiting for a pair take it, its draft judged too
+        if (pair.usable and not was_usable) or (pair.speculative and not was_speculative):
+            # requests waiting for a pair (or for its draft, `acquire_waiting`) take it; both parts judged first
             self._came_up.set()
             self._came_up = asyncio.Event()
 

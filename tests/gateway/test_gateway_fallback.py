@@ -515,3 +515,38 @@ def test_a_new_request_waits_for_a_pair_to_come_up(fake_model, model_dir):
     assert short is not None and short[0].name in ("DEADLINE_EXCEEDED", "UNAVAILABLE") and short[1] < 2
     assert text == SCRIPT_TEXT and final.speculative and final.fallbacks == 0
     assert 0.5 <= waited < 3
+
+
+@pytest.mark.parametrize("draft_back", [True, False])
+def test_after_waiting_for_a_pair_a_speculative_request_gives_its_draft_a_moment(fake_model, model_dir, monkeypatch,
+                                                                                  draft_back):
+    """A pair back from a restart: its target answers first, its draft a check or two later (a draft reports
+    NOT_SERVING until it has seen its target again). A speculative request that waited for the pair waits up to
+    `DRAFT_GRACE_S` more for the draft and then runs through it (before, it ran to its end on the target alone: 1 of
+    2 streams in QA); a draft that stays down costs it that grace, then it runs plainly."""
+    from grpc_health.v1 import health_pb2
+
+    import gateway.router as router_module
+
+    monkeypatch.setattr(router_module, "DRAFT_GRACE_S", 1.0)
+    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+
+    async def body():
+        async with fake_stack(fake_model, model_dir, pair_wait_s=10) as (pairs, gateway, stub):
+            for handle in (pairs[0].target_handle, pairs[0].draft_handle):
+                await handle.set_status(not_serving)
+            while gateway.router.pairs[0].target_up or gateway.router.pairs[0].draft_up:
+                await asyncio.sleep(0.02)
+            t0 = time.monotonic()
+            call = asyncio.ensure_future(collect(stub.Generate(request())))
+            await asyncio.sleep(0.3)
+            await pairs[0].target_handle.set_serving(True)
+            await asyncio.sleep(0.3)
+            if draft_back:
+                await pairs[0].draft_handle.set_serving(True)
+            text, _, final, _ = await call
+            return text, final, time.monotonic() - t0
+
+    text, final, waited = run(body())
+    assert text == SCRIPT_TEXT and final.speculative == draft_back and final.fallbacks == 0
+    assert (0.6 <= waited < 1.3) if draft_back else (1.3 <= waited < 2.5), waited
