@@ -175,6 +175,12 @@ async def fake_stack(model: FakeModel, model_dir: str, num_pairs: int = 1, **gat
     pairs = [await start_fake_pair(model) for _ in range(num_pairs)]
     try:
         async with gateway_over([p.address for p in pairs], model_dir, **gateway_kwargs) as (gateway, stub):
+            # every part up, not only some pair's target (`gateway_over`): each pair's checks keep their own pace,
+            # and a test that sets up pair 0 to fail saw its request go to pair 1, whose draft was up first (CI)
+            for _ in range(500):
+                if all(p.speculative for p in gateway.router.pairs):
+                    break
+                await asyncio.sleep(0.02)
             yield pairs, gateway, stub
     finally:
         for pair in pairs:
