@@ -169,18 +169,25 @@ async def gateway_over(addresses, model_dir: str, limits: GatewayLimits = Gatewa
         await gateway.stop(grace_s=None)
 
 
+async def until_speculative(gateway, indices=None, timeout_s: float = 10.0) -> None:
+    """Wait until the gateway finds those pairs (default: all) speculative, every part up, not only some pair's target
+    (`gateway_over`): each pair's checks keep their own pace, and a test that set up pair 0 to fail saw its request go
+    to pair 1, whose draft was up first (CI)."""
+    pairs = [p for p in gateway.router.pairs if indices is None or p.index in indices]
+    for _ in range(int(timeout_s / 0.02)):
+        if all(p.speculative for p in pairs):
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"pairs {[p.index for p in pairs if not p.speculative]} not speculative in {timeout_s} s")
+
+
 @contextlib.asynccontextmanager
 async def fake_stack(model: FakeModel, model_dir: str, num_pairs: int = 1, **gateway_kwargs):
     """`num_pairs` fake pairs and a gateway over them; yields (pairs, gateway, stub)."""
     pairs = [await start_fake_pair(model) for _ in range(num_pairs)]
     try:
         async with gateway_over([p.address for p in pairs], model_dir, **gateway_kwargs) as (gateway, stub):
-            # every part up, not only some pair's target (`gateway_over`): each pair's checks keep their own pace,
-            # and a test that sets up pair 0 to fail saw its request go to pair 1, whose draft was up first (CI)
-            for _ in range(500):
-                if all(p.speculative for p in gateway.router.pairs):
-                    break
-                await asyncio.sleep(0.02)
+            await until_speculative(gateway)
             yield pairs, gateway, stub
     finally:
         for pair in pairs:

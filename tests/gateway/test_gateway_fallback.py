@@ -9,7 +9,16 @@ import time
 import grpc
 import pytest
 from conftest import SCRIPT_TEXT
-from gateway_fakes import FakeModel, PairAddress, collect, fake_stack, gateway_over, run, start_fake_pair
+from gateway_fakes import (
+    FakeModel,
+    PairAddress,
+    collect,
+    fake_stack,
+    gateway_over,
+    run,
+    start_fake_pair,
+    until_speculative,
+)
 
 from gateway.interceptors import MetricsInterceptor
 from specdec.telemetry import ServiceMetrics
@@ -89,6 +98,7 @@ def test_a_colocated_pair_cut_under_its_draft_stream_moves_to_another_pair(fake_
         try:
             plain = PairAddress(None, other.address.target)  # a pair without a draft
             async with gateway_over([PairAddress(addr, addr), plain], model_dir) as (gateway, stub):
+                await until_speculative(gateway, [0])
                 gateway.router.pairs[1].in_flight = 5  # make the colocated pair the least loaded
                 draft.fail_after_chunks, draft.fail_details = 2, "Socket closed"
                 result = await collect(stub.Generate(request(request_id="c1")))
