@@ -122,8 +122,7 @@ class Router:
         `fit` accepts: a request's own tree shape); NotReady when none."""
         candidates = [p for p in self.pairs if p.usable and p not in exclude]
         if not candidates:
-            down = ", ".join(str(p.address) for p in self.pairs)
-            raise NotReady(f"no draft/target pair is available (pairs: {down}); retry later")
+            raise self._none_available()
         turn = next(self._turn)
         n = len(self.pairs)
 
@@ -147,17 +146,18 @@ class Router:
         while not any(p.usable for p in self.pairs):
             left = deadline - loop.time()
             if left <= 0:
-                down = ", ".join(str(p.address) for p in self.pairs)
-                waited = f" in {wait_s:g} s" if wait_s > 0 else ""
-                raise NotReady(f"no draft/target pair is available{waited} (pairs: {down}); retry later")
+                raise self._none_available(f" in {wait_s:g} s" if wait_s > 0 else "")
             await self._until_change(left)
         # a pair back from a restart: its draft answers once it has seen its target again (`TargetWatch`), a check or
         # two later; a speculative request waits that long for it rather than run to its end plainly (QA: 1 of 2)
-        grace = min(DRAFT_GRACE_S, deadline - loop.time())
-        until = loop.time() + grace
+        until = min(loop.time() + DRAFT_GRACE_S, deadline)
         while speculative and self._draft_coming() and loop.time() < until:
             await self._until_change(until - loop.time())
         return self.acquire(speculative, fit=fit)
+
+    def _none_available(self, waited: str = "") -> NotReady:
+        down = ", ".join(str(p.address) for p in self.pairs)
+        return NotReady(f"no draft/target pair is available{waited} (pairs: {down}); retry later")
 
     def _draft_coming(self) -> bool:
         """No usable pair speculates, and one has a draft that is down (maybe back a check or two later)."""

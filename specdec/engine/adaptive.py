@@ -172,10 +172,10 @@ class SpeculationPolicy:
         due = min(self._interval(b, best) * weight, max(self.max_explore_every, weight))
         others = self._rivals(b, best) if since >= due else []
         turn = self.turn.get(b, 0)
-        due_now = [k for k in range(len(others)) if self._affordable(b, best, others[(turn + k) % len(others)],
-                                                                      batch_size)]
-        if due_now:  # (none: a menu of one budget, nothing to re-measure; or a far rival not yet worth its cost)
-            turn += due_now[0]
+        skip = next((k for k in range(len(others)) if self._affordable(b, others[(turn + k) % len(others)],
+                                                                         batch_size)), None)
+        if skip is not None:  # (None: a menu of one budget, nothing to re-measure; or a far rival not yet worth it)
+            turn += skip
             rival = others[turn % len(others)]
             self.since[b], self.since_s[b], self.challenged[b], self.turn[b] = 0, 0.0, best, turn + 1
             if self.probe_choices > 1:
@@ -184,8 +184,8 @@ class SpeculationPolicy:
         self.since[b] = since
         return best
 
-    def _affordable(self, b: int, best: int, rival: int, batch_size: int) -> bool:
-        """May `rival` be re-measured now? Yes, unless it measured under half of `best`'s rate and its re-measurement
+    def _affordable(self, b: int, rival: int, batch_size: int) -> bool:
+        """May `rival` be re-measured now? Yes, unless it measured under half the best rate and its re-measurement
         (`PROBE_COST_CHOICES` choices of `batch_size` requests at its measured time) would cost more than
         `explore_cost` of the time recorded at bucket `b` since the last one."""
         key = (b, rival)
