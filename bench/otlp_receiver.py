@@ -1,5 +1,5 @@
 """A minimal OTLP/gRPC trace receiver on loopback for the benchmarks (a stand-in for a collector): counts the spans
-it gets and, when asked, keeps them (name, kind, ids, start and end on the host clock).
+it gets and, when asked, keeps them (name, kind, ids, start and end on the host clock, attributes).
 
     receiver = OtlpReceiver(keep=True)   # OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:{receiver.port}
     ...
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
@@ -24,6 +24,16 @@ class Span:
     parent_id: bytes
     start: int  # ns, host clock
     end: int
+    attributes: dict = field(default_factory=dict)  # its int, float, string and bool attributes
+
+
+def _attributes(span) -> dict:
+    out = {}
+    for kv in span.attributes:
+        kind = kv.value.WhichOneof("value")
+        if kind in ("int_value", "double_value", "string_value", "bool_value"):
+            out[kv.key] = getattr(kv.value, kind)
+    return out
 
 
 class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
@@ -39,8 +49,8 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
 
     def Export(self, request, context):  # noqa: N802 (the proto's name)
         got = [s for r in request.resource_spans for scope in r.scope_spans for s in scope.spans]
-        kept = [Span(s.name, s.kind, s.span_id, s.parent_span_id, s.start_time_unix_nano, s.end_time_unix_nano)
-                for s in got] if self.keep else []
+        kept = [Span(s.name, s.kind, s.span_id, s.parent_span_id, s.start_time_unix_nano, s.end_time_unix_nano,
+                     _attributes(s)) for s in got] if self.keep else []
         with self._lock:
             self.num_spans += len(got)
             self.spans += kept

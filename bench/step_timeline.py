@@ -19,6 +19,16 @@ Starts the target and the draft as their own processes (`python -m specdec serve
     between steps    draft.extend end -> the next step's draft.propose start: the engine loop, streaming, the budget
     step             draft.propose start -> the next one's
 
+Plain calls (`--draft-flags "--speculation off"`, or `auto` when it decodes plainly: a `draft.verify` with
+`num_draft_tokens` 0) get a table of their own, per call:
+
+    send .. reply    as above (send: draft.verify start -> its client span start)
+    after reply      client span end -> draft.verify end: the reply waiting to be landed (pipelined calls)
+    call             draft.verify start -> end
+    target gap       the previous target.verify_batch's end -> this one's start: the target's engine idle
+    cadence          the previous target.verify_batch's start -> this one's
+    tokens           the call's plain steps; feature rows: what it asked back per request (target.verify_batch)
+
 Tracing itself costs a little per span (see docs/benchmarks.md, "Tracing cost"); read the parts, not the total,
 against an untraced run. With `--speculation always` (the default here) every step is one propose, one Verify and
 one extend; a step of several requests is one set of spans (the first request's trace).
@@ -49,6 +59,8 @@ from services_bench import SETTINGS, engine_flags, load_prompts, run_batch, star
 SERVER, CLIENT = 2, 3  # OTLP's SpanKind numbers
 PARTS = ("propose", "draft to send", "request", "to engine", "forward", "to reply", "reply", "after reply",
          "to extend", "extend", "between steps", "step")
+PLAIN_PARTS = ("send", "request", "to engine", "forward", "to reply", "reply", "after reply", "call", "target gap",
+               "cadence", "tokens", "feature rows")
 
 
 def steps_of(spans: list[Span]) -> list[dict[str, float]]:
@@ -95,9 +107,46 @@ def steps_of(spans: list[Span]) -> list[dict[str, float]]:
     return steps
 
 
-def summary(steps: list[dict[str, float]]) -> dict[str, dict[str, float]]:
+def plain_calls_of(spans: list[Span]) -> list[dict[str, float]]:
+    """Each plain call's parts in ms (see PLAIN_PARTS in the module doc); calls whose spans are incomplete are left
+    out. Pipelined calls overlap: `after reply` holds the wait until the scheduler lands the call, and `target gap`
+    is the target's engine idle between the end of the previous call's forward and the start of this one's."""
+    by_id = {s.span_id: s for s in spans}
+    clients = {s.parent_id: s for s in spans if s.kind == CLIENT}
+    servers = {s.parent_id: s for s in spans if s.kind == SERVER}
+    batches = {s.parent_id: s for s in spans if s.name == "target.verify_batch"}
+    ms = lambda a, b: (b - a) / 1e6  # noqa: E731
+    calls = []
+    for v in spans:
+        if v.name != "draft.verify" or v.attributes.get("num_draft_tokens", -1) != 0:
+            continue
+        c = clients.get(v.span_id)
+        srv = servers.get(c.span_id) if c else None
+        batch = batches.get(srv.span_id) if srv else None
+        if batch is None or batch.parent_id not in by_id:
+            continue
+        calls.append((batch, {"send": ms(v.start, c.start), "request": ms(c.start, srv.start),
+                              "to engine": ms(srv.start, batch.start), "forward": ms(batch.start, batch.end),
+                              "to reply": ms(batch.end, srv.end), "reply": ms(srv.end, c.end),
+                              "after reply": ms(c.end, v.end), "call": ms(v.start, v.end),
+                              "tokens": float(batch.attributes.get("plain_steps", 0)),
+                              "feature rows": float(batch.attributes.get("feature_rows", 0))}))
+    # every forward, speculative ones too
+    forwards = sorted((s for s in spans if s.name == "target.verify_batch"), key=lambda s: s.start)
+    starts = [s.start for s in forwards]
+    out = []
+    for batch, part in calls:
+        i = starts.index(batch.start)
+        if i > 0:
+            part["target gap"] = ms(forwards[i - 1].end, batch.start)
+            part["cadence"] = ms(forwards[i - 1].start, batch.start)
+        out.append(part)
+    return out
+
+
+def summary(steps: list[dict[str, float]], parts=PARTS) -> dict[str, dict[str, float]]:
     out = {}
-    for name in PARTS:
+    for name in parts:
         values = sorted(s[name] for s in steps if name in s)
         if values:
             out[name] = {"mean": statistics.fmean(values), "median": statistics.median(values),
@@ -132,10 +181,11 @@ def run(args) -> dict:
     finally:
         target.stop()
     store.stop()
-    steps = steps_of([s for s in store.spans if s.start >= measured_from])
+    measured = [s for s in store.spans if s.start >= measured_from]
+    steps, plain = steps_of(measured), plain_calls_of(measured)
     return {"setting": args.setting, "requests": args.requests, "concurrency": args.concurrency,
             "new_tokens": args.new_tokens, "tokens_per_s": tokens / sum(walls), "num_steps": len(steps),
-            "parts_ms": summary(steps)}
+            "parts_ms": summary(steps), "num_plain_calls": len(plain), "plain_parts_ms": summary(plain, PLAIN_PARTS)}
 
 
 def format_table(result: dict) -> str:
@@ -144,6 +194,11 @@ def format_table(result: dict) -> str:
              "| part | mean ms | median | p90 |", "| --- | --- | --- | --- |"]
     for name, v in result["parts_ms"].items():
         lines.append(f"| {name} | {v['mean']:.3f} | {v['median']:.3f} | {v['p90']:.3f} |")
+    if result["num_plain_calls"]:
+        lines += ["", f"{result['num_plain_calls']} plain calls", "| part | mean ms | median | p90 |",
+                  "| --- | --- | --- | --- |"]
+        for name, v in result["plain_parts_ms"].items():
+            lines.append(f"| {name} | {v['mean']:.3f} | {v['median']:.3f} | {v['p90']:.3f} |")
     return "\n".join(lines)
 
 
@@ -168,7 +223,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     result = run(args)
     print(json.dumps(result, indent=1) if args.json else format_table(result))
-    return 0 if result["num_steps"] else 1
+    return 0 if result["num_steps"] or result["num_plain_calls"] else 1
 
 
 if __name__ == "__main__":

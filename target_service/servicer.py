@@ -178,7 +178,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             result = self._verify_by_steps(groups)
         else:
             attributes = {"batch_size": len(flat), "num_rpcs": len(groups),
-                          "num_draft_tokens": sum(len(i.draft_tokens) for i in flat)}
+                          "num_draft_tokens": sum(len(i.draft_tokens) for i in flat),
+                          "plain_steps": max(g[3][0] for g in groups), "feature_rows": max(g[3][1] for g in groups)}
             with get_tracer().start_as_current_span("target.verify_batch", parent, links=links, attributes=attributes):
                 result = self._verify_by_steps(groups)
         if counted:

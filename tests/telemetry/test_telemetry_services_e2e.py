@@ -137,6 +137,8 @@ def test_telemetry_e2e_one_trace_with_parent_links(run):
     assert {c.parent_span_id for c in verify_clients} == verify_step_ids
     assert {s.parent_span_id for s in verify_servers} == {c.span_id for c in verify_clients}
     assert {b.parent_span_id for b in batches} == {s.span_id for s in verify_servers}
+    for b in batches:  # a speculative step: one token per call past the tree, every accepted row's features
+        assert (b.attributes["plain_steps"], b.attributes["feature_rows"], b.attributes["num_rpcs"]) == (1, 0, 1)
     extends = named("draft.extend", "INTERNAL", "draft_service")
     assert all(s.parent_span_id == draft_server.span_id for s in extends)
 
