@@ -30,11 +30,12 @@ from dataclasses import dataclass, field
 
 import grpc
 import grpc.aio
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.errors import ConfigError
 from specdec.rpc.decode_guard import DecodeGuard
 from specdec.rpc.drain_gate import DrainGate
+from specdec.rpc.health_list import HealthServicer
 from specdec.rpc.options import DEFAULT_MAX_MESSAGE_BYTES, server_options
 from specdec.rpc.reflection import enable_reflection
 from specdec.rpc.tls import TlsConfig, add_tls_args
@@ -57,7 +58,7 @@ class ServerHandle:
     """A started server: its bound port, its health state and its shutdown."""
 
     server: grpc.aio.Server
-    health: health.aio.HealthServicer
+    health: HealthServicer
     bound_port: int
     health_names: tuple[str, ...]
     gate: DrainGate = field(default_factory=DrainGate)  # refuses new calls once `stop` begins
@@ -131,7 +132,7 @@ async def start_server(
     server = grpc.aio.server(options=server_options(max_message_bytes), interceptors=chain)
     for add in servicers:
         add(server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     # reflection lists the services; a health-only name (LIVENESS) is none, and listed it made `grpcurl describe`
     # fail on the draft ("Symbol not found: liveness")

@@ -30,6 +30,12 @@ from specdec.tree import TreeCap
 
 log = logging.getLogger(__name__)
 
+# A request under an id that a running stream holds waits up to this long for that stream to leave before it is
+# refused ALREADY_EXISTS: a client that cancels a stream and reuses its id at once reaches this service through the
+# gateway as two separate calls, and the new one may arrive before the old one's cancel (QA: 2-6 of 30 reuses after
+# a cancel a few messages in were refused, on the speculative path)
+DUPLICATE_GRACE_S = 1.0
+
 
 @dataclass
 class _Call:
@@ -146,7 +152,7 @@ class EngineLoop:
             self.call(self._add_stream, request_id, prompt_ids, sampling, s, current_trace_context(), tree_cap))
         adding.add_done_callback(lambda t: t.cancelled() or t.exception())  # read, even when no one awaits it
         try:
-            await asyncio.shield(adding)
+            held = await asyncio.shield(adding)
         except asyncio.CancelledError:
             # the caller left (a client's cancel, a deadline) while the add was queued: the engine thread adds the
             # request all the same, so this stream's abort is queued right behind it (calls run in order), and the
@@ -155,6 +161,8 @@ class EngineLoop:
             await asyncio.shield(self.call(self._abort_stream, request_id, s))
             raise
         finished = False
+        # waiting for the id of a stream that has not left: refused once the grace has passed and it still holds it
+        refuse = loop.call_later(DUPLICATE_GRACE_S, self._refuse_later, request_id, s) if held else None
         try:
             while True:
                 ev: Event = await s.queue.get()
@@ -166,9 +174,15 @@ class EngineLoop:
                     finished = True
                     return
         finally:
+            if refuse is not None:
+                refuse.cancel()
             if not finished:
                 self._left(request_id)
                 await asyncio.shield(self.call(self._abort_stream, request_id, s))
+
+    def _refuse_later(self, request_id: str, stream: _Stream) -> None:
+        task = asyncio.ensure_future(self.call(self._refuse_held, request_id, stream))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # (NotReady while stopping: nothing to do)
 
     def _left(self, request_id: str) -> None:
         if self.on_leave is not None:
@@ -178,17 +192,31 @@ class EngineLoop:
                 log.exception("on_leave hook failed")
 
     def _add_stream(self, request_id, prompt_ids, sampling, stream: _Stream, trace_context=None,
-                    tree_cap: TreeCap | None = None) -> None:
+                    tree_cap: TreeCap | None = None) -> bool:
+        """-> True when the request waits for the id of a stream that has not left (yet): `_refuse_held` ends
+        the wait after DUPLICATE_GRACE_S."""
         old = self._streams.get(request_id)
         if old is not None:
             # an id a client cancelled is free at the next step's start (the scheduler applies aborts there, and
-            # releases the target's state): a client that reuses it at once waits for that, not ALREADY_EXISTS
-            if old.leaving and request_id not in self._next:
-                self._next[request_id] = (request_id, prompt_ids, sampling, stream, trace_context, tree_cap)
-                return
-            raise DuplicateRequest(f"request {request_id!r} is already running")
+            # releases the target's state): a client that reuses it at once waits for that, not ALREADY_EXISTS;
+            # so does a request that came before the old stream's cancel did (DUPLICATE_GRACE_S)
+            if request_id in self._next:  # another request waits for the id already
+                raise _duplicate(request_id)
+            self._next[request_id] = (request_id, prompt_ids, sampling, stream, trace_context, tree_cap)
+            return not old.leaving
         self.scheduler.add(request_id, prompt_ids, sampling, trace_context, tree_cap)  # may refuse it: then no stream
         self._streams[request_id] = stream
+        return False
+
+    def _refuse_held(self, request_id: str, stream: _Stream) -> None:
+        """The grace of a request waiting for a held id has passed: refused if the stream holding the id has not
+        left meanwhile (a second request under a running id), else it keeps waiting for that stream's end."""
+        waiting, old = self._next.get(request_id), self._streams.get(request_id)
+        if waiting is None or waiting[3] is not stream or old is None or old.leaving:
+            return
+        del self._next[request_id]
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait,
+                                         Event(request_id, [], "abort", error=_duplicate(request_id)))
 
     def _take_over(self, request_id: str) -> None:
         """The id's stream has ended: the request waiting for the id is added now (its error, if refused, ends
@@ -365,6 +393,10 @@ class EngineLoop:
 def _deliver(items: list[tuple[asyncio.Queue, Event]]) -> None:
     for queue, ev in items:
         queue.put_nowait(ev)
+
+
+def _duplicate(request_id: str) -> DuplicateRequest:
+    return DuplicateRequest(f"request {request_id!r} is already running")
 
 
 def _as_specdec(exc: Exception) -> SpecdecError:

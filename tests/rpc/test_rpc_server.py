@@ -49,6 +49,29 @@ def test_health_not_serving_until_set_then_serving(fake_server):
     run(body())
 
 
+def test_health_list_answers_every_name_as_check_does(fake_server, grpcurl):
+    """grpc.health.v1 has List too (reflection describes it); the stock servicer left it unimplemented: the client
+    got UNIMPLEMENTED and the server logged a NotImplementedError traceback (QA)."""
+    async def body():
+        async with fake_server(health_names=[TARGET, LIVENESS]) as (handle, _), \
+                make_channel(f"127.0.0.1:{handle.bound_port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            listed = (await stub.List(health_pb2.HealthListRequest())).statuses
+            assert {name: r.status for name, r in listed.items()} == {"": NOT_SERVING, TARGET: NOT_SERVING,
+                                                                      LIVENESS: NOT_SERVING}
+            await handle.set_serving(True)
+            listed = (await stub.List(health_pb2.HealthListRequest())).statuses
+            assert {name: r.status for name, r in listed.items()} == {"": SERVING, TARGET: SERVING, LIVENESS: SERVING}
+            proc = await asyncio.create_subprocess_exec(
+                grpcurl, "-plaintext", "-d", "{}", f"127.0.0.1:{handle.bound_port}", "grpc.health.v1.Health/List",
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            out, err = await proc.communicate()
+            assert proc.returncode == 0, err.decode()
+            assert json.loads(out)["statuses"][TARGET]["status"] == "SERVING"
+
+    run(body())
+
+
 def test_wait_for_serving_times_out_without_a_server():
     async def body():
         async with make_channel("127.0.0.1:1") as channel:

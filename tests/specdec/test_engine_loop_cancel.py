@@ -158,6 +158,56 @@ def test_an_id_reused_right_after_its_cancel_waits_for_the_abort_not_already_exi
     asyncio.run(body())
 
 
+def test_a_reused_id_that_arrives_before_the_old_streams_cancel_waits_for_it(monkeypatch):
+    """Through the gateway, a client's cancel and its new request under the same id reach the draft as two calls
+    in no fixed order (QA: 2-6 of 30 reuses refused ALREADY_EXISTS). A request under an id whose stream has not
+    left waits for it up to DUPLICATE_GRACE_S: it runs when the old stream leaves within the grace, and a true
+    duplicate (the old stream goes on) is refused once the grace has passed; the running request is untouched."""
+    from specdec.errors import DuplicateRequest
+    from specdec.serving import engine_loop
+
+    monkeypatch.setattr(engine_loop, "DUPLICATE_GRACE_S", 0.3)
+
+    async def body():
+        sched = FakeScheduler()
+        loop = EngineLoop(sched)
+        loop.start()
+
+        async def read(rid, out):
+            async for ev in loop.stream(rid, [1, 2, 3], SamplingParams()):
+                out.append(ev)
+
+        # the cancel comes after the new request, within the grace: the new one takes the id
+        old = asyncio.ensure_future(read("r1", []))
+        await asyncio.sleep(0.05)
+        new = asyncio.ensure_future(read("r1", []))
+        await asyncio.sleep(0.1)
+        assert sched.log == [("add", "r1")] and not new.done()
+        old.cancel()
+        for _ in range(200):
+            if sched.log == [("add", "r1"), ("abort", "r1"), ("add", "r1")]:
+                break
+            await asyncio.sleep(0.01)
+        assert sched.log == [("add", "r1"), ("abort", "r1"), ("add", "r1")], sched.log
+        await asyncio.sleep(0.4)  # past the grace: the request that took the id runs on
+        assert not new.done() and sched.running == {"r1"}
+
+        # the old stream goes on: after the grace the newcomer is refused, the running request is left alone
+        dup = asyncio.ensure_future(read("r1", []))
+        await asyncio.wait([dup], timeout=5)
+        assert isinstance(dup.exception(), DuplicateRequest)
+        assert sched.log[-1] == ("add", "r1") and sched.running == {"r1"} and not new.done()
+        new.cancel()
+        for _ in range(200):
+            if not sched.running:
+                break
+            await asyncio.sleep(0.01)
+        assert sched.log[-1] == ("abort", "r1") and not sched.running
+        loop.stop()
+
+    asyncio.run(body())
+
+
 def test_a_request_the_scheduler_refuses_does_not_keep_its_id():
     from specdec.errors import InvalidInput
 
