@@ -113,9 +113,9 @@ def add_engine_args(parser: argparse.ArgumentParser, default_port: int, gpu_plai
     e.add_argument("--disable-cuda-graph", action="store_true", help="run the GPU path eagerly (no CUDA graphs)")
     e.add_argument("--plain-steps", type=int, default=None,
                    help="tokens per request a plain decoding step commits (target: Generate; draft: the steps "
-                        "--speculation auto decodes plainly), 1-64: one host sync, and through the draft one Verify "
-                        f"call, per that many tokens; default {default_steps}; 1 = a token "
-                        "per step (tokens stream one by one, new requests join and aborts land after every token)")
+                        "it decodes plainly, --speculation auto or off), 1-64: one host sync, and through the draft "
+                        f"one Verify call, per that many tokens; default {default_steps}; 1 = a token per step "
+                        "(tokens stream one by one, new requests join and aborts land after every token)")
     parser.set_defaults(gpu_plain_steps=gpu_plain_steps)
 
 

@@ -105,6 +105,7 @@ def test_values_schema_is_self_contained_and_enforced():
                                         "grow (2)"),
         (["--set", "draft.numDraftTokens=64"], "can grow (5)"),
         (["--set", "target.pageSize=7"], "pageSize"),  # a power of two
+        (["--set", "engineStallSeconds=0.5"], "engineStallSeconds"),  # 0 or at least 1 (the services exit 2)
     ],
 )
 def test_incomplete_settings_fail_with_a_message(overrides, message):
@@ -120,6 +121,20 @@ def test_the_tree_and_pool_values_the_services_take_render():
     draft, target = container(pair, "draft"), container(pair, "target")
     assert (flag(draft, "num-steps"), flag(draft, "topk"), flag(draft, "num-draft-tokens")) == ("4", "4", "12")
     assert (flag(target, "page-size"), flag(target, "num-pages")) == ("32", "0")  # 0: sized from memory
+
+
+def test_an_ipv6_listen_host_renders_as_a_string_kubernetes_accepts(tmp_path):
+    """`listenHost: "::"` (the chart README's advice for IPv6-only clusters) rendered `- --host=::`, which YAML reads
+    as a map {'--host=:': None}: kubernetes-validate refused the gateway Deployment and the pair StatefulSet."""
+    for pairing in ("pair", "colocated"):
+        docs = render("default", "--set-string", "listenHost=::", "--set", f"pairing={pairing}")
+        hosts = [a for _, c in specdec_containers(docs) for a in c.get("args", []) if str(a).startswith("--host")]
+        assert hosts and all(a == "--host=::" for a in hosts), hosts
+        path = tmp_path / f"{pairing}.yaml"
+        path.write_text(yaml.safe_dump_all([d for d in docs if d["kind"] not in CRD_KINDS]))
+        proc = subprocess.run([sys.executable, "-m", "kubernetes_validate", "--strict", "--quiet", "-k",
+                               KUBE_VERSIONS[0], str(path)], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 # ---------- the default: CPU, bundled tiny model, one pair Pod ----------

@@ -305,7 +305,7 @@ lifecycle:
     - --model={{ include "specdec.draftModelDir" .root }}
     - --target-model={{ include "specdec.targetModelDir" .root }}
     - --target={{ .targetAddr }}
-    - --host={{ $v.listenHost }}
+    - {{ printf "--host=%s" $v.listenHost | quote }}
     - --port={{ $v.draft.port }}
     - --metrics-port={{ $v.draft.metricsPort }}
     - --device={{ $v.device }}
@@ -386,7 +386,7 @@ lifecycle:
   args:
     - serve-target
     - --model={{ include "specdec.targetModelDir" .root }}
-    - --host={{ $v.listenHost }}
+    - {{ printf "--host=%s" $v.listenHost | quote }}
     - --port={{ $v.target.port }}
     - --metrics-port={{ $v.target.metricsPort }}
     - --device={{ $v.device }}
