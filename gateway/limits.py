@@ -35,6 +35,14 @@ def check_input_chars(num_chars: int, limits: GatewayLimits) -> None:
                            "(--max-input-chars)")
 
 
+def check_detokenize_ids(num_ids: int, limits: GatewayLimits) -> None:
+    """A Detokenize takes as many ids as a Tokenize takes characters (--max-input-chars), before decoding: 20 M
+    ids took 8.8 s of the event loop (every running stream stalled that long) and their text was larger than a
+    client takes by default."""
+    if num_ids > limits.max_input_chars:
+        raise InvalidInput(f"token_ids has {num_ids} ids; the limit is {limits.max_input_chars} (--max-input-chars)")
+
+
 def check_prompt_chars(num_chars: int, min_tokens: int, limits: GatewayLimits, max_context_len: int = 0) -> None:
     """Before tokenizing: a text of `num_chars` characters has at least `min_tokens` tokens
     (`Tokenizer.min_num_tokens`); if even that many do not fit, refuse it untokenized (a 100 MB prompt took

@@ -22,6 +22,7 @@ from gateway.fallback import FINISH_STOP, FallbackGeneration, GenerationPlan
 from gateway.interceptors import name_request_id
 from gateway.limits import (
     StreamSlots,
+    check_detokenize_ids,
     check_input_chars,
     check_prompt_chars,
     check_prompt_length,
@@ -29,7 +30,7 @@ from gateway.limits import (
     check_stop_strings,
     resolve_sampling,
 )
-from gateway.prompts import EncodedInput, RequestInput, encode_input, read_input
+from gateway.prompts import EncodedInput, RequestInput, decode_ids, encode_input, read_input
 from gateway.router import Router
 from gateway.stream import TextStream
 from specdec.rpc.errors import end_call, map_servicer_errors
@@ -197,7 +198,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         return gateway_pb2.TokenizeResponse(token_ids=encoded.token_ids)
 
     async def Detokenize(self, request, context):
-        return gateway_pb2.DetokenizeResponse(text=self._tokenizer.decode(request.token_ids))
+        check_detokenize_ids(len(request.token_ids), self._limits)
+        return gateway_pb2.DetokenizeResponse(text=await decode_ids(self._tokenizer, request.token_ids))
 
     async def ListModels(self, request, context):
         up = [p for p in self._router.pairs if p.usable]

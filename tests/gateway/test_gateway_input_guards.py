@@ -312,6 +312,40 @@ def test_an_input_over_max_input_chars_is_refused_before_tokenizing(fake_model, 
     assert ok == "OK" and size not in encoded
 
 
+def test_a_detokenize_of_many_ids_is_bounded_and_decoded_off_the_event_loop(fake_model, model_dir, tiny_tokenizer,
+                                                                            monkeypatch):
+    """Detokenize takes as many ids as Tokenize takes characters (--max-input-chars): 20 M ids held the gateway's
+    event loop for 8.8 s, and a running stream's tokens with it (QA). Under the limit, a large one is decoded on a
+    worker thread, a small one on the loop, and the text is the tokenizer's."""
+    import threading
+
+    from gateway.config import GatewayLimits
+    from gateway.prompts import OFF_LOOP_MIN_IDS
+
+    threads = []
+    real_decode = Tokenizer.decode
+    monkeypatch.setattr(Tokenizer, "decode", lambda self, ids: threads.append(threading.current_thread().name)
+                        or real_decode(self, ids))
+    limits = GatewayLimits(max_input_chars=4 * OFF_LOOP_MIN_IDS)
+    ids = [t % 200 + 10 for t in range(3 * OFF_LOOP_MIN_IDS)]
+
+    async def body():
+        async with fake_stack(fake_model, model_dir, limits=limits) as (_, gateway, stub):
+            loop_thread = threading.current_thread().name
+            refused = await status_of(stub.Detokenize(gateway_pb2.DetokenizeRequest(
+                token_ids=[10] * (limits.max_input_chars + 1))))
+            threads.clear()
+            served = await stub.Detokenize(gateway_pb2.DetokenizeRequest(token_ids=ids))
+            short = await stub.Detokenize(gateway_pb2.DetokenizeRequest(token_ids=ids[:5]))
+            return refused, served.text, short.text, loop_thread, list(threads)
+
+    (code, details), text, short, loop_thread, seen = run(body())
+    assert code == "INVALID_ARGUMENT" and details == f"token_ids has {4 * OFF_LOOP_MIN_IDS + 1} ids; the limit is " \
+        f"{4 * OFF_LOOP_MIN_IDS} (--max-input-chars)"
+    assert text == real_decode(tiny_tokenizer, ids) and short == real_decode(tiny_tokenizer, ids[:5])
+    assert seen[0] != loop_thread and seen[-1] == loop_thread, seen  # the large one off the loop, the small one on
+
+
 def test_a_deadline_that_passes_is_logged_as_deadline_exceeded_not_as_a_cancel(fake_model, model_dir, caplog):
     """grpc cancels a handler whose deadline passed just as it does one whose client left; the access log (and
     the metrics and span status, which read the same) tell them apart. Before, both read CANCELLED."""
