@@ -49,6 +49,34 @@ def check_tls_files(cert: bytes | None, key: bytes | None, ca: bytes | None, nam
         return False
 
 
+def certificate_names(pem: bytes) -> frozenset[str] | None:
+    """The host names and IP addresses the (first) certificate of `pem` is valid for: its subject alternative
+    names, or its common name when it has none (what a client's hostname check reads). None when this Python
+    cannot say (the decoder is CPython's, not a documented API)."""
+    decode = getattr(getattr(ssl, "_ssl", None), "_test_decode_cert", None)
+    if decode is None:
+        return None
+    with tempfile.TemporaryDirectory(prefix="specdec-tls-") as tmp:
+        path = Path(tmp, "cert.pem")
+        path.write_bytes(pem)
+        try:
+            info = decode(str(path))
+        except (ssl.SSLError, OSError, ValueError):
+            return None
+    names = frozenset(value for kind, value in info.get("subjectAltName", ()) if kind in ("DNS", "IP Address"))
+    if names:
+        return names
+    return frozenset(value for rdn in info.get("subject", ()) for key, value in rdn if key == "commonName")
+
+
+def covers(names: frozenset[str], name: str) -> bool:
+    """Whether a certificate for `names` is valid for `name` (a wildcard covers one leftmost label)."""
+    if name in names:
+        return True
+    head, _, rest = name.partition(".")
+    return bool(head and rest and not name.startswith("*") and f"*.{rest}" in names)
+
+
 def _anchors(pem: bytes, what: str) -> None:
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     try:

@@ -19,7 +19,7 @@ import grpc
 
 from specdec.errors import ConfigError
 from specdec.rpc.file_watch import FileWatch
-from specdec.rpc.tls_check import CLIENT, SERVER
+from specdec.rpc.tls_check import CLIENT, SERVER, certificate_names, covers
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,26 @@ def tls_watch(tls, who: str, role: str = CLIENT) -> FileWatch:
     """A watch over a `specdec.rpc.tls.TlsConfig`'s files whose values are their checked `TlsMaterial` for `role`;
     `who` names the user in the log ("server", "channel to target:50052")."""
     return FileWatch([p for p in (tls.cert, tls.key, tls.ca) if p], lambda: tls.load(role),
-                     f"the TLS files of the {who}", accept=_still_chained)
+                     f"the TLS files of the {who}", accept=_still_serves if role == SERVER else _still_chained)
+
+
+def _still_serves(new, taken) -> None:
+    """A server's renewed certificate must still chain, and still name every host the one in use names: its
+    clients verify the name they dial (`localhost`, a pod's DNS name). A valid certificate of the same CA for
+    other names was taken, and every client's handshake failed from then on (QA: a gateway's pairs all went down
+    within 0.1 s)."""
+    _still_chained(new, taken)
+    if new.cert is None or taken.cert is None:
+        return
+    old_names, new_names = certificate_names(taken.cert), certificate_names(new.cert)
+    if old_names is None or new_names is None:
+        return
+    lost = sorted(name for name in old_names if not covers(new_names, name))
+    if lost:
+        raise ConfigError(f"the new certificate no longer names {', '.join(lost)} (it names "
+                          f"{', '.join(sorted(new_names)) or 'nothing'}): clients that reach this service by "
+                          "those names would fail its hostname check; the certificate in use stays (a restart "
+                          "takes the new one)")
 
 
 def _still_chained(new, taken) -> None:

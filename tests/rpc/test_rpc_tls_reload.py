@@ -124,6 +124,43 @@ def test_an_expired_renewal_or_a_ca_without_its_certificates_is_not_taken(sets, 
     assert watch.changed() is not None and watch.taken.ca == (sets["b"] / "ca.pem").read_bytes()
 
 
+def test_a_server_renewal_that_drops_a_name_is_not_taken(fake_server, sets, tmp_path, caplog):
+    """A valid certificate of the same CA that no longer names `localhost` was taken, and every client's handshake
+    failed its hostname check from then on (QA: a gateway's pairs all down within 0.1 s). It is refused with one
+    WARNING; a renewal that keeps the names (and adds one) is taken."""
+    live = sets["live"]
+    other = make_certs(tmp_path / "other", hosts=("example.com",), ca=sets["a"] / "ca")
+    more = make_certs(tmp_path / "more", hosts=("localhost", "127.0.0.1", "specdec.example"), ca=sets["a"] / "ca")
+
+    async def body():
+        async with fake_server(tls=tls_of(live)) as (handle, _):
+            port = handle.bound_port
+            assert await answers(port, tls_of(sets["a"], "client"))
+            before = (live / "server.pem").read_bytes()
+            put(other["ca"].parent, live)
+            with caplog.at_level(logging.WARNING, logger="specdec.rpc.file_watch"):
+                for _ in range(3):
+                    assert await answers(port, tls_of(sets["a"], "client"))  # still a's certificate
+            refused = [r.getMessage() for r in caplog.records if "no longer names" in r.getMessage()]
+            assert len(refused) == 1, refused
+            assert "no longer names 127.0.0.1, localhost (it names example.com)" in refused[0]
+            assert (live / "server.pem").read_bytes() != before
+            put(more["ca"].parent, live)
+            assert await answers(port, tls_of(sets["a"], "client"))  # same CA: a's clients trust it
+            assert await answers(port, tls_of(more["ca"].parent, "client"))
+
+    asyncio.run(asyncio.wait_for(body(), timeout=30))
+
+
+def test_certificate_names_and_wildcards():
+    from specdec.rpc.tls_check import covers
+
+    names = frozenset({"*.pair.ns.svc", "localhost"})
+    assert covers(names, "localhost") and covers(names, "p-0.pair.ns.svc")
+    assert not covers(names, "pair.ns.svc") and not covers(names, "a.b.pair.ns.svc")
+    assert not covers(frozenset({"p-0.pair.ns.svc"}), "*.pair.ns.svc")
+
+
 def test_a_certificate_from_another_ca_than_the_bundle_still_serves(sets):
     """A server certificate from a public CA with a private CA bundle for client certificates: its chain is not
     the bundle's, and it is used (only its dates and purpose are checked)."""
