@@ -8,12 +8,18 @@ limit); once one round of the thread's work has lasted `--engine-stall-seconds` 
 (`specdec.rpc.service_runner`: health UNKNOWN under every name, liveness included, new calls UNAVAILABLE saying
 why; the gateway takes the part out at its next check and moves its streams on), and when the round ends it reports
 the service well again. Each change is one log line, the stall an ERROR.
+
+A look that comes late by a good part of the limit means this whole process did not run meanwhile (SIGSTOP, a
+frozen VM or container): the engine's round then counts the pause, which is no stall of the engine, so that look
+is skipped and the next one judges (QA: a target stopped for 40 s and continued logged the ERROR and answered
+UNKNOWN for a second, its step done long before).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 log = logging.getLogger(__name__)
@@ -22,6 +28,7 @@ DEFAULT_STALL_S = 30.0  # `--engine-stall-seconds`: a GPU step is milliseconds, 
 MIN_STALL_S = 1.0  # the shortest limit the flag takes (0 aside): a look a second could not tell a shorter one
 SHORT_STALL_S = 10.0  # a limit under this is warned about at start
 LOOK_S = 1.0  # between two looks (at most; a quarter of a shorter limit)
+PAUSED_S = 2.0  # a look this late (at most; half a shorter limit) follows a pause of the whole process
 
 
 class StallWatch:
@@ -40,6 +47,8 @@ class StallWatch:
         self.stalled = False
         self.stalls = 0  # stalls seen since start
         self._longest = 0.0  # the longest round seen during the stall under way
+        self.clock = time.monotonic
+        self.pauses = 0  # looks skipped because the process had been paused
 
     @property
     def reason(self) -> str:
@@ -50,7 +59,13 @@ class StallWatch:
     async def run(self, report: Callable[[str | None], Awaitable[None]]) -> None:
         """Look until cancelled; `report(reason)` when a stall begins, `report(None)` when it ends."""
         while True:
+            before = self.clock()
             await asyncio.sleep(self.look_s)
+            if self.clock() - before - self.look_s >= min(PAUSED_S, self.stall_s / 2):
+                self.pauses += 1
+                log.info("%s's stall watch looked %.1f s late: this process was paused; the next look judges",
+                         self.what, self.clock() - before - self.look_s)
+                continue
             await self.look(report)
 
     async def look(self, report: Callable[[str | None], Awaitable[None]]) -> None:

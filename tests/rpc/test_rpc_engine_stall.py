@@ -84,6 +84,43 @@ def test_a_stall_is_reported_once_when_it_begins_and_once_when_it_ends(caplog):
     assert sum("moves again after a step of at least 9.0 s" in m for m in said) == 1
 
 
+def test_a_look_after_the_process_was_paused_is_skipped(caplog):
+    """SIGSTOP for 40 s, then SIGCONT: the engine's round counts the pause, which is no stall (QA: an ERROR and a
+    second of UNKNOWN). The late look is skipped; the next judges: nothing when the step has ended meanwhile, the
+    stall when the round still goes on."""
+    reports = []
+
+    async def report(reason):
+        reports.append(reason)
+
+    async def body(after_pause: list[float]):
+        now = [100.0]
+        looks = [40.5]  # the first sleep spans the pause, the others take their time
+        busy = list(after_pause)  # what each look reads (the last one again after)
+        watch = StallWatch(lambda: busy.pop(0) if len(busy) > 1 else busy[0], 30.0, "the target's engine thread")
+        watch.clock = lambda: now[0]
+        real_sleep = asyncio.sleep
+
+        async def sleep(s):
+            now[0] += looks.pop(0) if looks else s
+            await real_sleep(0)
+
+        asyncio.sleep = sleep
+        try:
+            task = asyncio.ensure_future(watch.run(report))
+            for _ in range(len(after_pause) + 3):
+                await real_sleep(0)
+            task.cancel()
+        finally:
+            asyncio.sleep = real_sleep
+        return watch
+
+    watch = asyncio.run(body([0.2]))  # the step ended just after the pause
+    assert watch.pauses == 1 and watch.stalls == 0 and reports == []
+    watch = asyncio.run(body([41.0, 42.0]))  # still in the same round: a stall all the same
+    assert watch.pauses == 1 and watch.stalls == 1 and reports and reports[0] is not None
+
+
 def test_health_and_calls_follow_the_stall_and_the_backend():
     """A backend away: own name and "" NOT_SERVING, liveness SERVING. Stalled: all UNKNOWN, a call refused with the
     reason. The stall over while the backend is still away: back to the backend's NOT_SERVING, calls let through."""
