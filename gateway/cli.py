@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import sys
 
 from gateway.config import DEFAULT_MAX_INPUT_CHARS, DEFAULT_MAX_NEW_TOKENS_LIMIT, DEFAULT_PAIR_WAIT_S
 from gateway.local_stack import DEFAULT_DRAFT_DIR, DEFAULT_PORTS, DEFAULT_TARGET_DIR
-from specdec.serving.engine_args import port, ranged, seconds
+from specdec.serving.engine_args import address, port, ranged, seconds
 
 DEFAULT_ADDR = f"localhost:{DEFAULT_PORTS['gateway']}"
 
@@ -110,7 +109,8 @@ def _register_generate(subparsers: argparse._SubParsersAction) -> None:
         f"the gateway on {DEFAULT_ADDR}, or starts target, draft and gateway for this one call.",
     )
     p.add_argument("prompt", metavar="PROMPT", help="text to complete ('-' reads stdin)")
-    p.add_argument("--addr", help=f"gateway address (default: {DEFAULT_ADDR}, else a local stack)")
+    p.add_argument("--addr", type=address(), help=f"gateway address HOST:PORT (default: {DEFAULT_ADDR}, else a local "
+                   "stack)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, help="sample from the k most likely tokens")
@@ -144,7 +144,7 @@ def _up(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from gateway.commands import run_generate
+    from specdec.tokenizer.cli import text_arg
 
-    if args.prompt == "-":
-        args.prompt = sys.stdin.read()
+    args.prompt = text_arg(args.prompt)
     return run_generate(args)

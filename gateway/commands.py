@@ -121,7 +121,13 @@ def rpc_error_text(exc: grpc.RpcError, timeout_s: float | None) -> str:
     removed (Deadline Exceeded)") named neither the flag nor the time."""
     if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout_s is not None:
         return f"DEADLINE_EXCEEDED: the request's --timeout of {timeout_s:g} s ran out"
-    return f"{exc.code().name}: {exc.details()}"
+    text = f"{exc.code().name}: {exc.details()}"
+    if exc.code() == grpc.StatusCode.UNAVAILABLE and "Socket closed" in (exc.details() or ""):
+        # what a TLS server's refusal looks like from here: a plaintext client, no client certificate, one from
+        # another CA (QA: only the server's log said why)
+        text += (" (the gateway closed the connection during its handshake: if it serves TLS, pass --tls-ca, and "
+                 "--tls-cert/--tls-key where it asks for a client certificate of its CA)")
+    return text
 
 
 def _local_gateway(device: str, cleanup: contextlib.ExitStack) -> str:

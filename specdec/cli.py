@@ -37,9 +37,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# `specdec up`'s options whose value is itself a string of flags (`--target-args '--disable-cuda-graph'`): argparse
+# takes a lone value that starts with "-" for an option of its own ("expected one argument", QA), so such a value
+# is attached to its option (`--target-args=--disable-cuda-graph`) before parsing.
+FLAGS_VALUED = ("--target-args", "--draft-args")
+
+
+def attach_flag_values(argv: list[str]) -> list[str]:
+    if not argv or argv[0] != "up":
+        return argv
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in FLAGS_VALUED and i + 1 < len(argv) and argv[i + 1].startswith("-"):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+            continue
+        if argv[i] == "--":  # what follows is positional
+            return out + argv[i:]
+        out.append(argv[i])
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(attach_flag_values(sys.argv[1:] if argv is None else argv))
     if not getattr(args, "handler", None):
         parser.print_help()
         return 2

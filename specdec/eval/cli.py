@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from specdec.serving.engine_args import ranged
+
 
 def add_spec_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("speculation")
@@ -23,7 +25,8 @@ def register(subparsers) -> None:
     p.add_argument("--target", required=True, help="target checkpoint directory (HF Llama format)")
     p.add_argument("--draft", required=True, help="EAGLE-1 or EAGLE-3 head directory")
     p.add_argument("--prompts", required=True, help='JSONL file of {"prompt": ...} lines')
-    p.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    p.add_argument("--limit", type=ranged(int, 1, what="prompts"), default=None,
+                   help="use the first N prompts (N >= 1)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-prompt-tokens", type=int, default=256, help="keep the last N prompt tokens, default 256")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (checked token for token)")

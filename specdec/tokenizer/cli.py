@@ -47,7 +47,7 @@ def _add_tokenizer_flag(parser: argparse.ArgumentParser) -> None:
 def run_tokenize(args: argparse.Namespace) -> int:
     from specdec.tokenizer import load_tokenizer
 
-    text = sys.stdin.read() if args.text == "-" else args.text
+    text = text_arg(args.text)
     try:
         tokenizer = load_tokenizer(args.tokenizer)
         if args.chat:
@@ -67,7 +67,7 @@ def run_detokenize(args: argparse.Namespace) -> int:
     from specdec.tokenizer import load_tokenizer
 
     try:
-        ids = parse_ids(sys.stdin.read() if args.ids == "-" else args.ids)
+        ids = parse_ids(text_arg(args.ids))
         text = load_tokenizer(args.tokenizer).decode(ids)
     except (SpecdecError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -76,11 +76,22 @@ def run_detokenize(args: argparse.Namespace) -> int:
     return 0
 
 
+def text_arg(value: str) -> str:
+    """A text argument, or stdin's for `-`: its bytes read as UTF-8, any that are not as U+FFFD (Python's own
+    reading kept them as lone surrogates, which `specdec generate` then failed to send: `UnicodeEncodeError`, QA)."""
+    if value != "-":
+        return value
+    raw = getattr(sys.stdin, "buffer", None)  # (a text stream without one, as tests give, is read as it is)
+    return sys.stdin.read() if raw is None else raw.read().decode("utf-8", errors="replace")
+
+
 def parse_ids(raw: str) -> list[int]:
     """`"[1, 2, 3]"`, `"1 2 3"` or `"1,2,3"` -> [1, 2, 3]."""
     raw = raw.strip()
     values = _json_ids(raw) if raw.startswith("[") else raw.replace(",", " ").split()
-    if not all(isinstance(v, int) or (isinstance(v, str) and v.lstrip("-").isdigit()) for v in values):
+    # (a JSON true is an int to Python: it read as id 1, QA)
+    if not all((isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, str) and v.lstrip("-").isdigit())
+               for v in values):
         raise ValueError(f"IDS must be integers, got {raw!r}")
     return [int(v) for v in values]
 

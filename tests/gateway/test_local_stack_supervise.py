@@ -198,6 +198,19 @@ def test_up_passes_more_flags_to_the_service_that_takes_them():
     assert colocated[-4:] == ["--prefill-chunk-tokens", "0", "--max-batch-size", "8"]
 
 
+def test_up_takes_a_single_flag_as_more_flags():
+    """A value that is one flag (`--target-args '--disable-cuda-graph'`) read as an option of its own to argparse:
+    `expected one argument` (QA). `specdec up` attaches it to its option; other commands' arguments are left alone."""
+    from specdec.cli import attach_flag_values, build_parser
+
+    argv = ["up", "--target-args", "--disable-cuda-graph", "--draft-args", "--speculation off", "--device", "cpu"]
+    args = build_parser().parse_args(attach_flag_values(argv))
+    assert args.target_args == ["--disable-cuda-graph"] and args.draft_args == ["--speculation", "off"]
+    assert args.device == "cpu"
+    same = ["generate", "--stop", "--target-args", "x"]
+    assert attach_flag_values(same) == same
+
+
 def test_the_bundled_models_are_found_wherever_the_package_is_installed(tmp_path, monkeypatch):
     """Beside the package in a checkout; `$SPECDEC_BUNDLED_MODELS` first where set (a plain `pip install .` puts the
     package in site-packages, away from the models: QA)."""

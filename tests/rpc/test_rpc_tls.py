@@ -9,6 +9,7 @@ import grpc
 import grpc.aio
 import pytest
 
+from gateway.commands import rpc_error_text
 from specdec.errors import ConfigError
 from specdec.rpc.channel import make_channel
 from specdec.rpc.server import TlsConfig, add_tls_args
@@ -63,8 +64,16 @@ def test_mutual_tls_requires_a_client_certificate(fake_server, certs):
             addr = f"localhost:{handle.bound_port}"
             assert await model_info(addr, with_client_cert) == "fake"
             assert await refused(addr, without) == grpc.StatusCode.UNAVAILABLE
+            texts = []
+            for client in (without, None):  # no client certificate; plaintext
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await model_info(addr, client)
+                texts.append(rpc_error_text(err.value, None))
+            return texts
 
-    run(body())
+    # what `specdec generate` prints: only the server's log said it was TLS (QA)
+    for text in run(body()):
+        assert text.startswith("UNAVAILABLE: ") and "if it serves TLS, pass --tls-ca" in text, text
 
 
 def test_flags():

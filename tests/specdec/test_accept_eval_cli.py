@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from repo_paths import TINY
 
 from specdec.cli import main as cli_main
@@ -30,6 +31,9 @@ def test_accept_eval_bad_files_are_one_line_errors(tmp_path, capsys):
     assert cli_main([*BASE, "--prompts", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "line 2" in err and '"prompt"' in err and "Traceback" not in err
+    with pytest.raises(SystemExit) as exit_:  # --limit 0 ran every prompt (0 read as no limit, QA)
+        cli_main([*BASE, "--prompts", str(bad), "--limit", "0"])
+    assert exit_.value.code == 2 and "--limit: 0 is out of range: prompts >= 1" in capsys.readouterr().err
     good = tmp_path / "good.jsonl"
     good.write_text('{"prompt": "x = 1\\n"}\n')
     assert cli_main([*BASE, "--prompts", str(good), "--token-map", str(tmp_path / "none.json")]) == 2

@@ -42,10 +42,28 @@ def test_detokenize_reads_stdin_for_a_dash(capsys, monkeypatch, tiny_code):
     assert capsys.readouterr().out == "x = 1\n"
 
 
+def test_stdin_bytes_that_are_not_utf8_read_as_replacement_characters(capsys, monkeypatch, tiny_code):
+    """Python's own reading kept them as lone surrogates, which `specdec generate -` failed to send
+    (`UnicodeEncodeError: surrogates not allowed`, QA); `tokenize -` and `generate -` now read the same text."""
+    import io
+
+    from specdec.tokenizer.cli import text_arg
+
+    stdin = io.TextIOWrapper(io.BytesIO(b"\xff\xfedef f"), encoding="utf-8", errors="surrogateescape")
+    monkeypatch.setattr("sys.stdin", stdin)
+    assert text_arg("-") == "\ufffd\ufffddef f" and text_arg("x") == "x"
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"\xff\xfedef f"), encoding="utf-8",
+                                                      errors="surrogateescape"))
+    assert main(["tokenize", "--tokenizer", TOKENIZER, "-"]) == 0
+    assert json.loads(capsys.readouterr().out) == tiny_code.encode("\ufffd\ufffddef f")
+
+
 def test_errors_exit_1_with_message(capsys, tmp_path):
     assert main(["detokenize", "--tokenizer", TOKENIZER, "[1, 99999]"]) == 1
     assert "outside the vocabulary" in capsys.readouterr().err
     assert main(["detokenize", "--tokenizer", TOKENIZER, "a b"]) == 1
+    assert main(["detokenize", "--tokenizer", TOKENIZER, "[true]"]) == 1  # a JSON boolean is no id (was id 1)
+    assert main(["detokenize", "--tokenizer", TOKENIZER, "[1, false]"]) == 1
     assert main(["detokenize", "--tokenizer", TOKENIZER, "[abc"]) == 1  # said "Expecting value: line 1 column 2"
     assert "IDS is not a JSON list of token ids such as [1, 2, 3]: Expecting value at character 2, found 'abc'" \
         in capsys.readouterr().err
