@@ -34,7 +34,7 @@ from specdec.rpc.target_codec import (
     verify_outputs_from_proto,
     verify_to_proto,
 )
-from specdec.rpc.tls import TlsConfig
+from specdec.rpc.tls import TlsConfig, handshake_hint
 from specdec.rpc.tls_reload import tls_watch
 from specdec.rpc.wire import decode_with_tensor
 from specdec.telemetry.grpc_tracing import blocking_call_metadata
@@ -72,6 +72,8 @@ def _translate(exc: grpc.RpcError) -> SpecdecError:
         cls = NotReady
     if code == grpc.StatusCode.UNIMPLEMENTED:  # a gateway's or a draft's address given as the target's (QA)
         return ConfigError(f"{TARGET_PREFIX}{details}: the address does not serve specdec.v1.TargetService")
+    if code == grpc.StatusCode.UNAVAILABLE:
+        details += handshake_hint(details, "the target", "--target-tls")
     return cls(f"{TARGET_PREFIX}{details}")
 
 

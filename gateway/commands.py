@@ -13,7 +13,7 @@ import grpc
 from gateway.client import GatewayClient, GenerationStats
 from gateway.local_stack import STOP_SIGNALS, LocalStack, StackConfig, is_gateway_serving, temporary_stack
 from specdec.errors import SpecdecError
-from specdec.rpc.tls import TlsConfig
+from specdec.rpc.tls import TlsConfig, handshake_hint
 
 DEFAULT_LOCAL_ADDR = "localhost:50050"
 
@@ -122,11 +122,8 @@ def rpc_error_text(exc: grpc.RpcError, timeout_s: float | None) -> str:
     if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout_s is not None:
         return f"DEADLINE_EXCEEDED: the request's --timeout of {timeout_s:g} s ran out"
     text = f"{exc.code().name}: {exc.details()}"
-    if exc.code() == grpc.StatusCode.UNAVAILABLE and "Socket closed" in (exc.details() or ""):
-        # what a TLS server's refusal looks like from here: a plaintext client, no client certificate, one from
-        # another CA (QA: only the server's log said why)
-        text += (" (the gateway closed the connection during its handshake: if it serves TLS, pass --tls-ca, and "
-                 "--tls-cert/--tls-key where it asks for a client certificate of its CA)")
+    if exc.code() == grpc.StatusCode.UNAVAILABLE:
+        text += handshake_hint(exc.details(), "the gateway", "--tls")
     return text
 
 

@@ -89,6 +89,16 @@ class TlsMaterial:
                                             certificate_chain=self.cert)
 
 
+def handshake_hint(details: str | None, peer: str, flags: str) -> str:
+    """A hint for a call that failed `UNAVAILABLE ... Socket closed`: what a TLS server's refusal looks like to a
+    plaintext client, or to one without the client certificate it asks for (QA: only the server's log said why);
+    "" for any other failure. `peer` names the server, `flags` the client's TLS flags."""
+    if "Socket closed" not in (details or ""):
+        return ""
+    return (f" ({peer} closed the connection during its handshake: if it serves TLS, pass {flags}-ca, and "
+            f"{flags}-cert/{flags}-key where it asks for a client certificate of its CA)")
+
+
 def add_tls_args(parser: argparse.ArgumentParser, prefix: str = "", who: str = "this service") -> None:
     """Add `--{prefix}tls-cert`, `--{prefix}tls-key`, `--{prefix}tls-ca` (prefix="target-" for a client)."""
     group = parser.add_argument_group(f"TLS ({who})")

@@ -76,6 +76,29 @@ def test_mutual_tls_requires_a_client_certificate(fake_server, certs):
         assert text.startswith("UNAVAILABLE: ") and "if it serves TLS, pass --tls-ca" in text, text
 
 
+def test_a_plaintext_draft_is_told_its_target_may_serve_tls(fake_server, certs):
+    """A draft started without --target-tls-* against a TLS target: its start-up error said `Connection refused` or
+    `Socket closed` and nothing of TLS (QA)."""
+    from draft_service.target_client import TargetClient
+    from specdec.errors import SpecdecError
+
+    server_tls = TlsConfig(cert=f"{certs['server']}.pem", key=f"{certs['server']}.key", ca=f"{certs['ca']}.pem",
+                           require_client_cert=True)
+
+    async def body():
+        async with fake_server(tls=server_tls) as (handle, _):
+            client = TargetClient(f"localhost:{handle.bound_port}")
+            try:
+                with pytest.raises(SpecdecError) as err:
+                    await asyncio.to_thread(client.model_info, 3.0)
+            finally:
+                client.close()
+            return str(err.value)
+
+    text = run(body())
+    assert "if it serves TLS, pass --target-tls-ca" in text, text
+
+
 def test_flags():
     parser = argparse.ArgumentParser()
     add_tls_args(parser)
