@@ -59,9 +59,18 @@ def attach_flag_values(argv: list[str]) -> list[str]:
     return out
 
 
+def _parser_of(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            return action.choices[command]
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(attach_flag_values(sys.argv[1:] if argv is None else argv))
+    args, unknown = parser.parse_known_args(attach_flag_values(sys.argv[1:] if argv is None else argv))
+    if unknown:  # told by the subcommand's own parser: its usage, not the top level's (QA)
+        _parser_of(parser, getattr(args, "command", None)).error(f"unrecognized arguments: {' '.join(unknown)}")
     if not getattr(args, "handler", None):
         parser.print_help()
         return 2

@@ -211,6 +211,19 @@ def test_up_takes_a_single_flag_as_more_flags():
     assert attach_flag_values(same) == same
 
 
+def test_an_unknown_flag_is_refused_by_its_subcommand(capsys):
+    """With the subcommand's usage and name (it printed the top level's `usage: specdec [-h] COMMAND ...`, QA)."""
+    import pytest
+
+    from specdec.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--bogus", "x"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "usage: specdec generate" in err
+    assert "specdec generate: error: unrecognized arguments: --bogus" in err
+
+
 def test_the_bundled_models_are_found_wherever_the_package_is_installed(tmp_path, monkeypatch):
     """Beside the package in a checkout; `$SPECDEC_BUNDLED_MODELS` first where set (a plain `pip install .` puts the
     package in site-packages, away from the models: QA)."""
