@@ -164,38 +164,38 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def _verify_many(self, groups: list[tuple[list, object, float, tuple[int, int]]]) -> list[list]:
         """Several Verify RPCs that arrived together run as one forward (engine thread), or one per (plain steps,
         feature rows) when they ask for different ones. Each group is (inputs, the RPC's trace context or None,
-        when the RPC was queued, (plain steps, feature rows)); a traced batch gets one `target.verify_batch`
-        span, parented to the first traced RPC and linked to the others."""
-        started = time.perf_counter()
-        flat = [inp for g in groups for inp in g[0]]
-        counted = self.metrics is not None and not _warmup(flat)
-        if counted:
-            self.metrics.observe_batch(len(flat))
-            for _, _, queued, _ in groups:
-                self.metrics.observe_phase("queue", started - queued)
-        parent, links = batch_parent([g[1] for g in groups])
-        if parent is None:
-            result = self._verify_by_steps(groups)
-        else:
-            attributes = {"batch_size": len(flat), "num_rpcs": len(groups),
-                          "num_draft_tokens": sum(len(i.draft_tokens) for i in flat),
-                          "plain_steps": max(g[3][0] for g in groups), "feature_rows": max(g[3][1] for g in groups)}
-            with get_tracer().start_as_current_span("target.verify_batch", parent, links=links, attributes=attributes):
-                result = self._verify_by_steps(groups)
-        if counted:
-            self._phase("forward", time.perf_counter() - started)
-        return result
+        when the RPC was queued, (plain steps, feature rows)). A group naming a request that an earlier group of
+        the batch names (a draft's next plain call, sent before the previous one's reply) runs after it: the
+        groups are cut into segments that run one after another (`_in_order`), and each segment is one
+        `target.verify_batch` span (parented to its first traced RPC, linked to the others), one `batch_size`
+        and one `forward` observation (two pipelined calls of one request were one forward of 2 before, QA).
 
-    def _verify_by_steps(self, groups: list[tuple[list, object, float, tuple[int, int]]]) -> list:
-        """Each group's outputs, or the SpecdecError that refused it: the groups asking for the same plain-step and
-        feature-row counts share one engine call. A group naming a request that an earlier group of the batch names
-        (a draft's next plain call, sent before the previous one's reply) runs after it (`_in_order`). A refused
-        group fails alone and never makes another group run twice: a shared engine call that is refused (it
-        commits nothing) runs again one group at a time, and groups that already ran keep their outputs (the
+        A refused group fails alone and never makes another group run twice: a shared engine call that is refused
+        (it commits nothing) runs again one group at a time, and groups that already ran keep their outputs (the
         engine loop's own retry of a failed batch would run them again on the tokens they committed)."""
+        counted = self.metrics is not None and not _warmup([inp for g in groups for inp in g[0]])
         result: list = [None] * len(groups)
         for segment in _in_order(groups):
-            self._verify_segment(groups, segment, result)
+            started = time.perf_counter()
+            members = [groups[i] for i in segment]
+            flat = [inp for g in members for inp in g[0]]
+            if counted:
+                self.metrics.observe_batch(len(flat))
+                for _, _, queued, _ in members:
+                    self.metrics.observe_phase("queue", started - queued)
+            parent, links = batch_parent([g[1] for g in members])
+            if parent is None:
+                self._verify_segment(groups, segment, result)
+            else:
+                attributes = {"batch_size": len(flat), "num_rpcs": len(members),
+                              "num_draft_tokens": sum(len(i.draft_tokens) for i in flat),
+                              "plain_steps": max(g[3][0] for g in members),
+                              "feature_rows": max(g[3][1] for g in members)}
+                with get_tracer().start_as_current_span("target.verify_batch", parent, links=links,
+                                                        attributes=attributes):
+                    self._verify_segment(groups, segment, result)
+            if counted:
+                self._phase("forward", time.perf_counter() - started)
         return result
 
     def _verify_segment(self, groups: list, segment: list[int], result: list) -> None:

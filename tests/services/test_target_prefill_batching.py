@@ -163,12 +163,25 @@ def test_verify_calls_of_the_same_requests_arriving_together_run_in_order(target
         loop.start()
         return [target_pb2.VerifyResponse.FromString(r) for r in await asyncio.gather(*tasks)]
 
+    class Recorded:  # what the metrics see: one batch and one forward per engine forward (QA: 2 calls read as one
+        def __init__(self):  # forward of batch 2 when a draft's two pipelined calls of one request met)
+            self.batches, self.phases = [], []
+
+        def observe_batch(self, n):
+            self.batches.append(n)
+
+        def observe_phase(self, phase, seconds):
+            self.phases.append(phase)
+
     loop = EngineLoop(None, "target-engine")
-    servicer = TargetServicer(engine, loop, "tiny")
+    metrics = Recorded()
+    servicer = TargetServicer(engine, loop, "tiny", metrics)
     try:
         replies = asyncio.run(together())
     finally:
         loop.stop()
+    assert metrics.batches == [2, 2, 2] and metrics.phases.count("forward") == 3
+    assert metrics.phases.count("queue") == 3
     got = [[list(r.tokens) for r in reply.results] for reply in replies]
     assert [t for call in got for t in call[0]] == ref["a"][:12]
     assert got[0][1] == ref["b"] and got[1][1] == got[2][1] == []
