@@ -92,6 +92,9 @@ def _register_up(subparsers: argparse._SubParsersAction) -> None:
                        help=f"more `specdec serve-{service}` flags, one string, e.g. --{service}-args "
                             "'--engine-stall-seconds 60 --max-batch-size 32' (with --colocated the draft's process "
                             "takes both)")
+    p.add_argument("--gateway-args", type=shlex.split, default=[], metavar="FLAGS",
+                   help="more `specdec serve-gateway` flags, one string, e.g. --gateway-args '--metrics-port 9100 "
+                        "--max-new-tokens 2048'")
     for service, default in DEFAULT_PORTS.items():
         # 1-65535: the other services are told this port, so 0 (any free port) cannot stand for one
         p.add_argument(f"--{service}-port", type=port(zero=None), default=default,

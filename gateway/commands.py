@@ -32,6 +32,7 @@ def run_up(args: argparse.Namespace) -> int:
         colocated=args.colocated,
         target_args=tuple(args.target_args),
         draft_args=tuple(args.draft_args),
+        gateway_args=tuple(args.gateway_args),
     )
     stack = LocalStack(config)
     with sigterm_as_interrupt():

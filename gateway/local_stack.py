@@ -86,10 +86,11 @@ class StackConfig:
     target_port: int = DEFAULT_PORTS["target"]
     speculation: str = "auto"  # the draft's --speculation (auto: per step, whichever is measured faster)
     colocated: bool = False  # the draft runs the target in its own process (`--target in-process`): no target process
-    # more `serve-target` / `serve-draft` flags (`up --target-args`, `--draft-args`); colocated, the draft's process
-    # takes both (its target's engine flags are its own)
+    # more `serve-target` / `serve-draft` / `serve-gateway` flags (`up --target-args`, `--draft-args`,
+    # `--gateway-args`); colocated, the draft's process takes the first two (its target's engine flags are its own)
     target_args: tuple[str, ...] = ()
     draft_args: tuple[str, ...] = ()
+    gateway_args: tuple[str, ...] = ()
 
     @classmethod
     def free_ports(cls, **kwargs) -> StackConfig:
@@ -143,7 +144,7 @@ class StackConfig:
         pair = f"{draft_addr if self.draft_dir is not None else ''}={target_addr}"
         commands["gateway"] = [
             *specdec, "serve-gateway", "--model", self.target_dir, "--pair", pair,
-            "--host", self.host, "--port", str(self.gateway_port),
+            "--host", self.host, "--port", str(self.gateway_port), *self.gateway_args,
         ]  # fmt: skip
         return commands
 

@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
 # `specdec up`'s options whose value is itself a string of flags (`--target-args '--disable-cuda-graph'`): argparse
 # takes a lone value that starts with "-" for an option of its own ("expected one argument", QA), so such a value
 # is attached to its option (`--target-args=--disable-cuda-graph`) before parsing.
-FLAGS_VALUED = ("--target-args", "--draft-args")
+FLAGS_VALUED = ("--target-args", "--draft-args", "--gateway-args")
 
 
 def attach_flag_values(argv: list[str]) -> list[str]:

@@ -196,6 +196,11 @@ def test_up_passes_more_flags_to_the_service_that_takes_them():
     colocated = StackConfig(colocated=True, target_args=("--prefill-chunk-tokens", "0"),
                             draft_args=("--max-batch-size", "8")).commands()["draft"]
     assert colocated[-4:] == ["--prefill-chunk-tokens", "0", "--max-batch-size", "8"]
+    # the gateway's too (QA: `up` had no way to give it a metrics port)
+    args = build_parser().parse_args(["up", "--gateway-args", "--metrics-port 9100"])
+    gateway = StackConfig(gateway_args=tuple(args.gateway_args)).commands()["gateway"]
+    assert gateway[-2:] == ["--metrics-port", "9100"]
+    assert "--metrics-port" not in StackConfig(gateway_args=tuple(args.gateway_args)).commands()["target"]
 
 
 def test_up_takes_a_single_flag_as_more_flags():
