@@ -49,7 +49,8 @@ def setup_tracing(service_name_default: str, config: TelemetryConfig | None = No
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter  # only when on
 
     resource = Resource.create({SERVICE_NAME: config.service_name or service_name_default})
-    provider = TracerProvider(resource=resource, sampler=build_sampler(config))
+    sampler = build_sampler(config)
+    provider = TracerProvider(resource=resource, sampler=sampler)
     global _exporter
     _exporter = OTLPSpanExporter(endpoint=config.traces_endpoint)
     provider.add_span_processor(BatchSpanProcessor(_exporter))
@@ -59,7 +60,7 @@ def setup_tracing(service_name_default: str, config: TelemetryConfig | None = No
         "tracing on: service=%s endpoint=%s sampler=%s",
         resource.attributes[SERVICE_NAME],
         config.traces_endpoint,
-        config.traces_sampler,
+        sampler_label(config),
     )
     return provider
 
@@ -102,25 +103,32 @@ def get_tracer(provider: trace.TracerProvider | None = None) -> trace.Tracer:
     return trace.get_tracer(TRACER_NAME, tracer_provider=provider)
 
 
+# OTEL_TRACES_SAMPLER's names (the spec's) -> the sampler, given OTEL_TRACES_SAMPLER_ARG's ratio
+SAMPLERS: dict[str, Callable[[float], sdk_sampling.Sampler]] = {
+    "always_on": lambda ratio: sdk_sampling.ALWAYS_ON,
+    "always_off": lambda ratio: sdk_sampling.ALWAYS_OFF,
+    "traceidratio": lambda ratio: sdk_sampling.TraceIdRatioBased(ratio),
+    "parentbased_always_on": lambda ratio: sdk_sampling.DEFAULT_ON,
+    "parentbased_always_off": lambda ratio: sdk_sampling.DEFAULT_OFF,
+    "parentbased_traceidratio": lambda ratio: sdk_sampling.ParentBasedTraceIdRatio(ratio),
+}
+DEFAULT_SAMPLER = "parentbased_always_on"
+
+
+def sampler_label(config: TelemetryConfig) -> str:
+    """The sampler in use, for the start-up line: the fallback for an unknown name (it named the unknown one, QA),
+    and a ratio sampler's ratio."""
+    name = config.traces_sampler if config.traces_sampler in SAMPLERS else DEFAULT_SAMPLER
+    return f"{name}({config.traces_sampler_arg:g})" if name.endswith("traceidratio") else name
+
+
 def build_sampler(config: TelemetryConfig) -> sdk_sampling.Sampler:
     """The sampler named by `OTEL_TRACES_SAMPLER` (the spec's names); an unknown name gives the default."""
-    ratio = config.traces_sampler_arg
-    samplers: dict[str, Callable[[], sdk_sampling.Sampler]] = {
-        "always_on": lambda: sdk_sampling.ALWAYS_ON,
-        "always_off": lambda: sdk_sampling.ALWAYS_OFF,
-        "traceidratio": lambda: sdk_sampling.TraceIdRatioBased(ratio),
-        "parentbased_always_on": lambda: sdk_sampling.DEFAULT_ON,
-        "parentbased_always_off": lambda: sdk_sampling.DEFAULT_OFF,
-        "parentbased_traceidratio": lambda: sdk_sampling.ParentBasedTraceIdRatio(ratio),
-    }
-    if config.traces_sampler not in samplers:
-        logger.warning(
-            "OTEL_TRACES_SAMPLER=%r is not one of %s; using parentbased_always_on",
-            config.traces_sampler,
-            sorted(samplers),
-        )
-        return sdk_sampling.DEFAULT_ON
-    return samplers[config.traces_sampler]()
+    if config.traces_sampler not in SAMPLERS:
+        logger.warning("OTEL_TRACES_SAMPLER=%r is not one of %s; using %s", config.traces_sampler, sorted(SAMPLERS),
+                       DEFAULT_SAMPLER)
+        return SAMPLERS[DEFAULT_SAMPLER](config.traces_sampler_arg)
+    return SAMPLERS[config.traces_sampler](config.traces_sampler_arg)
 
 
 class StepSpanSampler:

@@ -82,6 +82,15 @@ def test_build_sampler_names():
     assert isinstance(sampler("parentbased_traceidratio", 0.1), ParentBasedTraceIdRatio)
 
 
+def test_the_start_up_line_names_the_sampler_in_use():
+    """An unknown name falls back, and the line said the unknown name (QA); a ratio sampler's ratio is said too."""
+    from specdec.telemetry.tracing import sampler_label
+
+    label = lambda name, arg=1.0: sampler_label(TelemetryConfig(traces_sampler=name, traces_sampler_arg=arg))  # noqa: E731
+    assert label("bogus") == "parentbased_always_on" and label("always_off") == "always_off"
+    assert label("parentbased_traceidratio", 0.25) == "parentbased_traceidratio(0.25)"
+
+
 def test_shutdown_gives_up_on_an_unreachable_collector(monkeypatch):
     """With the collector down, a service's exit waited for the exporter's retries (7-13 s in QA, a 5 s flush
     included): now it stops the exporter once its flush time is up."""
