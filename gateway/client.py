@@ -10,7 +10,8 @@
 
         text, stats = client.complete([{"role": "user", "content": "Write a haiku"}], temperature=0.7, seed=1)
 
-Errors are `grpc.RpcError`s with the gateway's status and message (`exc.code()`, `exc.details()`).
+Errors are `grpc.RpcError`s with the gateway's status and message (`exc.code()`, `exc.details()`); a request the
+message cannot hold is `InvalidInput` before anything is sent, and a call on a closed client a `RuntimeError`.
 """
 
 from __future__ import annotations
@@ -66,10 +67,12 @@ class GenerationStats:
 
 
 class GenerationStream:
-    """Iterate for text deltas; `stats` is set once the stream ended; `cancel()` stops it (and the work)."""
+    """Iterate for text deltas; `stats` is set once the stream ended; `cancel()` stops it (and the work): an
+    iteration under way then ends quietly, `stats` None."""
 
     def __init__(self, call) -> None:
         self._call = call
+        self._cancelled = False
         self.stats: GenerationStats | None = None
         self.token_ids: list[int] = []
 
@@ -83,11 +86,16 @@ class GenerationStream:
                 if response.text:
                     yield response.text
             ended = True
+        except grpc.RpcError as exc:
+            if not (self._cancelled and exc.code() == grpc.StatusCode.CANCELLED):
+                raise  # (our own cancel: gRPC's "Locally cancelled by application!" reached the caller raw, QA)
+            ended = True
         finally:
             if not ended:  # the caller left the loop (`break`) or it failed: stop the work on the server too
                 self._call.cancel()
 
     def cancel(self) -> None:
+        self._cancelled = True
         self._call.cancel()
 
 
@@ -108,6 +116,7 @@ class GatewayClient:
         self._stub = gateway_pb2_grpc.GatewayServiceStub(self._channel)
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._timeout_s = timeout_s
+        self._closed = False
 
     def generate(
         self,
@@ -147,6 +156,7 @@ class GatewayClient:
                 request.chat.CopyFrom(chat)
         except (ValueError, TypeError, AttributeError) as exc:
             raise InvalidInput(f"bad request: {type(exc).__name__}: {exc}") from exc
+        self._check_open()
         return GenerationStream(self._stub.Generate(request, timeout=self._timeout_s, metadata=self._metadata))
 
     def complete(self, prompt: str | Messages, **kwargs) -> tuple[str, GenerationStats]:
@@ -174,9 +184,15 @@ class GatewayClient:
         return list(self._unary(self._stub.ListModels, gateway_pb2.ListModelsRequest()).models)
 
     def _unary(self, method, request):
+        self._check_open()
         return method(request, timeout=self._timeout_s, metadata=self._metadata)
 
+    def _check_open(self) -> None:
+        if self._closed:  # (gRPC's own `ValueError: Cannot invoke RPC: Channel closed!` named no client, QA)
+            raise RuntimeError("this GatewayClient is closed (close() or its `with` block ended): make a new one")
+
     def close(self) -> None:
+        self._closed = True
         self._channel.close()
 
     def __enter__(self) -> GatewayClient:

@@ -50,3 +50,30 @@ def test_tokenize_detokenize_and_generate_refuse_wrong_types_as_invalid_input(ca
     with GatewayClient("127.0.0.1:1") as client, pytest.raises(InvalidInput) as raised:
         getattr(client, call)(arg)
     assert str(raised.value).startswith(message) and isinstance(raised.value, ValueError)
+
+
+def test_a_stream_cancelled_while_iterated_ends_quietly_and_a_closed_client_says_so(fake_model, model_dir):
+    """`stream.cancel()` inside `for text in stream` made the next iteration raise gRPC's own CANCELLED ("Locally
+    cancelled by application!"), and a call on a closed client a bare `ValueError: Cannot invoke RPC: Channel
+    closed!` (QA)."""
+    async def body():
+        async with fake_stack(fake_model, model_dir) as (_, gateway, _):
+            return await asyncio.to_thread(use, f"127.0.0.1:{gateway.port}")
+
+    def use(addr: str):
+        with GatewayClient(addr, timeout_s=20) as client:
+            stream = client.generate("def fib(n):", max_new_tokens=100, ignore_eos=True)
+            texts = []
+            for text in stream:
+                texts.append(text)
+                if len(texts) == 2:
+                    stream.cancel()
+            full, _ = client.complete("def fib(n):", max_new_tokens=8)  # the client goes on
+        with pytest.raises(RuntimeError, match="this GatewayClient is closed"):
+            client.complete("def fib(n):", max_new_tokens=8)
+        with pytest.raises(RuntimeError, match="this GatewayClient is closed"):
+            client.tokenize("x")
+        return texts, stream.stats, full
+
+    texts, stats, full = run(body())
+    assert len(texts) == 2 and stats is None and full
