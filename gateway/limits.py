@@ -35,6 +35,14 @@ def check_input_chars(num_chars: int, limits: GatewayLimits) -> None:
                            "(--max-input-chars)")
 
 
+def max_request_bytes(limits: GatewayLimits) -> int:
+    """The largest request message the gateway receives: `--max-input-chars` characters of UTF-8 (4 bytes each at
+    most; as many Detokenize ids take at most 3 bytes each), plus 1 MiB for the rest (a chat's 4096 messages' roles
+    and framing, 16 stop strings of 256 characters); gRPC refuses a larger one RESOURCE_EXHAUSTED before it is
+    parsed. The 256 MiB the services take let a 40 MB Detokenize hold the event loop 1.4 s in parsing alone."""
+    return max(4 * limits.max_input_chars + (1 << 20), 4 << 20)
+
+
 def check_detokenize_ids(num_ids: int, limits: GatewayLimits) -> None:
     """A Detokenize takes as many ids as a Tokenize takes characters (--max-input-chars), before decoding: 20 M
     ids took 8.8 s of the event loop (every running stream stalled that long) and their text was larger than a

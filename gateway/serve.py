@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2
 from gateway.auth import ApiKeyFile, ApiKeyInterceptor
 from gateway.config import GatewayConfig, GatewayLimits, PairAddress
 from gateway.interceptors import AccessLogInterceptor, MetricsInterceptor
+from gateway.limits import max_request_bytes
 from gateway.pair_metrics import track_pair_parts
 from gateway.router import Router
 from gateway.servicer import GATEWAY_SERVICE, GatewayServicer
@@ -94,7 +95,8 @@ async def start_gateway(
     if api_keys:
         interceptors.append(ApiKeyInterceptor(api_keys))
     add_servicer = lambda server: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
-    handle = await start_server([add_servicer], [GATEWAY_SERVICE], host, port, tls, interceptors=interceptors)
+    handle = await start_server([add_servicer], [GATEWAY_SERVICE], host, port, tls, interceptors=interceptors,
+                                max_receive_bytes=max_request_bytes(config.limits))
     await handle.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
     router.start()
     gateway = RunningGateway(handle, router, servicer)

@@ -15,18 +15,20 @@ KEEPALIVE_TIMEOUT_MS = 10_000
 MAX_RECONNECT_BACKOFF_MS = 2_000
 
 
-def message_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    """Explicit send and receive limits (gRPC's defaults are 4 MiB receive, unlimited send)."""
+def message_options(max_message_bytes: int, max_receive_bytes: int | None = None) -> list[tuple[str, int]]:
+    """Explicit send and receive limits (gRPC's defaults are 4 MiB receive, unlimited send); `max_receive_bytes`:
+    a lower receive limit (the gateway's: no valid request is larger)."""
     return [
         ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_receive_bytes or max_message_bytes),
     ]
 
 
-def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                   max_receive_bytes: int | None = None) -> list[tuple[str, int]]:
     """Options for `grpc.aio.server`: limits, keepalive, and no SO_REUSEPORT (one server per port)."""
     return [
-        *message_options(max_message_bytes),
+        *message_options(max_message_bytes, max_receive_bytes),
         ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
         ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
         ("grpc.keepalive_permit_without_calls", 1),

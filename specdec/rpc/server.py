@@ -115,6 +115,7 @@ async def start_server(
     tls: TlsConfig | None = None,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    max_receive_bytes: int | None = None,
     still_served: frozenset[str] = frozenset(),
 ) -> ServerHandle:
     """Build, bind and start a server; port 0 picks a free port (see `bound_port`).
@@ -129,7 +130,7 @@ async def start_server(
     # check and access log as INVALID_ARGUMENT). They all keep the handler's request_deserializer, so the tolerant
     # one the guard sets is the one grpc calls.
     chain = [gate, *interceptors, DecodeGuard()]
-    server = grpc.aio.server(options=server_options(max_message_bytes), interceptors=chain)
+    server = grpc.aio.server(options=server_options(max_message_bytes, max_receive_bytes), interceptors=chain)
     for add in servicers:
         add(server)
     health_servicer = HealthServicer()
