@@ -315,7 +315,7 @@ def test_an_input_over_max_input_chars_is_refused_before_tokenizing(fake_model, 
 def test_a_detokenize_of_many_ids_is_bounded_and_decoded_off_the_event_loop(fake_model, model_dir, tiny_tokenizer,
                                                                             monkeypatch):
     """Detokenize takes as many ids as Tokenize takes characters (--max-input-chars): 20 M ids held the gateway's
-    event loop for 8.8 s, and a running stream's tokens with it (QA). Under the limit, a large one is decoded on a
+    event loop, and a running stream's tokens with it (5.4 s; QA). Under the limit, a large one is decoded on a
     worker thread, a small one on the loop, and the text is the tokenizer's."""
     import threading
 
