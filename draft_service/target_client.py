@@ -72,9 +72,7 @@ def _translate(exc: grpc.RpcError) -> SpecdecError:
         cls = NotReady
     if code == grpc.StatusCode.UNIMPLEMENTED:  # a gateway's or a draft's address given as the target's (QA)
         return ConfigError(f"{TARGET_PREFIX}{details}: the address does not serve specdec.v1.TargetService")
-    if code == grpc.StatusCode.UNAVAILABLE:
-        details += handshake_hint(details, "the target", "--target-tls")
-    return cls(f"{TARGET_PREFIX}{details}")
+    return cls(f"{TARGET_PREFIX}{details}{handshake_hint(code, details, 'the target', '--target-tls')}")
 
 
 @dataclass(frozen=True)

@@ -122,10 +122,7 @@ def rpc_error_text(exc: grpc.RpcError, timeout_s: float | None) -> str:
     removed (Deadline Exceeded)") named neither the flag nor the time."""
     if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout_s is not None:
         return f"DEADLINE_EXCEEDED: the request's --timeout of {timeout_s:g} s ran out"
-    text = f"{exc.code().name}: {exc.details()}"
-    if exc.code() == grpc.StatusCode.UNAVAILABLE:
-        text += handshake_hint(exc.details(), "the gateway", "--tls")
-    return text
+    return f"{exc.code().name}: {exc.details()}" + handshake_hint(exc.code(), exc.details(), "the gateway", "--tls")
 
 
 def _local_gateway(device: str, cleanup: contextlib.ExitStack) -> str:

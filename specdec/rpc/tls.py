@@ -89,11 +89,11 @@ class TlsMaterial:
                                             certificate_chain=self.cert)
 
 
-def handshake_hint(details: str | None, peer: str, flags: str) -> str:
+def handshake_hint(code: grpc.StatusCode, details: str | None, peer: str, flags: str) -> str:
     """A hint for a call that failed `UNAVAILABLE ... Socket closed`: what a TLS server's refusal looks like to a
     plaintext client, or to one without the client certificate it asks for (QA: only the server's log said why);
     "" for any other failure. `peer` names the server, `flags` the client's TLS flags."""
-    if "Socket closed" not in (details or ""):
+    if code != grpc.StatusCode.UNAVAILABLE or "Socket closed" not in (details or ""):
         return ""
     return (f" ({peer} closed the connection during its handshake: if it serves TLS, pass {flags}-ca, and "
             f"{flags}-cert/{flags}-key where it asks for a client certificate of its CA)")

@@ -61,10 +61,11 @@ class StallWatch:
         while True:
             before = self.clock()
             await asyncio.sleep(self.look_s)
-            if self.clock() - before - self.look_s >= min(PAUSED_S, self.stall_s / 2):
+            late = self.clock() - before - self.look_s
+            if late >= min(PAUSED_S, self.stall_s / 2):
                 self.pauses += 1
                 log.info("%s's stall watch looked %.1f s late: this process was paused; the next look judges",
-                         self.what, self.clock() - before - self.look_s)
+                         self.what, late)
                 continue
             await self.look(report)
 

@@ -49,8 +49,7 @@ def setup_tracing(service_name_default: str, config: TelemetryConfig | None = No
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter  # only when on
 
     resource = Resource.create({SERVICE_NAME: config.service_name or service_name_default})
-    sampler = build_sampler(config)
-    provider = TracerProvider(resource=resource, sampler=sampler)
+    provider = TracerProvider(resource=resource, sampler=build_sampler(config))
     global _exporter
     _exporter = OTLPSpanExporter(endpoint=config.traces_endpoint)
     provider.add_span_processor(BatchSpanProcessor(_exporter))
@@ -115,10 +114,15 @@ SAMPLERS: dict[str, Callable[[float], sdk_sampling.Sampler]] = {
 DEFAULT_SAMPLER = "parentbased_always_on"
 
 
+def _sampler_name(config: TelemetryConfig) -> str:
+    """The sampler `OTEL_TRACES_SAMPLER` names, or the default for a name it does not know."""
+    return config.traces_sampler if config.traces_sampler in SAMPLERS else DEFAULT_SAMPLER
+
+
 def sampler_label(config: TelemetryConfig) -> str:
     """The sampler in use, for the start-up line: the fallback for an unknown name (it named the unknown one, QA),
     and a ratio sampler's ratio."""
-    name = config.traces_sampler if config.traces_sampler in SAMPLERS else DEFAULT_SAMPLER
+    name = _sampler_name(config)
     return f"{name}({config.traces_sampler_arg:g})" if name.endswith("traceidratio") else name
 
 
@@ -127,8 +131,7 @@ def build_sampler(config: TelemetryConfig) -> sdk_sampling.Sampler:
     if config.traces_sampler not in SAMPLERS:
         logger.warning("OTEL_TRACES_SAMPLER=%r is not one of %s; using %s", config.traces_sampler, sorted(SAMPLERS),
                        DEFAULT_SAMPLER)
-        return SAMPLERS[DEFAULT_SAMPLER](config.traces_sampler_arg)
-    return SAMPLERS[config.traces_sampler](config.traces_sampler_arg)
+    return SAMPLERS[_sampler_name(config)](config.traces_sampler_arg)
 
 
 class StepSpanSampler:

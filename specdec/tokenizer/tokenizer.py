@@ -112,7 +112,12 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         """UTF-8 text of `ids`; invalid or cut-off byte sequences become U+FFFD."""
-        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+        return self.decode_parts([ids])
+
+    def decode_parts(self, parts: Iterable[Iterable[int]]) -> str:
+        """`decode` of the ids of `parts` in order, one `decode_bytes` call a part: a caller on a worker thread lets
+        others take the interpreter lock between two parts (one call holds it throughout: the gateway's Detokenize)."""
+        return b"".join(self.decode_bytes(part) for part in parts).decode("utf-8", errors="replace")
 
     def token_bytes(self, token_id: int) -> bytes:
         if not isinstance(token_id, int) or not 0 <= token_id < self.vocab_size:
