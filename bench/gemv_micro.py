@@ -22,7 +22,6 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.skinny_split import split_linear  # noqa: E402
 from specdec.kernels.gemv import _gemv_kernel, config, gemv  # noqa: E402
 from specdec.kernels.skinny import _skinny_kernel, skinny_linear  # noqa: E402
 from specdec.kernels.skinny import config as skinny_config  # noqa: E402
@@ -35,10 +34,9 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 def skinny_t(x, w, out, block_n, block_k, warps, stages):
     """The shipped few-rows kernel (`specdec.kernels.skinny`) at a given config."""
     m, k = x.shape
-    n = w.shape[0]
-    _skinny_kernel[(n // block_n, 1)](x, w, out, out, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
-                                      BLOCK_M=16 if m <= 16 else 32, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=1,
-                                      num_warps=warps, num_stages=stages, PDL=False, EARLY=False)
+    _skinny_kernel[(w.shape[0] // block_n,)](x, w, out, m, k, x.stride(0), w.stride(0), out.stride(0),
+                                            BLOCK_M=16 if m <= 16 else 32, BLOCK_N=block_n, BLOCK_K=block_k,
+                                            num_warps=warps, num_stages=stages, PDL=False, EARLY=False)
 
 
 def one_row(x, w, out, block_n, block_k, warps, stages):
@@ -81,17 +79,10 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--out", default="gemv.json")
     ap.add_argument("--sweep", action="store_true", help="also each kernel's configs (the best one reported)")
-    ap.add_argument("--narrow", action="store_true",
-                    help="the sweep tries 16 and 32 weight rows a program too (4 warps, 128/256-column chunks)")
-    ap.add_argument("--split", action="store_true",
-                    help="also sweep the K-split few-rows kernel (`bench/skinny_split.py`) at more than one row")
     args = ap.parse_args(argv)
     dev, dt = "cuda", torch.bfloat16
     res = {"gpu": torch.cuda.get_device_name(), "rows": {}}
     skinny_configs = list(itertools.product((64, 128), (64, 128, 256), (4, 8), (3, 4, 6)))
-    if args.narrow:  # fewer of the rest, to keep the compiles few
-        skinny_configs = list(itertools.product((16, 32, 64, 128), (128, 256), (4,), (3, 4, 6)))
-    split_configs = list(itertools.product((32, 64), (128, 256), (4,), (4, 6), (2, 3, 4)))
     row_configs = list(itertools.product((8, 16, 32), (256, 512), (4, 8), (3, 4)))
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
@@ -111,10 +102,6 @@ def main(argv=None) -> int:
             if args.sweep:
                 kind, configs = (one_row, row_configs) if m == 1 else (skinny_t, skinny_configs)
                 _sweep(row, kind, configs, x, copies, out, ref, nbytes, n, k)
-            if args.split and m > 1:
-                split_row = {"torch_err": row["torch_err"]}
-                _sweep(split_row, split_linear, split_configs, x, copies, out, ref, nbytes, n, k)
-                row["split_GBps"], row["split_config"] = split_row["best_GBps"], split_row["best_config"]
             res["rows"][f"{name} m={m}"] = row
             print(name, m, {k: v for k, v in row.items() if k not in ("bad", "failed")}, flush=True)
         del copies
@@ -127,7 +114,7 @@ def _sweep(row, kind, configs, x, copies, out, ref, nbytes, n, k):
     """The best config of `kind` into `row`; wrong or failing configs listed."""
     best = (0.0, None)
     for cfg in configs:
-        if n % cfg[0] or k % (cfg[1] * (cfg[4] if len(cfg) > 4 else 1)):
+        if k % cfg[1] or n % cfg[0]:
             continue
         try:
             kind(x, copies[0], out, *cfg)

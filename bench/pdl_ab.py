@@ -34,22 +34,19 @@ from gpu_bench import _decode_rate, _sync_time, simulated_draft  # noqa: E402
 from specdec import kernels  # noqa: E402
 from specdec.engine.factory import EngineOptions, build_target  # noqa: E402
 from specdec.engine.requests import PrefillInput, StepTimings, VerifyInput  # noqa: E402
-from specdec.kernels import pdl, skinny  # noqa: E402
+from specdec.kernels import pdl  # noqa: E402
 from specdec.sampling_params import SamplingParams  # noqa: E402
 
 PROMPT = list(range(1000, 1512))
-# SPECDEC_PDL, SPECDEC_GEMV_EARLY, SPECDEC_SKINNY (the few-rows kernel, `specdec/kernels/skinny.py`),
-# SPECDEC_SKINNY_SPLIT (its K split where the weight has few column tiles)
-VARIANTS = {"off": ("0", "0", "1", "0"), "pdl": ("1", "0", "1", "0"), "pdl+early": ("1", "1", "1", "0"),
-            "cublas-rows": ("1", "1", "0", "0"), "split": ("1", "1", "1", "1")}
+# SPECDEC_PDL, SPECDEC_GEMV_EARLY, SPECDEC_SKINNY (the few-rows kernel, `specdec/kernels/skinny.py`)
+VARIANTS = {"off": ("0", "0", "1"), "pdl": ("1", "0", "1"), "pdl+early": ("1", "1", "1"),
+            "cublas-rows": ("1", "1", "0")}
 
 
 def use(name: str) -> None:
     """The variant's settings for the kernels launched from now on (captured graphs keep theirs)."""
-    (os.environ["SPECDEC_PDL"], os.environ["SPECDEC_GEMV_EARLY"], os.environ["SPECDEC_SKINNY"],
-     os.environ["SPECDEC_SKINNY_SPLIT"]) = VARIANTS[name]
+    os.environ["SPECDEC_PDL"], os.environ["SPECDEC_GEMV_EARLY"], os.environ["SPECDEC_SKINNY"] = VARIANTS[name]
     pdl._pdl_on.cache_clear()
-    skinny._split_on.cache_clear()
     pdl.early_weights.cache_clear()
     kernels._skinny_on.cache_clear()
 

@@ -16,7 +16,6 @@ count); it equals torch's to the dtype's rounding, not bit for bit.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -33,13 +32,11 @@ MIN_CAPABILITY = (8, 0)  # older GPUs (no bfloat16 tensor-core MMA) keep cuBLAS
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                   PDL: tl.constexpr, EARLY: tl.constexpr):
+def _skinny_kernel(x_ptr, w_ptr, out_ptr, M, K, stride_xm, stride_wn, stride_om, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # N is a multiple of BLOCK_N (see `config`)
     offs_m = tl.arange(0, BLOCK_M)
-    k_len = K // SPLIT  # this program's part of K (a multiple of BLOCK_K)
-    offs_k = tl.program_id(1) * k_len + tl.arange(0, BLOCK_K)
+    offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
     x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]  # [BLOCK_K, BLOCK_M]: x^T
     m_ok = offs_m[None, :] < M
@@ -55,24 +52,12 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_x
     else:
         pdl_enter(PDL)
         start = 0
-    for _ in range(start, k_len, BLOCK_K):
+    for _ in range(start, K, BLOCK_K):  # K is a multiple of BLOCK_K
         acc = tl.dot(tl.load(w_ptrs), tl.load(x_ptrs, mask=m_ok, other=0.0), acc, input_precision="ieee")
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     out = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-    if SPLIT == 1:
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok)
-    else:  # a float32 partial; the column tile's last program to finish adds them in split order
-        part = part_ptr + offs_m[None, :] * N + offs_n[:, None]  # part: [SPLIT, BLOCK_M, N]
-        tl.store(part + tl.program_id(1) * BLOCK_M * N, acc)
-        tl.debug_barrier()  # every thread's partial is written before the count says so
-        done = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel")
-        if done == SPLIT - 1:
-            total = tl.load(part, cache_modifier=".cg")
-            for s in tl.static_range(1, SPLIT):
-                total += tl.load(part + s * BLOCK_M * N, cache_modifier=".cg")
-            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=m_ok)
-            tl.atomic_xchg(count_ptr + tl.program_id(0), 0)  # ready for the next launch
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok)
 
 
 def config(n: int, k: int) -> tuple[int, int, int, int] | None:
@@ -149,50 +134,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     block_n, block_k, warps, stages = config(n, k)
     block_m = 16 if m <= 16 else 32
     stages = _stages(x, block_m, block_n, block_k, stages)
-    split = split_of(x, n // block_n, k // block_k)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    part, count = out, out  # unused where the kernel does not split K
-    if split > 1:
-        part = torch.empty((split, block_m, n), dtype=torch.float32, device=x.device)
-        count = _counts(weight, n // block_n)
     with on_device(x):
-        _skinny_kernel[(n // block_n, split)](x, weight, out, part, count, m, n, k, x.stride(0), weight.stride(0),
-                                              out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                                              SPLIT=split, num_warps=warps, num_stages=stages,
-                                              **projection_options(x))
+        _skinny_kernel[(n // block_n,)](x, weight, out, m, k, x.stride(0), weight.stride(0), out.stride(0),
+                                        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                                        num_warps=warps, num_stages=stages,
+                                        **projection_options(x))
     return out
-
-
-@functools.cache
-def _split_on() -> bool:
-    return os.environ.get("SPECDEC_SKINNY_SPLIT", "0") != "0"
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def split_of(x: torch.Tensor, tiles: int, chunks: int) -> int:
-    """How many parts K is split into: where the weight's column tiles are fewer than half the GPU's SMs (the 8B
-    shape's 4096-row projections: 64 tiles on 132 SMs), enough parts that the programs fill them, at most 4 and
-    dividing the K chunks (`SPECDEC_SKINNY_SPLIT=1`)."""
-    if not (_split_on() and x.is_cuda):
-        return 1
-    split = min(4, _sm_count(x.device.index) // tiles)
-    while split > 1 and chunks % split:
-        split -= 1
-    return max(split, 1)
-
-
-_COUNTS: dict[tuple, torch.Tensor] = {}
-
-
-def _counts(weight: torch.Tensor, tiles: int) -> torch.Tensor:
-    """The finished-part counts of a weight's column tiles on the current stream: zero between launches (the last
-    program of a tile resets its count), kept for the process (a captured graph's launches use them)."""
-    key = (weight.device, weight.data_ptr(), tiles, torch.cuda.current_stream(weight.device).cuda_stream)
-    counts = _COUNTS.get(key)
-    if counts is None:
-        counts = _COUNTS[key] = torch.zeros(tiles, dtype=torch.int32, device=weight.device)
-    return counts
