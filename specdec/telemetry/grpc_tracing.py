@@ -63,6 +63,7 @@ def server_interceptors(
 PROBE_METHODS = frozenset({
     "/grpc.health.v1.Health/Check",
     "/grpc.health.v1.Health/Watch",
+    "/grpc.health.v1.Health/List",
     "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
     "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
 })

@@ -250,3 +250,39 @@ def test_a_stream_closed_from_another_context_ends_its_span_without_a_detach_err
     assert seen["current"] is not None and seen["current"].get_span_context() == server.get_span_context()
     assert child.parent.span_id == server.context.span_id  # the service's spans are the server span's children
     assert server.attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
+
+
+def test_health_probes_make_no_trace_unless_the_caller_sends_one():
+    """Check and List (and Watch) polled by a probe or a mesh make no root trace (QA: List made one per call); under a
+    caller's trace they are spans of it."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from specdec.rpc.health_list import HealthServicer
+
+    (client_tp, _), (server_tp, server_spans) = make_provider(), make_provider()
+
+    async def run():
+        server = grpc.aio.server(interceptors=server_interceptors(server_tp))
+        servicer = HealthServicer()
+        await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}",
+                                                 interceptors=client_interceptors(client_tp)) as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                await stub.Check(health_pb2.HealthCheckRequest())
+                listed = await stub.List(health_pb2.HealthListRequest())
+                with client_tp.get_tracer("t").start_as_current_span("caller"):
+                    await stub.List(health_pb2.HealthListRequest())
+                return listed
+        finally:
+            await server.stop(grace=None)
+
+    listed = asyncio.run(run())
+    assert listed.statuses[""].status == health_pb2.HealthCheckResponse.SERVING
+    (server,) = wait_for_spans(server_spans, 1)
+    time.sleep(0.1)
+    assert len(server_spans.get_finished_spans()) == 1  # only the call made under the caller's span
+    assert server.name == "grpc.health.v1.Health/List" and server.parent is not None
