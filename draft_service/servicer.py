@@ -41,8 +41,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         if not prompt:
             raise InvalidInput("prompt is empty")
         if len(prompt) >= self.max_context:
-            raise InvalidInput(f"prompt has {len(prompt)} tokens; the context length is {self.max_context} "
-                               f"(at most {self.max_context - 1} prompt tokens)")
+            raise InvalidInput(f"prompt has {len(prompt)} tokens; the draft's context length is {self.max_context} "
+                               f"(at most {self.max_context - 1} prompt tokens; through the gateway a longer prompt "
+                               f"that fits the target runs plainly)")
         bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise InvalidInput(f"prompt token id {bad} outside the vocabulary [0, {self.vocab_size})")
@@ -136,4 +137,5 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                                        num_draft_tokens=spec.num_draft_tokens),
             kv=kv_stats(self.engine.kv),
             num_running=self.num_running(),
+            max_context_len=self.max_context,
         )

@@ -188,10 +188,14 @@ class FallbackGeneration:
         return self._pair_wait_s if left is None else max(0.0, min(self._pair_wait_s, left))
 
     def _fits(self, pair) -> bool:
-        """Does the request's own tree shape (`spec`) fit the pair's draft? (Its shape unknown: the draft checks.)
+        """Does the request fit the pair's draft: its own tree shape (`spec`), and its context so far within the
+        draft's (a draft started with a smaller --max-context than its target's)? (Unknown: the draft checks.)
         Behind one gateway, pairs of different shapes each take the specs that fit them; a pair whose draft
-        does not fit serves the request plainly (the same text) rather than refusing it."""
-        return fits(self._asked, pair.draft_shape)
+        does not fit serves the request plainly (the same text) rather than refusing it. Before, a prompt the
+        target's context held but the draft's did not was refused INVALID_ARGUMENT (QA)."""
+        context = len(self._plan.prompt_ids) + len(self.generated)
+        fits_context = not pair.draft_max_context_len or context < pair.draft_max_context_len
+        return fits_context and fits(self._asked, pair.draft_shape)
 
     def _drafts(self, pair) -> bool:
         return pair.speculative and self._fits(pair)

@@ -65,6 +65,7 @@ class Pair:
     draft_model: str = ""
     max_context_len: int = 0  # 0: not known yet
     draft_shape: dict[str, int] | None = None  # its draft's tree shape (num_steps, topk, num_draft_tokens), once seen
+    draft_max_context_len: int = 0  # the longest context its draft drafts for (0: not known yet)
     # per part: set when health checks mark it down for not answering (a frozen or unreachable service), so the
     # streams running on it stop waiting for it (`FallbackGeneration`); a fresh one once it is up again
     unresponsive: dict[Part, asyncio.Event] = field(
@@ -275,7 +276,7 @@ class Router:
     async def _learn_draft(self, pair: Pair) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError):
             info = await pair.draft.model_info()
-            pair.draft_model = info.model
+            pair.draft_model, pair.draft_max_context_len = info.model, info.max_context_len
             if all(info.spec.HasField(f) for f in TREE_CAP_FIELDS):
                 pair.draft_shape = {f: getattr(info.spec, f) for f in TREE_CAP_FIELDS}
 

@@ -64,7 +64,7 @@ class DraftServiceGetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftServiceGetModelInfoResponse(_message.Message):
-    __slots__ = ("model", "architecture", "draft_vocab_size", "target", "spec", "kv", "num_running")
+    __slots__ = ("model", "architecture", "draft_vocab_size", "target", "spec", "kv", "num_running", "max_context_len")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class DraftServiceGetModelInfoResponse(_message.Message):
     SPEC_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     draft_vocab_size: int
@@ -79,4 +80,5 @@ class DraftServiceGetModelInfoResponse(_message.Message):
     spec: _common_pb2.SpecParams
     kv: _common_pb2.KVStats
     num_running: int
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., draft_vocab_size: _Optional[int] = ..., target: _Optional[str] = ..., spec: _Optional[_Union[_common_pb2.SpecParams, _Mapping]] = ..., kv: _Optional[_Union[_common_pb2.KVStats, _Mapping]] = ..., num_running: _Optional[int] = ...) -> None: ...
+    max_context_len: int
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., draft_vocab_size: _Optional[int] = ..., target: _Optional[str] = ..., spec: _Optional[_Union[_common_pb2.SpecParams, _Mapping]] = ..., kv: _Optional[_Union[_common_pb2.KVStats, _Mapping]] = ..., num_running: _Optional[int] = ..., max_context_len: _Optional[int] = ...) -> None: ...

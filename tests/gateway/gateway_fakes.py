@@ -113,6 +113,7 @@ class FakeTarget(target_pb2_grpc.TargetServiceServicer, _Behaviour):
 
 class FakeDraft(draft_pb2_grpc.DraftServiceServicer, _Behaviour):
     shape = (5, 1, 5)  # the tree it reports: num_steps, topk, num_draft_tokens
+    max_context_len = 0  # the context it reports (0: none reported, as before the field)
 
     async def Generate(self, request, context):
         async for chunk, reason in self.stream(request, context, chunk_size=3):
@@ -125,7 +126,8 @@ class FakeDraft(draft_pb2_grpc.DraftServiceServicer, _Behaviour):
     async def GetModelInfo(self, request, context):
         steps, topk, nodes = self.shape
         return draft_pb2.DraftServiceGetModelInfoResponse(
-            model="fake-draft", spec=common_pb2.SpecParams(num_steps=steps, topk=topk, num_draft_tokens=nodes))
+            model="fake-draft", spec=common_pb2.SpecParams(num_steps=steps, topk=topk, num_draft_tokens=nodes),
+            max_context_len=self.max_context_len)
 
 
 async def serve_fake(servicer, add, health_name: str, port: int = 0):

@@ -282,6 +282,28 @@ def test_pairs_of_different_shapes_each_take_the_specs_that_fit_them(fake_model,
     assert neither[0] == "INVALID_ARGUMENT" and "no draft service runs a tree this spec fits" in neither[1]
 
 
+def test_a_prompt_past_the_drafts_context_runs_plainly_on_the_target(fake_model, model_dir):
+    """A draft started with a smaller --max-context than its target's: a prompt the target's context holds but the
+    draft's does not is served plainly on the pair's target (the same text); shorter ones still go to the draft.
+    Before, the draft refused it INVALID_ARGUMENT although the gateway's model card said it fit (QA)."""
+    def generate(stub, prompt):
+        return collect(stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(
+            prompt=prompt, sampling=common_pb2.SamplingParams(max_new_tokens=3))))
+
+    async def body():
+        async with fake_stack(fake_model, model_dir) as (pairs, gateway, stub):
+            pairs[0].draft.max_context_len = 12
+            await gateway.router._learn_draft(gateway.router.pairs[0])
+            short = await generate(stub, "def f")
+            long = await generate(stub, SOURCE_LINE * 3)
+            return short, long, pairs[0].draft.seen.requests, pairs[0].target.seen.requests
+
+    (_, _, short_stats, _), (long_text, _, long_stats, _), drafted, plain = run(body())
+    assert short_stats.speculative and not long_stats.speculative and long_text
+    assert len(drafted) == 1 and len(drafted[0][1]) < 12  # the short prompt, on the draft
+    assert len(plain) == 1 and len(plain[0][1]) >= 12  # the long one, on the target
+
+
 @pytest.mark.parametrize("size", [1001, 70_000])
 @pytest.mark.parametrize("kind", BIG_INPUTS)
 def test_an_input_over_max_input_chars_is_refused_before_tokenizing(fake_model, model_dir, monkeypatch, kind, size):

@@ -45,6 +45,8 @@ def test_health_not_serving_until_set_then_serving(fake_server):
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await health_of(channel, "no.such.Service")
             assert err.value.code() == grpc.StatusCode.NOT_FOUND
+            # the message names the names health knows (the stock servicer's was empty: QA)
+            assert "'no.such.Service'" in err.value.details() and repr(TARGET) in err.value.details()
 
     run(body())
 

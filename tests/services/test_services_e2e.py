@@ -577,3 +577,36 @@ def test_a_requests_own_smaller_tree_stays_lossless_beside_full_trees(stack, pro
         assert len(last.final.accepted_per_position) <= depth
         assert last.final.tau <= depth + 1
     assert asyncio.run(_kv_free(stack)) == (True, True)
+
+
+def test_the_draft_reports_its_context_and_refuses_prompts_past_it(stack, prompts):
+    """GetModelInfo's `max_context_len`: the target's, or the draft's own smaller --max-context; a prompt of that
+    many tokens is INVALID_ARGUMENT naming the draft's context (the gateway serves it plainly on the target)."""
+    target, draft = stack
+    small = start_draft(target.addr, "--max-context", "32", "--max-batch-size", "4")
+
+    async def body():
+        infos, refused = [], None
+        for addr in (draft.addr, small.addr):
+            async with make_channel(addr) as channel:
+                stub = draft_pb2_grpc.DraftServiceStub(channel)
+                infos.append((await stub.GetModelInfo(draft_pb2.DraftServiceGetModelInfoRequest())).max_context_len)
+                if addr == small.addr:
+                    try:
+                        await _collect(stub.Generate(draft_pb2.DraftServiceGenerateRequest(
+                            request_id="ctx-long", prompt_ids=prompts[0][:32] * 2,
+                            sampling=_sampling(max_new_tokens=2))))
+                    except grpc.aio.AioRpcError as exc:
+                        refused = exc
+                    served, _ = await _collect(stub.Generate(draft_pb2.DraftServiceGenerateRequest(
+                        request_id="ctx-short", prompt_ids=prompts[0][:20], sampling=_sampling(max_new_tokens=4))))
+        return infos, refused, served
+
+    try:
+        infos, refused, served = asyncio.run(body())
+    finally:
+        small.stop()
+    assert infos == [_target_info(target).max_context_len, 32]
+    assert refused is not None and refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "draft's context length is 32" in refused.details()
+    assert len(served) == 4
