@@ -78,9 +78,13 @@ class FallbackGeneration:
         failure: Exception | None = None
         try:
             use_draft = self._plan.speculative and self._drafts(lease.pair)
-            max_attempts = 2 * len(self._router.pairs) + 1
+            # attempts that fail in a row, no token between them; a stream that made progress since its last
+            # failure starts the count over (QA: a long stream died on its third separate fault, 12 s apart, with
+            # a healthy pair up, when the bound counted its whole life)
+            most_in_a_row = 2 * len(self._router.pairs) + 1
+            in_a_row, produced = 0, 0
             number, taken = 0, 0  # the downstream id's suffix; continuation ids found taken
-            for _ in range(max_attempts):
+            while True:
                 done = self._finished_locally()
                 if done is not None:
                     yield Chunk((), done)
@@ -106,8 +110,12 @@ class FallbackGeneration:
                         break
                 if not is_backend_failure(failure):
                     raise failure
+                in_a_row = 1 if len(self.generated) > produced else in_a_row + 1
+                produced = len(self.generated)
+                if in_a_row >= most_in_a_row:
+                    raise StreamBroken(f"request {self._plan.request_id} failed on {in_a_row} attempts in a row "
+                                       f"with no token between them; the last: {_describe(failure)}")
                 lease, use_draft = await self._recover(lease, rid, use_draft, failure)
-            raise StreamBroken(f"request {self._plan.request_id} failed on {max_attempts} attempts")
         finally:
             failure = None  # raised from this frame, it would hold the frame through its traceback (a cycle)
             self._router.release(lease)

@@ -197,6 +197,31 @@ def test_gateway_target_failing_mid_stream_continues_on_another_pair(fake_model,
     assert [r[0] for r in pairs[1].target.seen.requests][0] == "t1~1"
 
 
+def test_a_stream_survives_any_number_of_faults_with_tokens_between_them(fake_model, model_dir):
+    """Every attempt on either target fails after 4 tokens: a stream that makes progress between faults goes on to
+    its end with the same text, however many faults that takes; attempts failing in a row with no token between
+    them stay bounded (2 x pairs + 1), and the error says the last failure. Before, the bound counted the stream's
+    whole life: a long stream died on its third separate fault, 12 s apart, with a healthy pair up (QA)."""
+    async def body():
+        async with fake_stack(fake_model, model_dir, num_pairs=2) as (pairs, gateway, stub):
+            for pair in pairs:
+                pair.target.fail_after_chunks = 4
+            survived = await collect(stub.Generate(request(no_speculation=True, request_id="many")))
+            attempts = sum(len(p.target.seen.requests) for p in pairs)
+            for pair in pairs:
+                pair.target.fail_after_chunks = 0
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(stub.Generate(request(no_speculation=True, request_id="none")))
+            in_a_row = sum(1 for p in pairs for r in p.target.seen.requests if r[0].startswith("none"))
+            return survived, attempts, err.value, in_a_row
+
+    (text, _, final, _), attempts, error, in_a_row = run(body())
+    assert text == SCRIPT_TEXT and attempts > 5  # more faults than the old whole-life bound of 5 attempts
+    assert final.finish_reason == common_pb2.FINISH_REASON_STOP
+    assert error.code() == grpc.StatusCode.UNAVAILABLE and in_a_row == 5
+    assert "5 attempts in a row" in error.details() and "fake service went away" in error.details()
+
+
 def test_gateway_routes_to_the_least_loaded_pair_and_keeps_a_request_on_it(fake_model, model_dir):
     async def body():
         async with fake_stack(fake_model, model_dir, num_pairs=2) as (pairs, gateway, stub):
