@@ -329,3 +329,28 @@ def test_stop_says_whether_the_thread_ended():
     assert loop.stop(timeout_s=0.2) is False
     release.set()
     assert loop.stop(timeout_s=5) is True
+
+
+def test_a_stream_left_after_the_loop_stopped_ends_cancelled_not_with_the_aborts_error():
+    """A drain that runs out cuts the streams still running after the engine loop stopped: their abort has nowhere
+    to run, and is skipped. Before, its NotReady replaced the stream's cancel and was logged as an ERROR "Task
+    exception was never retrieved" traceback, one a stream (QA)."""
+    async def body():
+        sched = FakeScheduler()
+        loop = EngineLoop(sched)
+        loop.start()
+
+        async def read():
+            async for _ in loop.stream("r1", [1], SamplingParams()):
+                pass
+
+        task = asyncio.ensure_future(read())
+        await asyncio.sleep(0.05)
+        assert sched.running == {"r1"}
+        assert loop.stop()
+        task.cancel()
+        await asyncio.wait([task], timeout=5)
+        return task
+
+    task = asyncio.run(body())
+    assert task.cancelled()
