@@ -19,6 +19,7 @@ from specdec.engine.device import engine_call, resolve_device
 from specdec.engine.finish import cut_at_finish, length_room
 from specdec.engine.page_queue import PageQueue
 from specdec.engine.plain_steps import (
+    MAX_PLAIN_STEPS,
     check_plain_steps,
     last_feature_rows,
     run_plain_steps,
@@ -286,12 +287,20 @@ class TargetEngine(PrefillParts):
         """The requests a call names are alive (`release_idle`). Refuse (before anything runs) a call that
         continues a request from another point than the target's: e.g. the second of two pipelined plain calls
         reaching the engine before the first. Inputs with `num_generated` 0 are not checked; unknown ids are left
-        to `_check_batch`."""
+        to `_check_batch`. A count no call can carry (negative, or past the request's budget by more than a call
+        in flight could add) is INVALID_ARGUMENT, not ABORTED, which a caller sends again (QA)."""
         now = time.monotonic()
         for inp in inputs:
             req = self.requests.get(inp.request_id)
+            if inp.num_generated < 0:
+                raise InvalidInput(f"num_generated {inp.num_generated} of request {inp.request_id!r} is negative "
+                                   f"(0: not checked)")
             if req is not None:
                 req.named_at = now
+                most = req.sampling.max_new_tokens + max(MAX_PLAIN_STEPS, self.max_draft_tokens + 1)
+                if inp.num_generated > most:
+                    raise InvalidInput(f"num_generated {inp.num_generated} of request {inp.request_id!r} is past "
+                                       f"anything it can reach ({req.sampling.max_new_tokens} new tokens at most)")
             if inp.num_generated and req is not None and inp.num_generated != req.num_generated:
                 raise OutOfOrder(f"request {inp.request_id!r} has generated {req.num_generated} tokens; the call "
                                  f"continues from {inp.num_generated} (sent ahead of the call before it?)")

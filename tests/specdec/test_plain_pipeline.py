@@ -17,7 +17,7 @@ from specdec.engine.generate import feature_layers_for
 from specdec.engine.overlap import TwoBatchOverlap
 from specdec.engine.requests import ABORT, PrefillInput, VerifyInput
 from specdec.engine.scheduler import Scheduler
-from specdec.errors import OutOfOrder
+from specdec.errors import InvalidInput, OutOfOrder
 from specdec.sampling_params import SamplingParams
 
 
@@ -189,6 +189,11 @@ def test_the_target_refuses_a_call_that_continues_from_another_point(dev_prompts
     assert engine.requests["r"].num_generated == 1  # nothing committed
     assert len(engine.verify([VerifyInput("r", [], [], num_generated=1)], plain_steps=4)[0].tokens) == 4
     assert len(engine.verify(ahead, plain_steps=4)[0].tokens) == 4  # its turn now
+    # counts no call can carry are bad input, not a call to send again (QA: ABORTED, which the draft resends)
+    for bad, says in ((-5, "is negative"), (10**6, "past anything it can reach")):
+        with pytest.raises(InvalidInput, match=says):
+            engine.verify([VerifyInput("r", [], [], num_generated=bad)], plain_steps=4)
+    assert engine.requests["r"].num_generated == 9  # nothing committed
     engine.release("r")
 
 
