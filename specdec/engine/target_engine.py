@@ -142,6 +142,10 @@ class TargetEngine(PrefillParts):
         bad = [i for i in inp.feature_layers if not 0 <= i <= self.cfg.num_layers]
         if bad:
             raise InvalidInput(f"feature layer {bad[0]} outside [0, {self.cfg.num_layers}]")
+        if len(set(inp.feature_layers)) != len(inp.feature_layers):
+            # (before, accepted: [1, 1] returned features twice as wide, and a long repeated list a tensor that
+            # many times the hidden size for every token: QA)
+            raise InvalidInput(f"feature layers {list(inp.feature_layers)[:16]} name a layer twice")
         if inp.feature_rows < 0:
             raise InvalidInput(f"feature_rows {inp.feature_rows} is negative (0: every prompt token's features)")
         self._reserve(inp, self._max_tokens(len(inp.prompt_ids), inp.sampling))

@@ -67,7 +67,7 @@ PROMPT_CASES = [
     ("empty prompt", [], "prompt is empty"),
     ("token id over the vocab", [1, 8192], "outside the vocabulary [0, 8192)"),
     ("negative token id", [1, -3], "outside the vocabulary"),
-    ("prompt over the context", [5] * 2048, "the context length is 2048"),
+    ("prompt over the context", [5] * 2048, "context length is 2048"),
 ]
 TREE = target_pb2.TreeProposal
 
@@ -90,6 +90,12 @@ def _target_cases() -> list[tuple]:
         ("empty request id", "Generate", G(prompt_ids=PROMPT_IDS), INVALID, "request_id is empty"),
         ("feature layer out of range", "Prefill", P(request_id="p", prompt_ids=PROMPT_IDS, feature_layer_ids=[99]),
          INVALID, "feature layer 99 outside [0, 8]"),
+        ("feature layer twice", "Prefill", P(request_id="p", prompt_ids=PROMPT_IDS, feature_layer_ids=[1, 1]),
+         INVALID, "name a layer twice"),
+        ("negative num_generated", "Verify", R(trees=[TREE(request_id="live", num_generated=-5)]), INVALID,
+         "is negative"),
+        ("num_generated past reach", "Verify", R(trees=[TREE(request_id="live", num_generated=10**6)]), INVALID,
+         "past anything it can reach"),
         ("duplicate request id", "Prefill", P(request_id="live", prompt_ids=PROMPT_IDS), EXISTS, "already running"),
         ("unknown request id", "Verify", R(trees=[TREE(request_id="ghost")]), NOT_FOUND, "unknown request id"),
         ("empty request id", "Verify", R(trees=[TREE()]), INVALID, "request_id is empty"),
