@@ -65,6 +65,9 @@ class TargetRequest:
     named_at: float = field(default_factory=time.monotonic)  # the last prefill or verify naming it (`release_idle`)
 
 
+MAX_FEATURE_LAYERS = 8  # layers a request's features may concatenate (EAGLE-3 reads 3)
+
+
 class TargetEngine(PrefillParts):
     batches_prefill = True  # prefill() runs many requests in one forward (the scheduler groups admissions)
 
@@ -142,10 +145,10 @@ class TargetEngine(PrefillParts):
         bad = [i for i in inp.feature_layers if not 0 <= i <= self.cfg.num_layers]
         if bad:
             raise InvalidInput(f"feature layer {bad[0]} outside [0, {self.cfg.num_layers}]")
-        if len(set(inp.feature_layers)) != len(inp.feature_layers):
-            # (before, accepted: [1, 1] returned features twice as wide, and a long repeated list a tensor that
-            # many times the hidden size for every token: QA)
-            raise InvalidInput(f"feature layers {list(inp.feature_layers)[:16]} name a layer twice")
+        if len(inp.feature_layers) > MAX_FEATURE_LAYERS:
+            # (a layer may come twice: EAGLE-3's default layers (2, L // 2, L - 3) repeat on targets of under 6
+            # layers; but before, any number was taken, each a hidden size of features for every token: QA)
+            raise InvalidInput(f"{len(inp.feature_layers)} feature layers asked for; at most {MAX_FEATURE_LAYERS}")
         if inp.feature_rows < 0:
             raise InvalidInput(f"feature_rows {inp.feature_rows} is negative (0: every prompt token's features)")
         self._reserve(inp, self._max_tokens(len(inp.prompt_ids), inp.sampling))
