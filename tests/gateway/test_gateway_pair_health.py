@@ -124,10 +124,12 @@ def test_a_swapped_pair_says_each_address_serves_the_other_kind(fake_model, capl
     pair = f"pair 0 ({swapped})"
     assert sorted(lines, key=lambda line: ": target " not in line[1]) == [  # the parts are checked at once
         ("WARNING", f"{pair}: target {swapped.target} is down: does not implement specdec.v1.TargetService (its "
-                    "health check answered NOT_FOUND; --pair is DRAFT=TARGET)"),
+                    "health check answered NOT_FOUND: no service 'specdec.v1.TargetService' here; health knows '', "
+                    "'specdec.v1.DraftService' ('': the server); --pair is DRAFT=TARGET)"),
         ("WARNING", f"{pair}: draft {swapped.draft} is down: does not implement specdec.v1.DraftService (its health "
-                    "check answered NOT_FOUND; --pair is DRAFT=TARGET)"),
-    ]
+                    "check answered NOT_FOUND: no service 'specdec.v1.DraftService' here; health knows '', "
+                    "'specdec.v1.TargetService' ('': the server); --pair is DRAFT=TARGET)"),
+    ]  # (each server's answer names what it does serve)
     assert pairs_up == 0
 
 
