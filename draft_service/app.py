@@ -214,6 +214,7 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
         if colocated is None:  # a remote target: the draft is ready while it answers and fits (`TargetWatch`)
             state["watch"] = TargetWatch(client, misfit)
             client.on_unreachable = state["watch"].nudge
+            servicer.target_misfit = lambda: state["watch"].misfit
         return (f"model {args.model} ({engine.model.cfg.architecture}, steps {spec.num_steps} topk {spec.topk} "
                 f"draft tokens {spec.num_draft_tokens}, speculation {args.speculation}) for target {info.model} "
                 f"at {args.target}")

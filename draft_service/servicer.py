@@ -5,10 +5,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 from specdec.engine.draft_engine import DraftEngine
 from specdec.engine.requests import RUNNING
-from specdec.errors import InvalidInput, SpecdecError
+from specdec.errors import InvalidInput, NotReady, SpecdecError
 from specdec.rpc.errors import map_servicer_errors
 from specdec.rpc.kv_stats import kv_stats
 from specdec.rpc.metadata import left_status
@@ -34,6 +35,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.max_context = 0
         self.vocab_size = 0
         self.metrics = None
+        self.target_misfit: Callable[[], str | None] = lambda: None  # `TargetWatch.misfit` of a remote target
 
     def _check(self, request) -> tuple[str, list[int], object]:
         rid = check_request_id(request.request_id, chosen_by_client=True)
@@ -82,6 +84,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     async def _generate(self, request):
         rid, prompt, sampling, cap = self._check(request)
+        misfit = self.target_misfit()
+        if misfit is not None:
+            # (before, taken and failed part way, INVALID_ARGUMENT from the target: QA)
+            raise NotReady(f"{misfit}: this draft takes no requests until its target fits it (it reports NOT_SERVING)")
         with bind_request_id(rid):
             t0 = time.perf_counter()
             ttft, n, steps, per_pos = None, 0, 0, []

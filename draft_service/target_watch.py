@@ -46,6 +46,12 @@ class TargetWatch:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
 
+    @property
+    def misfit(self) -> str | None:
+        """Why the target that answers does not fit this draft (another model, a smaller context, ...), or None
+        (it fits, or it does not answer: then a request's own calls to it fail and fail over)."""
+        return None if self.down in (None, _UNANSWERED) else self.down
+
     def nudge(self) -> None:
         """A request's call did not reach the target (any thread): look now rather than at the next interval."""
         loop, wake = self._loop, self._wake

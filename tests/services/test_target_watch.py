@@ -121,3 +121,28 @@ def test_a_request_that_missed_the_target_makes_the_watch_look_at_once():
         assert not target.answers  # the nudge's look and the one RECHECK_S after it: two misses in a row
 
     asyncio.run(scenario())
+
+
+def test_a_draft_whose_target_misfits_refuses_new_requests_saying_why():
+    """While the target answers but does not fit (another model, a smaller context than the draft was started for),
+    `misfit` says why and the draft's Generate refuses new requests UNAVAILABLE with it; an unanswering target is not
+    a misfit (its requests' own calls fail over). Before, a request was taken and failed part way with the target's
+    INVALID_ARGUMENT "tree ... reaches past the context length" (QA)."""
+    from draft_service.servicer import DraftServicer
+    from specdec.v1 import draft_pb2
+
+    watch, _ = watch_over([GOOD, OTHER])
+    assert watch.misfit == "serves other, hidden 512"
+    assert watch_over([GOOD, NotReady("x"), NotReady("y")])[0].misfit is None
+    assert watch_over([OTHER, GOOD])[0].misfit is None
+
+    servicer = DraftServicer("draft")
+    servicer.max_context, servicer.vocab_size = 64, 100
+    servicer.target_misfit = lambda: watch.misfit
+    request = draft_pb2.DraftServiceGenerateRequest(request_id="r", prompt_ids=[1, 2, 3])
+
+    async def first():
+        return await anext(servicer._generate(request))
+
+    with pytest.raises(NotReady, match="serves other, hidden 512: this draft takes no requests until its target"):
+        asyncio.run(first())
