@@ -41,6 +41,15 @@ class FakeScheduler:
         pass
 
 
+def start_reading(loop: EngineLoop, request_id: str = "r1") -> asyncio.Future:
+    """A task reading the stream of a one-token request to its end."""
+    async def read():
+        async for _ in loop.stream(request_id, [1], SamplingParams()):
+            pass
+
+    return asyncio.ensure_future(read())
+
+
 def test_a_caller_cancelled_while_its_request_is_added_aborts_it():
     async def body():
         sched = FakeScheduler()
@@ -282,12 +291,7 @@ def test_a_leaving_stream_calls_on_leave_before_its_abort_is_queued():
         left = []
         loop.on_leave = lambda rid: left.append((rid, list(sched.log)))
         loop.start()
-
-        async def read():
-            async for _ in loop.stream("r1", [1], SamplingParams()):
-                pass
-
-        task = asyncio.ensure_future(read())
+        task = start_reading(loop)
         await asyncio.sleep(0.05)
         gate = threading.Event()
         busy = asyncio.ensure_future(loop.call(gate.wait))  # the engine thread is busy (an admission)
@@ -339,12 +343,7 @@ def test_a_stream_left_after_the_loop_stopped_ends_cancelled_not_with_the_aborts
         sched = FakeScheduler()
         loop = EngineLoop(sched)
         loop.start()
-
-        async def read():
-            async for _ in loop.stream("r1", [1], SamplingParams()):
-                pass
-
-        task = asyncio.ensure_future(read())
+        task = start_reading(loop)
         await asyncio.sleep(0.05)
         assert sched.running == {"r1"}
         assert loop.stop()
