@@ -117,6 +117,7 @@ def build_draft(path: str, target_path: str, spec: SpecConfig, opts: EngineOptio
         log.info("draft vocabulary: %d of the target's %d tokens (%s)", model.cfg.draft_vocab_size,
                  model.cfg.vocab_size, opts.token_map)
     cfg = model.cfg
+    _check_spec_fits(spec, cfg.draft_vocab_size, max_context, opts.token_map)
     itemsize = torch.tensor([], dtype=dtype).element_size()
     per_page = 2 * opts.page_size * cfg.num_kv_heads * cfg.head_dim * itemsize
     pages = _num_pages(opts, per_page, max_context)
@@ -129,3 +130,14 @@ def build_draft(path: str, target_path: str, spec: SpecConfig, opts: EngineOptio
         if graphs is not None:
             capture_at_startup(graphs, "draft")
     return engine
+
+
+def _check_spec_fits(spec: SpecConfig, draft_vocab: int, max_context: int, token_map: str) -> None:
+    """The tree shape against the draft's vocabulary and the context (QA: a topk over a token map's size failed
+    start-up with a traceback from torch.topk, or, with calibration off, every request; a num_steps of the context
+    length or more started and never speculated)."""
+    if spec.topk > draft_vocab:
+        where = f"--token-map {token_map}" if token_map else "the draft head"
+        raise ConfigError(f"--topk {spec.topk} exceeds the draft vocabulary ({draft_vocab} tokens, {where})")
+    if spec.num_steps >= max_context:
+        raise ConfigError(f"--num-steps {spec.num_steps} must be below the context length ({max_context})")

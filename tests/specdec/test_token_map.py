@@ -99,6 +99,20 @@ def test_a_bad_token_map_is_refused_naming_the_flag(tmp_path, content, message):
     assert read_token_map(_written(tmp_path, {"token_ids": [4, 2]}), VOCAB) == [4, 2]
 
 
+def test_a_tree_the_drafts_vocabulary_or_context_cannot_hold_is_refused_at_start(tmp_path):
+    """A topk over the token map's size, a num_steps of the context length: one ConfigError naming the flag (QA: the
+    first failed start-up with torch.topk's traceback, or, with calibration off, every request; the second started
+    and never speculated)."""
+    small = _written(tmp_path, {"token_ids": list(range(8))})
+    with pytest.raises(ConfigError, match=r"--topk 10 exceeds the draft vocabulary \(8 tokens, --token-map"):
+        build_draft(str(TINY / "draft"), str(TINY / "target"), SpecConfig(2, 10, 12),
+                    replace(OPTS, token_map=str(small)), 512)
+    with pytest.raises(ConfigError, match=r"--num-steps 512 must be below the context length \(512\)"):
+        build_draft(str(TINY / "draft"), str(TINY / "target"), SpecConfig(512, 1, 5), OPTS, 512)
+    assert build_draft(str(TINY / "draft"), str(TINY / "target"), SpecConfig(2, 8, 12),
+                       replace(OPTS, token_map=str(small)), 512).spec.topk == 8
+
+
 def _written(tmp_path, obj):
     path = tmp_path / "ok.json"
     path.write_text(json.dumps(obj))
