@@ -12,6 +12,7 @@ itself (OpenSSL's partial chains): only its dates and purpose, since a public CA
 
 from __future__ import annotations
 
+import re
 import ssl
 import tempfile
 from pathlib import Path
@@ -19,6 +20,7 @@ from pathlib import Path
 from specdec.errors import ConfigError
 
 SERVER, CLIENT = "server", "client"
+_CERT_BLOCK = re.compile(rb"-----BEGIN CERTIFICATE-----[A-Za-z0-9+/=\s]*?-----END CERTIFICATE-----")
 
 
 def check_tls_files(cert: bytes | None, key: bytes | None, ca: bytes | None, names: dict[str, str],
@@ -41,9 +43,9 @@ def check_tls_files(cert: bytes | None, key: bytes | None, ca: bytes | None, nam
             why = ("is not the certificate's private key" if "KEY_VALUES_MISMATCH" in str(exc)
                    else "is not an unencrypted PEM private key")
             raise ConfigError(f"the key file {names.get('key')} {why}") from None
-        if ca is not None and _handshake(cert_path, key_path, ca.decode("ascii", "replace"), role, False) is None:
+        if ca is not None and _handshake(cert_path, key_path, _certificate_blocks(ca), role, False) is None:
             return True  # verified against the bundle: chain, dates and purpose
-        why = _handshake(cert_path, key_path, cert.decode("ascii", "replace"), role, partial=True)
+        why = _handshake(cert_path, key_path, _certificate_blocks(cert), role, partial=True)
         if why:
             raise ConfigError(f"the certificate {names.get('cert')} cannot be used as a {role}'s: {why}")
         return False
@@ -78,11 +80,21 @@ def covers(names: frozenset[str], name: str) -> bool:
 
 
 def _anchors(pem: bytes, what: str) -> None:
+    blocks = _certificate_blocks(pem)
+    if not blocks:
+        raise ConfigError(f"{what} does not load as PEM certificates (no -----BEGIN CERTIFICATE----- block)")
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     try:
-        context.load_verify_locations(cadata=pem.decode("ascii", "replace"))
+        context.load_verify_locations(cadata=blocks)
     except (ssl.SSLError, ValueError) as exc:
         raise ConfigError(f"{what} does not load as PEM certificates ({exc})") from None
+
+
+def _certificate_blocks(pem: bytes) -> str:
+    """The PEM certificate blocks of `pem` as the ASCII text `cadata` takes: the text around them, which OpenSSL
+    and grpc skip, may be in any encoding (QA: a UTF-8 comment line, or a DER file, failed start-up with a
+    TypeError traceback: `cadata should be an ASCII string`)."""
+    return "\n".join(m.group().decode("ascii") for m in _CERT_BLOCK.finditer(pem))
 
 
 def _handshake(cert_path: Path, key_path: Path, anchors: str, role: str, partial: bool) -> str | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+import ssl
 
 import pytest
 from cert_factory import make_certs
@@ -92,6 +93,8 @@ def test_a_client_watch_reports_only_a_new_set_that_loads(sets):
     ("key", "server.key", "is not the certificate's private key"),
     ("pem", "server.pem", "does not load as PEM certificates"),
     ("ca", "ca.pem", "does not load as PEM certificates"),
+    ("der", "server.pem", "does not load as PEM certificates"),
+    ("der-ca", "ca.pem", "does not load as PEM certificates"),
     ("expired", "server.pem", "cannot be used as a server's: certificate has expired"),
 ])
 def test_files_that_do_not_load_are_refused_at_start_naming_the_file(sets, tmp_path, bad, file, why):
@@ -102,12 +105,24 @@ def test_files_that_do_not_load_are_refused_at_start_naming_the_file(sets, tmp_p
         (live / "server.pem").write_bytes(b"not a certificate")
     elif bad == "ca":
         (live / "ca.pem").write_text("")
+    elif bad.startswith("der"):  # binary, not ASCII (QA: a TypeError traceback from ssl's cadata)
+        name = "ca.pem" if bad == "der-ca" else "server.pem"
+        (live / name).write_bytes(ssl.PEM_cert_to_DER_cert((live / name).read_text()))
     else:
         put(make_certs(tmp_path / "old", expired=True)["ca"].parent, live)
     with pytest.raises(ConfigError, match=why) as err:
         tls_of(live).server_credentials()
-    assert str(err.value).startswith(f"the {'key file' if bad == 'key' else 'certificate'}") or bad == "ca"
+    assert str(err.value).startswith(f"the {'key file' if bad == 'key' else 'certificate'}") or bad.endswith("ca")
     assert str(live / file) in str(err.value)
+
+
+def test_text_around_the_pem_blocks_may_be_in_any_encoding(sets):
+    """OpenSSL and grpc skip what lies outside the PEM blocks: a UTF-8 comment before each file's block loads (QA:
+    a TypeError traceback, `cadata should be an ASCII string`)."""
+    live = sets["live"]
+    for name in ("server.pem", "ca.pem"):
+        (live / name).write_bytes("# certificat émis par l'équipe — ü\n".encode() + (live / name).read_bytes())
+    assert tls_of(live).server_credentials() is not None
 
 
 def test_an_expired_renewal_or_a_ca_without_its_certificates_is_not_taken(sets, tmp_path):
