@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 import time
@@ -82,6 +83,7 @@ def sigterm_as_interrupt():
 def run_generate(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as cleanup:
         cleanup.enter_context(sigterm_as_interrupt())  # SIGTERM, SIGHUP as Ctrl-C: exit 130, the request cancelled
+        received = False  # any text yet (a closed socket after some is not a refused handshake)
         try:
             addr = args.addr or _local_gateway(args.device, cleanup)
             api_key = _first_key(args.api_key_file) if args.api_key_file else None
@@ -101,28 +103,36 @@ def run_generate(args: argparse.Namespace) -> int:
                 spec=None if args.num_draft_tokens is None else {"num_draft_tokens": args.num_draft_tokens},
             )
             for text in stream:
+                received = True
                 sys.stdout.write(text)
                 sys.stdout.flush()
+            sys.stdout.write("\n")
+            sys.stdout.flush()
         except SpecdecError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
         except grpc.RpcError as exc:
-            print(f"\nerror: {rpc_error_text(exc, args.timeout)}", file=sys.stderr)
+            print(f"\nerror: {rpc_error_text(exc, args.timeout, connected=received)}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: a stack started for this call stops on the way out
             print("\ninterrupted", file=sys.stderr)
             return 130
-    sys.stdout.write("\n")
+        except BrokenPipeError:
+            # the reader left (`| head`): the request is cancelled on the way out, quietly (QA: a traceback)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at interpreter exit
+            return 0
     print(format_stats(stream.stats), file=sys.stderr)
     return 0
 
 
-def rpc_error_text(exc: grpc.RpcError, timeout_s: float | None) -> str:
+def rpc_error_text(exc: grpc.RpcError, timeout_s: float | None, connected: bool = False) -> str:
     """A failed call in words. A deadline under --timeout is the request's own: gRPC's text for it ("Stream
-    removed (Deadline Exceeded)") named neither the flag nor the time."""
+    removed (Deadline Exceeded)") named neither the flag nor the time. `connected`: the call had received
+    something, so a closed socket is not a handshake refused (QA: a gateway killed mid-stream read as a TLS hint)."""
     if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout_s is not None:
         return f"DEADLINE_EXCEEDED: the request's --timeout of {timeout_s:g} s ran out"
-    return f"{exc.code().name}: {exc.details()}" + handshake_hint(exc.code(), exc.details(), "the gateway", "--tls")
+    hint = "" if connected else handshake_hint(exc.code(), exc.details(), "the gateway", "--tls")
+    return f"{exc.code().name}: {exc.details()}" + hint
 
 
 def _local_gateway(device: str, cleanup: contextlib.ExitStack) -> str:

@@ -6,13 +6,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
+import sys
 
+import grpc
 import pytest
 from conftest import SCRIPT_TEXT
 from gateway_fakes import fake_stack, run
 
 from gateway.client import GatewayClient, GenerationStats
-from gateway.commands import format_stats
+from gateway.commands import format_stats, rpc_error_text
 from specdec.cli import main as cli_main
 from specdec.errors import InvalidInput
 from specdec.v1 import common_pb2, gateway_pb2
@@ -91,3 +94,38 @@ def test_generate_says_its_timeout_ran_out(fake_model, model_dir, capsys, monkey
     assert run(body()) == 1
     said = capsys.readouterr().err.strip()
     assert said.endswith("error: DEADLINE_EXCEEDED: the request's --timeout of 0.3 s ran out")
+
+
+def test_generate_into_a_closed_pipe_ends_quietly(fake_model, model_dir, capsys, monkeypatch):
+    """`specdec generate ... | head -c 50`: the reader leaves, the command ends with status 0 and no traceback, its
+    request cancelled on the way out (QA: a BrokenPipeError traceback, exit 1)."""
+    monkeypatch.setattr("gateway.commands.sigterm_as_interrupt", contextlib.nullcontext)
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    closed = open(write_end, "w")  # noqa: SIM115 - closed below
+    monkeypatch.setattr(sys, "stdout", closed)
+
+    async def body():
+        async with fake_stack(fake_model, model_dir) as (_, gateway, _):
+            return await asyncio.to_thread(cli_main, ["generate", "--addr", f"127.0.0.1:{gateway.port}", "def f"])
+
+    try:
+        assert run(body()) == 0
+    finally:
+        with contextlib.suppress(OSError):
+            closed.close()
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_socket_closed_after_text_arrived_gets_no_tls_hint():
+    """A gateway killed mid-stream closes the socket too: that is not a handshake refused (QA: the error said to
+    pass --tls-ca). Before any text, the hint stays."""
+    class Closed(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self):
+            return "Stream removed (Socket closed)"
+
+    assert "--tls-ca" in rpc_error_text(Closed(), None)
+    assert rpc_error_text(Closed(), None, connected=True) == "UNAVAILABLE: Stream removed (Socket closed)"
