@@ -16,6 +16,7 @@ message cannot hold is `InvalidInput` before anything is sent, and a call on a c
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -92,7 +93,7 @@ class GenerationStream:
             ended = True
         finally:
             if not ended:  # the caller left the loop (`break`) or it failed: stop the work on the server too
-                self._call.cancel()
+                self.cancel()  # (a later iteration then ends at once, quietly: it raised CANCELLED raw, QA)
 
     def cancel(self) -> None:
         self._cancelled = True
@@ -108,6 +109,9 @@ class GatewayClient:
         tls: TlsConfig | None = None,
         timeout_s: float | None = None,
     ) -> None:
+        if timeout_s is not None and not (isinstance(timeout_s, int | float) and 0 < timeout_s < math.inf):
+            # (inf, nan, 0 and -1 failed every call at once with DEADLINE_EXCEEDED: QA)
+            raise InvalidInput(f"timeout_s must be a positive finite number of seconds or None, not {timeout_s!r}")
         options = channel_options()
         if tls is None:
             self._channel = grpc.insecure_channel(addr, options=options)
@@ -209,7 +213,7 @@ def _sampling(**fields) -> common_pb2.SamplingParams:
     for name, value in fields.items():
         try:
             if name == "stop_token_ids":
-                sampling.stop_token_ids.extend(value)
+                sampling.stop_token_ids.extend(value or ())  # None: none, as for the other fields
             elif value is not None:
                 setattr(sampling, name, value)
         except (ValueError, TypeError) as exc:
@@ -217,10 +221,12 @@ def _sampling(**fields) -> common_pb2.SamplingParams:
     return sampling
 
 
-def _stop_strings(stop: str | Sequence[str]) -> list[str]:
+def _stop_strings(stop: str | Sequence[str] | None) -> list[str]:
     """A str is one stop string (as in OpenAI's API): `list("fib(")` made four one-character ones (QA)."""
     if isinstance(stop, str):
         return [stop]
+    if stop is None:
+        return []
     stops = list(stop) if isinstance(stop, Iterable) else [stop]
     bad = [s for s in stops if not isinstance(s, str)]
     if bad:

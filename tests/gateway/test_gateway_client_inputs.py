@@ -77,3 +77,29 @@ def test_a_stream_cancelled_while_iterated_ends_quietly_and_a_closed_client_says
 
     texts, stats, full = run(body())
     assert len(texts) == 2 and stats is None and full
+
+
+@pytest.mark.parametrize("timeout_s", [float("inf"), float("nan"), 0, -1, "5"])
+def test_a_timeout_no_call_could_keep_is_refused_when_the_client_is_made(timeout_s):
+    """QA: inf, nan, 0 and -1 made every call fail at once with DEADLINE_EXCEEDED."""
+    with pytest.raises(InvalidInput, match="timeout_s must be a positive finite number of seconds or None"):
+        GatewayClient("127.0.0.1:9", timeout_s=timeout_s)
+
+
+def test_none_stops_are_no_stops_and_a_stream_left_by_break_ends_quietly_when_iterated_again(fake_model, model_dir):
+    """`stop=None`, `stop_token_ids=None`: not set, as for the other fields (QA: InvalidInput). A stream the caller
+    left with `break` ends at once when iterated again (QA: gRPC's CANCELLED raw)."""
+    async def body():
+        async with fake_stack(fake_model, model_dir) as (_, gateway, _):
+            return await asyncio.to_thread(use, f"127.0.0.1:{gateway.port}")
+
+    def use(addr: str):
+        with GatewayClient(addr, timeout_s=20) as client:
+            text, _ = client.complete("def fib(n):", max_new_tokens=100, stop=None, stop_token_ids=None)
+            stream = client.generate("def fib(n):", max_new_tokens=100, ignore_eos=True)
+            for _ in stream:
+                break
+            return text, list(stream), stream.stats
+
+    text, again, stats = run(body())
+    assert text == SCRIPT_TEXT and again == [] and stats is None
