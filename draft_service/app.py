@@ -226,6 +226,8 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
     async def close() -> None:
         if "loop" in state:
             if await asyncio.to_thread(state["loop"].stop):
+                if "watch" in state:  # a remote target: what this draft still holds there is freed now
+                    await asyncio.to_thread(_release_held, state["loop"].scheduler, state["client"])
                 state["client"].close()
             else:  # (QA: closed under a step in flight, the channel failed it with a traceback; the process exits next)
                 log.warning("the draft's engine thread is still in a step after 5 s; its target channel is left open")
@@ -248,6 +250,17 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
         trace_parent_required=parent_required, engine_busy=engine_busy, stall_s=args.engine_stall_seconds,
         **hosted,
     ), shutdown, ready)
+
+
+def _release_held(sched, client) -> None:
+    """Once the engine thread has stopped: release on the target the requests the scheduler still runs (streams a
+    drain cut whose aborts came after the thread's last round), with the ones left pending, in one short call, so
+    the target's own drain need not wait them out (QA: `specdec up` stopped the target 30 s after the draft)."""
+    held = list(sched.running)
+    if held:
+        client.release_later(held)
+    if client.release_pending(timeout_s=1.0):
+        log.info("released what this draft held on its target as it stopped")
 
 
 def _release_pending(client, watch) -> None:

@@ -610,3 +610,29 @@ def test_the_draft_reports_its_context_and_refuses_prompts_past_it(stack, prompt
     assert refused is not None and refused.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "draft's context length is 32" in refused.details()
     assert len(served) == 4
+
+
+def test_a_stopping_draft_releases_what_it_still_holds_on_its_target(stack):
+    """`_release_held` (the draft's close, once its engine thread stopped): the scheduler's running requests and the
+    pending releases go to the target in one call, so its pages are free before its own drain would wait them out
+    (QA: `specdec up` stopped the target 30 s after the draft)."""
+    from types import SimpleNamespace
+
+    from draft_service.app import _release_held
+    from draft_service.target_client import TargetClient
+    from specdec.engine.requests import PrefillInput
+    from specdec.sampling_params import SamplingParams
+
+    target, _ = stack
+    client = TargetClient(target.addr)
+    try:
+        before = client.model_info()
+        client.prefill([PrefillInput(rid, [5, 6, 7], SamplingParams(max_new_tokens=50), (), False)
+                        for rid in ("held-1", "held-2", "held-3")])
+        client.release_later(["held-3"])  # one the target was away for when it ended
+        assert client.model_info().num_running == before.num_running + 3
+        _release_held(SimpleNamespace(running={"held-1": None, "held-2": None}), client)
+        after = client.model_info()
+        assert after.num_running == before.num_running and after.kv == before.kv
+    finally:
+        client.close()
