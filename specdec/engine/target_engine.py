@@ -302,13 +302,14 @@ class TargetEngine(PrefillParts):
             if inp.num_generated < 0:
                 raise InvalidInput(f"num_generated {inp.num_generated} of request {inp.request_id!r} is negative "
                                    f"(0: not checked)")
-            if req is not None:
-                req.named_at = now
-                most = req.sampling.max_new_tokens + max(MAX_PLAIN_STEPS, self.max_draft_tokens + 1)
-                if inp.num_generated > most:
-                    raise InvalidInput(f"num_generated {inp.num_generated} of request {inp.request_id!r} is past "
-                                       f"anything it can reach ({req.sampling.max_new_tokens} new tokens at most)")
-            if inp.num_generated and req is not None and inp.num_generated != req.num_generated:
+            if req is None:
+                continue
+            req.named_at = now
+            most = req.sampling.max_new_tokens + max(MAX_PLAIN_STEPS, self.max_draft_tokens + 1)
+            if inp.num_generated > most:
+                raise InvalidInput(f"num_generated {inp.num_generated} of request {inp.request_id!r} is past "
+                                   f"anything it can reach ({req.sampling.max_new_tokens} new tokens at most)")
+            if inp.num_generated and inp.num_generated != req.num_generated:
                 raise OutOfOrder(f"request {inp.request_id!r} has generated {req.num_generated} tokens; the call "
                                  f"continues from {inp.num_generated} (sent ahead of the call before it?)")
 
