@@ -53,8 +53,8 @@ def register(subparsers) -> None:
     p.add_argument("--prompt-feature-mb", type=float, default=64.0, metavar="MB",
                    help="the most feature bytes one admission asks the target for: the prompts admitted together "
                         "share it, each bringing the features of its last MB / (prompts x bytes per token) tokens "
-                        "(at least 64; the draft skips the earlier ones) - whole prompts of 128 requests of an 8B "
-                        "model are ~270 MB and slowed admission ~40%%; default 64, 0 = always whole prompts; "
+                        "(at least 64 tokens each; the draft skips the earlier ones) - whole prompts of 128 requests "
+                        "of an 8B model are ~270 MB and slowed admission ~40%%; default 64, 0 = always whole prompts; "
                         "lossless either way (docs/benchmarks.md, twelfth pass)")
     p.add_argument("--admission-gather-ms", type=float, default=10.0, metavar="MS",
                    help="with no request running, wait for the rest of a burst before admitting: admit once no "

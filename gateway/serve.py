@@ -63,7 +63,11 @@ def server_tls(args: argparse.Namespace) -> TlsConfig | None:
     `--tls-client-certs optional` (an Ingress in front, clients without one); the pairs are reached with the same
     files either way (`pair_tls`)."""
     tls = TlsConfig.from_args(args)
-    if tls is not None and tls.require_client_cert and getattr(args, "tls_client_certs", "required") == "optional":
+    optional = getattr(args, "tls_client_certs", "required") == "optional"
+    if optional and (tls is None or tls.ca is None):
+        log.warning("--tls-client-certs optional does nothing without --tls-ca: no client certificate is asked for "
+                    "(the flag is for a gateway given a CA)")
+    if tls is not None and tls.require_client_cert and optional:
         return replace(tls, require_client_cert=False)
     return tls
 
@@ -124,7 +128,7 @@ async def serve(args: argparse.Namespace, shutdown: asyncio.Event, ready: Callab
     api_keys = ApiKeyFile(args.api_key_file) if args.api_key_file else ()
     setup_tracing("gateway")
     metrics = ServiceMetrics("gateway", model_name=model_label(config.model_dir), families=MetricsInterceptor.FAMILIES)
-    metrics_server = start_metrics_server(args.metrics_port, metrics.registry, args.host)
+    metrics_server = start_metrics_server(args.metrics_port, metrics.registry, args.host, grpc_port=args.port)
     gateway = await start_gateway(config, args.host, args.port, tls, api_keys, metrics)
     try:
         pairs = ", ".join(map(str, config.pairs))

@@ -63,7 +63,7 @@ async def run_service(spec: ServiceSpec, shutdown: asyncio.Event, ready: Callabl
     gate = ReadinessGate(spec.health_name)
     metrics = ServiceMetrics(spec.name, model_name=spec.model_name, families=spec.metric_families)
     # before the gRPC server: a port that cannot be had ends the start with nothing to stop (logs its address)
-    start_metrics_server(spec.metrics_port, metrics.registry, spec.host)
+    start_metrics_server(spec.metrics_port, metrics.registry, spec.host, grpc_port=spec.port)
     handle = await start_server(spec.servicers, [spec.health_name, *spec.more_health_names], spec.host, spec.port,
                                 spec.tls,
                                 interceptors=[gate, *server_interceptors(provider, spec.trace_parent_required)],

@@ -128,15 +128,19 @@ def model_label(model: str) -> str:
     return Path(model).name
 
 
-def start_metrics_server(port: int, registry: CollectorRegistry, addr: str = "0.0.0.0") -> Any | None:
+def start_metrics_server(port: int, registry: CollectorRegistry, addr: str = "0.0.0.0",
+                         grpc_port: int | None = None) -> Any | None:
     """Serve `registry` at http://addr:port/metrics from a daemon thread; port 0 = no server (returns None).
     `addr`: the service's own `--host` (a service kept on loopback keeps its metrics there too). A port that
-    cannot be had is a ConfigError (the CLI's `error: ...` and exit 2, like a busy gRPC port).
+    cannot be had is a ConfigError (the CLI's `error: ...` and exit 2, like a busy gRPC port), and so is the
+    service's own gRPC port (`grpc_port`: said as such, not as "another process").
 
     Returns the HTTP server (call `.shutdown()` to stop it).
     """
     if port == 0:
         return None
+    if port == grpc_port:
+        raise ConfigError(f"--metrics-port {port} is also this service's --port: give the metrics a port of their own")
     try:
         server, _thread = start_http_server(port, addr=addr, registry=registry)
     except OSError as exc:

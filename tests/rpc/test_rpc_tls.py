@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 
 import grpc
 import grpc.aio
@@ -45,6 +46,21 @@ def test_tls(fake_server, certs):
             assert await refused(f"localhost:{handle.bound_port}", None) == grpc.StatusCode.UNAVAILABLE
 
     run(body())
+
+
+def test_optional_client_certificates_without_a_ca_are_said_to_do_nothing(caplog):
+    """`--tls-client-certs optional` with no `--tls-ca` asks for nothing either way: the gateway says so in its log
+    instead of taking the flag silently (QA)."""
+    from gateway.serve import server_tls
+    from specdec.cli import build_parser
+
+    with caplog.at_level(logging.WARNING, logger="gateway.serve"):
+        args = build_parser().parse_args(["serve-gateway", "--model", "m", "--pair", "a:1=b:2"])
+        assert server_tls(args) is None and not caplog.records
+        args = build_parser().parse_args(["serve-gateway", "--model", "m", "--pair", "a:1=b:2",
+                                          "--tls-client-certs", "optional"])
+        assert server_tls(args) is None
+    assert any("does nothing without --tls-ca" in r.getMessage() for r in caplog.records)
 
 
 def test_mutual_tls_requires_a_client_certificate(fake_server, certs):

@@ -249,3 +249,12 @@ def test_metrics_listen_on_the_services_host_and_a_busy_port_is_a_clear_error():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_metrics_port_that_is_the_services_own_port_is_named_as_such():
+    """`--metrics-port` equal to `--port` is refused before either binds, naming both flags (it used to say that
+    another process listened there)."""
+    from specdec.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--metrics-port 50099 is also this service's --port"):
+        start_metrics_server(50099, ServiceMetrics("target").registry, "127.0.0.1", grpc_port=50099)
