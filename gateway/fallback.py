@@ -10,8 +10,9 @@ one stream of token deltas. Greedy decoding is deterministic, so the text is exa
 gives; sampled requests keep the target's distribution but not the same sample.
 
 Each attempt uses its own downstream request id (`rid`, `rid~1`, `rid~2`, ...), since the failed service may
-still hold the old one. Client ids may contain `~`: a continuation whose id another request runs under already
-(ALREADY_EXISTS: a client's own `rid~1`) is sent again under the next one, `MAX_ID_TRIES` times at most.
+still hold the old one, and skips the ids other streams of the gateway hold (`gateway.downstream_ids`: clients
+may send one id for several requests at once). An id another request runs under all the same (ALREADY_EXISTS:
+another gateway's stream, a client's own `rid~1`) is sent again under the next one, `MAX_ID_TRIES` times at most.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import grpc
 from opentelemetry import trace
 
 from gateway.downstream import Chunk, Finish, StreamBroken, is_backend_failure
+from gateway.downstream_ids import DownstreamIds
 from gateway.router import Lease, Part, Router
 from specdec.errors import TARGET_PREFIX
 from specdec.sampling_params import SamplingParams
@@ -40,7 +42,7 @@ log = logging.getLogger(__name__)
 FINISH_STOP = common_pb2.FINISH_REASON_STOP
 FINISH_LENGTH = common_pb2.FINISH_REASON_LENGTH
 FINISH_ABORT = common_pb2.FINISH_REASON_ABORT
-MAX_ID_TRIES = 8  # continuation ids tried past ones another request runs under
+MAX_ID_TRIES = 8  # ids tried past ones another request runs under (ALREADY_EXISTS)
 WAIT_WORTH_SAYING_S = 0.01  # a wait for a pair this long or longer gets a span event and a log line
 
 
@@ -58,9 +60,11 @@ class FallbackGeneration:
     """`async for chunk in FallbackGeneration(router, plan, timeout).run()`; then read the summary fields."""
 
     def __init__(self, router: Router, plan: GenerationPlan, timeout_s: Callable[[], float | None],
-                 pair_wait_s: float = 0.0) -> None:
+                 pair_wait_s: float = 0.0, ids: DownstreamIds | None = None) -> None:
         self._router = router
         self._plan = plan
+        self._ids = DownstreamIds() if ids is None else ids  # the gateway's: ids its other streams hold
+        self._claimed: list[str] = []  # the downstream ids this stream took, held until it ends
         self._timeout_s = timeout_s  # seconds left on the client's deadline, asked before each attempt
         self._pair_wait_s = pair_wait_s  # how long the request waits for a pair when none is up (`_wait_s`)
         self.generated: list[int] = []
@@ -91,20 +95,20 @@ class FallbackGeneration:
                     return
                 self.speculative = self.speculative and use_draft
                 while True:
-                    rid = self._plan.request_id if number == 0 else f"{self._plan.request_id}~{number}"
+                    rid, number = self._ids.claim(self._plan.request_id, number)
+                    self._claimed.append(rid)
                     number += 1
                     try:
                         async for chunk in self._attempt(lease, rid, use_draft):
                             yield chunk
                         return
                     except grpc.aio.AioRpcError as exc:
-                        if not (rid != self._plan.request_id and exc.code() == grpc.StatusCode.ALREADY_EXISTS
-                                and taken < MAX_ID_TRIES):
+                        if not (exc.code() == grpc.StatusCode.ALREADY_EXISTS and taken < MAX_ID_TRIES):
                             failure = exc
                             break
                         taken += 1
-                        log.info("continuation id %s is another request's; sending it as %s~%d", rid,
-                                 self._plan.request_id, number)
+                        log.info("id %s is another request's on %s; sending this stream as the next free one",
+                                 rid, lease.pair)
                     except Exception as exc:
                         failure = exc
                         break
@@ -119,6 +123,7 @@ class FallbackGeneration:
         finally:
             failure = None  # raised from this frame, it would hold the frame through its traceback (a cycle)
             self._router.release(lease)
+            self._ids.release(self._claimed)
 
     async def _attempt(self, lease: Lease, rid: str, use_draft: bool) -> AsyncIterator[Chunk]:
         pair = lease.pair

@@ -18,6 +18,7 @@ from opentelemetry import trace
 from gateway.auth import client_identity
 from gateway.config import GatewayLimits
 from gateway.downstream import Chunk, Finish
+from gateway.downstream_ids import DownstreamIds
 from gateway.fallback import FINISH_STOP, FallbackGeneration, GenerationPlan
 from gateway.interceptors import name_request_id
 from gateway.limits import (
@@ -56,6 +57,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self._model_dir = model_dir  # ListModels' target until a pair answers: the --model the gateway was given
         self._served_model_name = served_model_name  # ListModels' id; "": the target's model name
         self._pair_wait_s = pair_wait_s  # a request's wait for a pair while none is up (`FallbackGeneration`)
+        self._ids = DownstreamIds()  # the ids streams run under downstream: one client id may name several
 
     # -- Generate -------------------------------------------------------------------------------------------
     async def Generate(self, request, context):
@@ -69,7 +71,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             plan, stops = await self._plan(request, request_id)
             with self._slots.hold(client_identity(context, self._clients_by_key)):
                 generation = FallbackGeneration(self._router, plan, lambda: downstream_timeout(context),
-                                                self._pair_wait_s)
+                                                self._pair_wait_s, self._ids)
                 try:
                     async for response in self._stream(generation, plan, stops, started):
                         yield response

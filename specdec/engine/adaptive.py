@@ -334,10 +334,14 @@ class SpeculationPolicy:
         yielding = batch_size if yielding is None else yielding
         chosen_at = chosen_at or batch_size
         key = (self.bucket(chosen_at), budget)
-        if seconds <= 0 or batch_size < 1 or (yielding < 1 and key not in self.tokens):
+        if batch_size < 1:
+            return
+        # every call the target ran is counted, the one that finished all its requests too (QA: at batch 1 each
+        # request's last step went uncounted)
+        self.target_steps[budget] = self.target_steps.get(budget, 0) + max(1, steps)
+        if seconds <= 0 or (yielding < 1 and key not in self.tokens):
             return
         b = key[0]
-        self.target_steps[budget] = self.target_steps.get(budget, 0) + max(1, steps)
         self.since_s[b] = self.since_s.get(b, 0.0) + seconds
         switched, self.recorded[b] = self.recorded.get(b, budget) != budget, budget
         self.peaks[b] = peak = max(chosen_at, self.peak_decay * self.peaks.get(b, 0.0))

@@ -308,6 +308,22 @@ def test_colocated_runs_one_container_that_serves_both_on_one_gpu():
     assert bad.returncode != 0 and "draft.featureWire must be native" in bad.stderr
 
 
+@pytest.mark.parametrize(("sets", "named"), [
+    (("target.dtype=float16",), "target.dtype (float16) differs from draft.dtype"),
+    (("target.attentionBackend=torch",), "target.attentionBackend (torch) differs"),
+    (("target.cudaGraph=false",), "target.cudaGraph (false) differs"),
+    (("target.extraArgs[0]=--max-queue-wait-seconds=5",), "target.extraArgs would be dropped"),
+    (("target.extraEnv[0].name=X", "target.extraEnv[0].value=1"), "target.extraEnv would be dropped"),
+])
+def test_colocated_refuses_target_settings_it_would_drop(sets, named):
+    """pairing=colocated has no target container: a target setting that would be dropped silently (QA) is refused,
+    naming the draft value that carries it; the same value on both, or the target's default, renders."""
+    bad = run_helm(*template_args("colocated", *[a for s in sets for a in ("--set", s)]), check=False)
+    assert bad.returncode != 0 and named in bad.stderr, bad.stderr
+    for same in (("target.dtype=bfloat16",), ("target.attentionBackend=flashinfer",), ("target.cudaGraph=true",)):
+        assert run_helm(*template_args("colocated", "--set", same[0]), check=False).returncode == 0, same
+
+
 def test_split_scales_drafts_and_targets_together_and_pairs_them_by_index():
     docs = render("split")
     draft_sts = one(docs, "StatefulSet", f"{FULL}-draft")
@@ -611,6 +627,9 @@ def test_service_monitor_selects_the_metrics_services():
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+    # the series' own `service` label (gateway/draft/target) is what the docs' PromQL reads: the Operator's target
+    # label of that name must not rename it `exported_service` (QA)
+    assert monitor["spec"]["endpoints"][0]["honorLabels"] is True
     key = monitor["spec"]["selector"]["matchExpressions"][0]["key"]
     match = monitor["spec"]["selector"]["matchLabels"]
     selected = [

@@ -175,3 +175,22 @@ def test_the_gateway_waits_for_a_restarting_pair_as_set(sets, want):
     docs = render("default", *sets)
     (gateway,) = [c for _, c in specdec_containers(docs) if c["name"] == "gateway"]
     assert flag(gateway, "pair-wait-seconds") == want
+
+
+# ---------- the pair's batch ----------
+
+
+@pytest.mark.parametrize("case", ["default", "split", "colocated"])
+def test_the_pairs_batch_reaches_the_draft_whose_scheduler_decides_it(case):
+    """The draft's scheduler decides how many requests a Verify carries, so `target.maxBatchSize` reaches the draft
+    too (QA: with only the target given `--max-batch-size 2`, Verify batches of 6 went through it), and
+    `draft.maxBatchSize` overrides it for the draft alone."""
+    def batch_flags(*sets):
+        return {c["name"]: flag(c, "max-batch-size") for _, c in specdec_containers(render(case, *sets))
+                if c["name"] in ("draft", "target")}
+
+    assert set(batch_flags().values()) <= {None} | ({"64"} if case == "colocated" else set())
+    both = batch_flags("--set", "target.maxBatchSize=128")
+    assert both["draft"] == "128" and both.get("target", "128") == "128"
+    own = batch_flags("--set", "target.maxBatchSize=128", "--set", "draft.maxBatchSize=32")
+    assert own["draft"] == "32" and own.get("target", "128") == "128"

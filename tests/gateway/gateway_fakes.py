@@ -34,6 +34,7 @@ class Seen:
     cancelled: list = field(default_factory=list)  # request ids whose stream the caller closed
     released: list = field(default_factory=list)
     running: set = field(default_factory=set)
+    refused: list = field(default_factory=list)  # request ids refused ALREADY_EXISTS
 
 
 class FakeModel:
@@ -65,11 +66,12 @@ class _Behaviour:
         self.hang_after_chunks: int | None = None  # stop producing (until cancelled) after this many chunks
         self.abort_after_chunks: int | None = None  # end with FINISH_REASON_ABORT (an Abort call) after this many
         self.delay_s = 0.0
-        self.taken_ids: set[str] = set()  # ids other requests run under: ALREADY_EXISTS
+        self.taken_ids: set[str] = set()  # ids other requests run under: ALREADY_EXISTS (as are running ones)
 
     async def stream(self, request, context, chunk_size: int):
         rid = request.request_id
-        if rid in self.taken_ids:
+        if rid in self.taken_ids or rid in self.seen.running:
+            self.seen.refused.append(rid)
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already running")
         self.seen.requests.append((rid, list(request.prompt_ids), request.sampling.max_new_tokens))
         self.seen.deadlines.append(context.time_remaining())

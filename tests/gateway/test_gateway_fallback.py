@@ -143,16 +143,45 @@ def test_a_continuation_id_a_client_runs_under_already_takes_the_next_one(fake_m
     assert [r[0] for r in pairs[0].target.seen.requests] == ["r1~3"]  # (refused ids abort before they are seen)
 
 
-def test_a_clients_own_id_already_running_is_still_its_error(fake_model, model_dir):
+def test_a_clients_own_id_running_elsewhere_runs_under_the_next_free_one(fake_model, model_dir):
+    """A client's id names its request in logs and traces; it is not a uniqueness key. One that another gateway's
+    stream already runs under on the pair (ALREADY_EXISTS) goes as t9~1, the client's stats keep t9 (QA: it was
+    the client's ALREADY_EXISTS, prefixed `target: `); past `MAX_ID_TRIES` taken ids it is the client's error."""
+    from gateway.fallback import MAX_ID_TRIES
+
     async def body():
         async with fake_stack(fake_model, model_dir) as (pairs, _, stub):
             pairs[0].target.taken_ids = {"t9"}
+            ran = await collect(stub.Generate(request(request_id="t9", no_speculation=True)))
+            pairs[0].target.taken_ids = {"u1", *(f"u1~{n}" for n in range(1, MAX_ID_TRIES + 1))}
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await collect(stub.Generate(request(request_id="t9", no_speculation=True)))
-            return err.value
+                await collect(stub.Generate(request(request_id="u1", no_speculation=True)))
+            return pairs, ran, err.value
 
-    err = run(body())
+    pairs, (text, ids, final, _), err = run(body())
+    assert text == SCRIPT_TEXT and final.request_id == "t9"
+    assert [r[0] for r in pairs[0].target.seen.requests] == ["t9~1"]
     assert err.code() == grpc.StatusCode.ALREADY_EXISTS
+
+
+@pytest.mark.parametrize("speculative", [True, False])
+def test_requests_sharing_one_client_id_run_side_by_side(fake_model, model_dir, speculative):
+    """Several requests under one client id at once (a proxy's trace id, a client's job name) all run, each under
+    its own downstream id and without waiting out the services' 1 s duplicate grace; each client sees its own
+    text and the id it sent (QA: the second was ALREADY_EXISTS after ~1 s)."""
+    async def body():
+        async with fake_stack(fake_model, model_dir) as (pairs, gateway, stub):
+            pairs[0].draft.delay_s = pairs[0].target.delay_s = 0.01
+            results = await asyncio.gather(*(
+                collect(stub.Generate(request(request_id="job-7", no_speculation=not speculative)))
+                for _ in range(4)))
+            part = pairs[0].draft if speculative else pairs[0].target
+            return results, [r[0] for r in part.seen.requests], part.seen.refused, len(gateway.servicer._ids)
+
+    results, downstream, refused, held = run(body())
+    assert [(r[0], r[2].request_id) for r in results] == [(SCRIPT_TEXT, "job-7")] * 4
+    assert sorted(downstream) == ["job-7", "job-7~1", "job-7~2", "job-7~3"]
+    assert refused == [] and held == 0  # no id was tried twice downstream, and none is held after
 
 
 def test_gateway_draft_server_killed_mid_stream_gives_the_same_text(fake_model, model_dir):

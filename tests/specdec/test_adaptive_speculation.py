@@ -354,6 +354,18 @@ def test_a_plain_call_that_ends_requests_is_not_read_as_a_low_yield():
     assert q.rates == {} and q.samples == {}
 
 
+def test_every_target_step_is_counted_the_last_of_a_request_too():
+    """`speculation_policy_target_steps_total` counts every target step with its budget, a call in which every
+    request finished included (QA: at batch 1 each request's last step went uncounted, so the counter lagged the
+    draft's own step count)."""
+    p = SpeculationPolicy()
+    p.record(1, FULL, tokens=5, seconds=0.01)
+    p.record(1, FULL, tokens=0, seconds=0.01, yielding=0)  # the request's last step: nothing to read a yield from
+    p.record(1, 0, tokens=0, seconds=0.02, steps=4, yielding=0)  # a plain call that ended its requests: 4 steps
+    assert p.target_steps == {FULL: 2, 0: 4}
+    assert p.samples.get((1, 0), 0) == 0  # time alone, no yield: still not a sample
+
+
 def test_at_batch_1_a_speculative_budget_is_measured_over_enough_steps_to_average_its_acceptance():
     """At batch 1 a step accepts 1 to 7 tokens: a speculative budget is measured over `min_request_steps`
     request-steps before the policy compares it; plain decoding (one token a step) over `min_samples` steps."""

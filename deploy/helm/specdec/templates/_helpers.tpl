@@ -314,6 +314,8 @@ lifecycle:
     - --num-steps={{ $v.draft.numSteps }}
     - --topk={{ $v.draft.topk }}
     - --num-draft-tokens={{ $v.draft.numDraftTokens }}
+    {{- /* the pair's batch: the draft's scheduler decides what each Verify carries (null: the target's value) */}}
+    {{- with include "specdec.optionalFlag" (dict "flag" "max-batch-size" "value" (ternary $v.target.maxBatchSize $v.draft.maxBatchSize (kindIs "invalid" $v.draft.maxBatchSize))) | trim }}{{ . | nindent 4 }}{{- end }}
     {{- if not $colocated }}
     - --target-wait-seconds={{ $v.draft.targetWaitSeconds }}
     {{- end }}
@@ -323,7 +325,6 @@ lifecycle:
     {{- if $colocated }}
     {{- with include "specdec.optionalFlag" (dict "flag" "page-size" "value" $v.target.pageSize) | trim }}{{ . | nindent 4 }}{{- end }}
     {{- with include "specdec.optionalFlag" (dict "flag" "num-pages" "value" $v.target.numPages) | trim }}{{ . | nindent 4 }}{{- end }}
-    {{- with include "specdec.optionalFlag" (dict "flag" "max-batch-size" "value" $v.target.maxBatchSize) | trim }}{{ . | nindent 4 }}{{- end }}
     {{- with include "specdec.optionalFlag" (dict "flag" "prefill-chunk-tokens" "value" $v.target.prefillChunkTokens) | trim }}{{ . | nindent 4 }}{{- end }}
     - --request-idle-seconds={{ $v.target.requestIdleSeconds }}
     {{- else if eq $v.device "cuda" }}
@@ -481,6 +482,24 @@ volumes:
 {{- $v := .Values -}}
 {{- if and (eq $v.pairing "colocated") (ne $v.draft.featureWire "native") -}}
 {{- fail "pairing=colocated keeps the features on the GPU: draft.featureWire must be native" -}}
+{{- end -}}
+{{- if eq $v.pairing "colocated" -}}
+{{- /* one process runs both models with the draft container's flags: a target setting that would be dropped
+       silently is refused instead, naming where it goes */ -}}
+{{- $backend := ternary "flashinfer" "torch" (eq $v.device "cuda") -}}
+{{- $set := dict "dtype" (and (ne $v.target.dtype "auto") (ne $v.target.dtype $v.draft.dtype))
+                 "attentionBackend" (and $v.target.attentionBackend (ne $v.target.attentionBackend (default $backend $v.draft.attentionBackend)))
+                 "cudaGraph" (and (not $v.target.cudaGraph) $v.draft.cudaGraph) -}}
+{{- range $key := list "dtype" "attentionBackend" "cudaGraph" -}}
+{{- if get $set $key -}}
+{{- fail (printf "pairing=colocated runs the target in the draft's process with the draft's flags: target.%s (%v) differs from draft.%s (%v); set draft.%s for both" $key (get $v.target $key) $key (get $v.draft $key) $key) -}}
+{{- end -}}
+{{- end -}}
+{{- range $key := list "extraArgs" "extraEnv" -}}
+{{- if get $v.target $key -}}
+{{- fail (printf "pairing=colocated has no target container: target.%s would be dropped; put them in draft.%s (the draft's process runs both models)" $key $key) -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 {{- if and $v.tls.enabled (not $v.tls.secretName) -}}
 {{- fail "tls.enabled=true needs tls.secretName (a kubernetes.io/tls Secret with tls.crt, tls.key[, ca.crt])" -}}
