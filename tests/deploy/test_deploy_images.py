@@ -56,6 +56,21 @@ def test_images_run_as_non_root_with_a_grpc_healthcheck(dockerfile):
     assert "deploy/docker/healthcheck.py" in copies
 
 
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_the_default_command_parses_and_serves_the_metrics_port_the_image_exposes(dockerfile):
+    """The image's CMD is a command line the CLI takes, and a metrics port it EXPOSEs is one the CMD serves (QA:
+    9100 / 9102 were exposed while the default command served no metrics)."""
+    import json
+
+    from specdec.cli import build_parser
+
+    final = instructions(dockerfile)
+    cmd = json.loads(next(args for op, args in final if op == "CMD" and args.startswith("[")))
+    args = build_parser().parse_args(cmd)
+    exposed = {int(p) for op, a in final if op == "EXPOSE" for p in a.split()}
+    assert args.metrics_port in exposed and args.port in exposed, (args.port, args.metrics_port, exposed)
+
+
 def test_cuda_image_for_models_slim_image_for_the_gateway():
     slim, cuda = (DOCKER_DIR / "Dockerfile").read_text(), (DOCKER_DIR / "Dockerfile.cuda").read_text()
     assert re.search(r"ARG PYTHON_IMAGE=python:3\.1[1-9]-slim", slim)
