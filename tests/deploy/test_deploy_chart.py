@@ -96,6 +96,9 @@ def test_values_schema_is_self_contained_and_enforced():
         (["--set", "models.source=hostPath"], "models.hostPath.path"),
         (["--set", "models.source=image"], "models.image.repository"),
         (["--set", "tracing.enabled=true"], "tracing.otlpEndpoint"),
+        # a bundled Jaeger nobody sends to (the services export to the endpoint): one or the other (QA)
+        (["--set", "tracing.enabled=true", "--set", "tracing.jaeger.enabled=true",
+          "--set", "tracing.otlpEndpoint=http://collector:4317"], "set one of the two"),
         (["--set", "gateway.autoscaling.enabled=true", "--set", "gateway.autoscaling.minReplicas=5",
           "--set", "gateway.autoscaling.maxReplicas=2"], "minReplicas 5 exceeds maxReplicas 2"),
         (["--set", "draft.numDraftTokens=65"], "numDraftTokens"),  # the target verifies at most 64
@@ -587,6 +590,9 @@ def test_tracing_points_every_service_at_the_bundled_jaeger():
         assert "OTEL_SDK_DISABLED" not in e
         names.add(e["OTEL_SERVICE_NAME"]["value"])
     assert names == {"specdec-gateway", "specdec-draft", "specdec-target"}
+    # a registry's pull secret reaches the Jaeger pod too, as it does every other pod of the chart (QA)
+    pulled = render("tracing", "--set", "imagePullSecrets[0].name=registry")
+    assert pod_spec(one(pulled, "Deployment", f"{FULL}-jaeger"))["imagePullSecrets"] == [{"name": "registry"}]
 
 
 def test_tracing_to_the_users_collector_and_off_by_default():

@@ -516,6 +516,9 @@ volumes:
 {{- if and $v.tracing.enabled (not $v.tracing.otlpEndpoint) (not $v.tracing.jaeger.enabled) -}}
 {{- fail "tracing.enabled=true needs tracing.otlpEndpoint or tracing.jaeger.enabled=true" -}}
 {{- end -}}
+{{- if and $v.tracing.enabled $v.tracing.otlpEndpoint $v.tracing.jaeger.enabled -}}
+{{- fail "tracing.jaeger.enabled=true deploys a Jaeger the services send to only while tracing.otlpEndpoint is empty: set one of the two" -}}
+{{- end -}}
 {{- $most := add $v.draft.topk (mul (sub $v.draft.numSteps 1) $v.draft.topk $v.draft.topk) -}}
 {{- if gt (int $v.draft.numDraftTokens) (int $most) -}}
 {{- fail (printf "draft.numDraftTokens %v exceeds what draft.numSteps %v of draft.topk %v can grow (%v): the draft would refuse to start" $v.draft.numDraftTokens $v.draft.numSteps $v.draft.topk $most) -}}
