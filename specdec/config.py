@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from specdec.errors import ConfigError
+
+log = logging.getLogger(__name__)
+# what the model code computes: a SiLU-gated MLP without biases, full attention without biases (a config asking
+# for anything else is refused by name: QA found gelu MLPs and Mistral's sliding window loaded and computed wrong)
+SUPPORTED_ACTS = ("silu", "swish")
 
 TARGET_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM")
 EAGLE1_ARCHS = ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM")
@@ -69,6 +75,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, path: str = "<memory>") -> ModelConfig:
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}/config.json: not a JSON object")
         archs = raw.get("architectures") or ["LlamaForCausalLM"]
         arch = archs[0]
         if arch in TARGET_ARCHS:
@@ -88,6 +96,9 @@ class ModelConfig:
             intermediate = int(raw["intermediate_size"])
         except KeyError as exc:
             raise ConfigError(f"{path}/config.json: missing field {exc.args[0]!r}") from exc
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{path}/config.json: a size field is not a whole number ({exc})") from exc
+        _check_computable(raw, path)
         rope_params = raw.get("rope_parameters") or {}
         rope_theta = float(raw.get("rope_theta", rope_params.get("rope_theta", 10000.0)))
         eos = raw.get("eos_token_id")
@@ -106,7 +117,7 @@ class ModelConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=_parse_rope_scaling(raw.get("rope_scaling") or rope_params, path),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            max_position_embeddings=_max_positions(raw, path),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)) and kind != "eagle3",
             eos_token_ids=eos_ids,
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
@@ -115,18 +126,48 @@ class ModelConfig:
         )
 
 
-def _parse_rope_scaling(rs: dict, path: str) -> RopeScaling | None:
+def _check_computable(raw: dict, path: str) -> None:
+    """Refuse config fields that change what the model computes and that the model code does not implement."""
+    act = raw.get("hidden_act") or raw.get("hidden_activation") or "silu"
+    if act not in SUPPORTED_ACTS:
+        raise ConfigError(f"{path}: hidden_act {act!r} is not supported (supported: silu: a SiLU-gated MLP)")
+    for flag in ("attention_bias", "mlp_bias"):
+        if raw.get(flag):
+            raise ConfigError(f"{path}: {flag}=true is not supported (projections without biases only)")
+
+
+def _max_positions(raw: dict, path: str) -> int:
+    """`max_position_embeddings`, capped at a Mistral `sliding_window` below it: attention over a window is not
+    implemented, and within the window full attention is the same thing (past it, it is not: QA)."""
+    most = int(raw.get("max_position_embeddings", 4096))
+    window = raw.get("sliding_window")
+    if window and raw.get("use_sliding_window", True) and int(window) < most:
+        log.warning("%s: sliding_window %d < max_position_embeddings %d: the context is capped at %d (attention "
+                    "over a sliding window is not implemented; within it, it is full attention)", path, int(window),
+                    most, int(window))
+        return int(window)
+    return most
+
+
+def _parse_rope_scaling(rs, path: str) -> RopeScaling | None:
+    if not isinstance(rs, dict):
+        raise ConfigError(f"{path}: rope_scaling must be an object, not {type(rs).__name__}")
     rope_type = rs.get("rope_type") or rs.get("type")
     if rope_type in (None, "default"):
         return None
     if rope_type != "llama3":
         raise ConfigError(f"{path}: rope_scaling type {rope_type!r} is not supported (supported: default, llama3)")
-    return RopeScaling(
-        factor=float(rs["factor"]),
-        low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)),
-    )
+    if "factor" not in rs:
+        raise ConfigError(f"{path}: rope_scaling of type llama3 needs a \"factor\"")
+    try:
+        return RopeScaling(
+            factor=float(rs["factor"]),
+            low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)),
+        )
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{path}: rope_scaling has a field that is not a number ({exc})") from None
 
 
 def _aux_layer_inputs(raw: dict, kind: str) -> tuple[int, ...]:

@@ -3,35 +3,70 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from specdec.errors import ConfigError
 
 INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+log = logging.getLogger(__name__)
 
 
 def tensor_files(model_dir: str | Path) -> dict[str, Path]:
-    """Map each tensor name to the safetensors file that holds it."""
+    """Map each tensor name to the safetensors file that holds it: the index's map when there is one, else
+    `model.safetensors` alone when it is there (as transformers reads it: a stray `model_old.safetensors` beside
+    it once replaced its tensors, QA), else every `*.safetensors`, a name in two of them refused."""
     model_dir = Path(model_dir)
     index = model_dir / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        return {name: model_dir / fname for name, fname in weight_map.items()}
+        return _index_map(model_dir, index)
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         bins = sorted(model_dir.glob("*.bin")) + sorted(model_dir.glob("*.pt"))
         hint = " (pickle checkpoints are refused; convert them to safetensors)" if bins else ""
         raise ConfigError(f"{model_dir}: no *.safetensors files{hint}")
+    single = model_dir / SINGLE_FILE
+    if single in files and len(files) > 1:
+        log.warning("%s: reading %s alone, as transformers does (no %s); not read: %s", model_dir, SINGLE_FILE,
+                    INDEX_FILE, ", ".join(f.name for f in files if f != single))
+        files = [single]
     mapping: dict[str, Path] = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
-                mapping[name] = f
+        for name in _keys(f):
+            if name in mapping:
+                raise ConfigError(f"{model_dir}: tensor {name!r} is in both {mapping[name].name} and {f.name}, and "
+                                  f"no {INDEX_FILE} says which to read")
+            mapping[name] = f
     return mapping
+
+
+def _index_map(model_dir: Path, index: Path) -> dict[str, Path]:
+    try:
+        raw = json.loads(index.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{index}: not valid JSON ({exc})") from None
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ConfigError(f"{index}: no \"weight_map\" object (tensor name -> shard file)")
+    return {name: model_dir / str(fname) for name, fname in weight_map.items()}
+
+
+def _keys(f: Path) -> list[str]:
+    try:
+        with safe_open(str(f), framework="pt") as handle:
+            return list(handle.keys())
+    except SafetensorError as exc:
+        raise ConfigError(_unreadable(f, exc)) from None
+
+
+def _unreadable(f: Path, exc: Exception) -> str:
+    return f"{f}: not a readable safetensors file ({exc}): truncated, or still being copied?"
 
 
 def load_tensors(
@@ -58,12 +93,18 @@ def load_tensors(
     for f, file_names in by_file.items():
         if not f.is_file():
             raise ConfigError(f"{f}: listed in {INDEX_FILE} but missing")
-        with safe_open(str(f), framework="pt", device="cpu") as handle:
-            for n in file_names:
-                t = handle.get_tensor(n)
-                if dtype is not None and t.is_floating_point():
-                    t = t.to(dtype)
-                out[n] = t.to(device)
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as handle:
+                present = set(handle.keys())
+                for n in file_names:
+                    if n not in present:  # (safetensors' own error names neither the file nor the index)
+                        raise ConfigError(f"{f}: has no tensor {n!r}, which {INDEX_FILE} says it holds")
+                    t = handle.get_tensor(n)
+                    if dtype is not None and t.is_floating_point():
+                        t = t.to(dtype)
+                    out[n] = t.to(device)
+        except SafetensorError as exc:
+            raise ConfigError(_unreadable(f, exc)) from None
         if on_file:
             on_file(f, len(file_names))
     return out

@@ -6,8 +6,8 @@ Missing tensors, unexpected tensors and shape mismatches fail with a message tha
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 import zlib
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TARGET_EMBED = "model.embed_tokens.weight"
 TARGET_LM_HEAD = "lm_head.weight"
+ROPE_TABLE = "rotary_emb.inv_freq"
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
@@ -82,9 +83,13 @@ def load_target(
     if dummy:
         _random_init(model, seed=0)
     else:
-        names = set(tensor_files(path))
+        # old Llama-2 conversions carry their rope tables (computed here, never loaded)
+        names = {n for n in tensor_files(path) if not n.endswith(ROPE_TABLE)}
         skip = {TARGET_LM_HEAD} if cfg.tie_word_embeddings else set()
         if cfg.tie_word_embeddings and TARGET_LM_HEAD in names:
+            log.warning("%s: config.json ties lm_head to the embeddings, so the checkpoint's own %s is not read "
+                        "(transformers 5 would read it: untie it in config.json if it was trained apart)", path,
+                        TARGET_LM_HEAD)
             names.discard(TARGET_LM_HEAD)
         tensors = load_tensors(path, names, dtype=dtype, device=device, on_file=_progress)
         _fill(model, tensors, str(path), skip=skip)
@@ -123,8 +128,10 @@ def load_draft(
         return model.eval()
     own = load_tensors(path, draft_names, dtype=dtype, device=device, on_file=_progress)
     own.pop("t2d", None)  # the draft->target map d2t is all we need
+    # an EAGLE-3 head over the whole target vocabulary may ship no map: d2t stays zero (draft id == target id)
+    skip = {"d2t"} if cfg.kind == "eagle3" and "d2t" not in own and cfg.draft_vocab_size == cfg.vocab_size else set()
     shared = _shared_from_target(model, cfg, target_path, dtype, device, have=own)
-    _fill(model, {**shared, **own}, str(path))
+    _fill(model, {**shared, **own}, str(path), skip=skip)
     fuse_projections(model)
     return model.eval()
 
