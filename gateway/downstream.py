@@ -76,6 +76,7 @@ class Health(enum.Enum):
     WRONG_SERVICE = "wrong service"  # it answers, but does not know the expected service: another kind of server
     NO_ANSWER = "no answer"  # the deadline passed
     STALLED = "stalled"  # it answered UNKNOWN: its engine thread is stuck in one step (`specdec.serving.stall_watch`)
+    MISFIT = "misfit"  # a target serving a model of another vocabulary than the gateway's tokenizer (`Router`)
 
 
 # a health check's status that means "this server does not serve that name": no health service at all, or a

@@ -62,6 +62,7 @@ class Pair:
     draft_up: bool = False
     in_flight: int = 0
     target_model: str = ""  # from GetModelInfo once the target was seen up
+    target_vocab: int = 0  # its vocabulary size, likewise (0: not known)
     draft_model: str = ""
     max_context_len: int = 0  # 0: not known yet
     draft_shape: dict[str, int] | None = None  # its draft's tree shape (num_steps, topk, num_draft_tokens), once seen
@@ -95,9 +96,12 @@ class Lease:
 
 
 class Router:
-    def __init__(self, pairs: Sequence[Pair], health_interval_s: float = 2.0) -> None:
+    def __init__(self, pairs: Sequence[Pair], health_interval_s: float = 2.0, vocab_size: int = 0) -> None:
+        """`vocab_size`: the vocabulary of the model the gateway tokenizes for (its `--model`'s config.json; 0:
+        unknown): a target whose model has another one is kept down, its ids would not be this tokenizer's."""
         self.pairs = list(pairs)
         self._health_interval_s = health_interval_s
+        self._vocab_size = vocab_size
         self._turn = itertools.count()
         self._health_tasks: list[asyncio.Task] = []
         self._missed: dict[tuple[int, Part], int] = {}  # (pair index, part) -> unanswered health checks in a row
@@ -109,12 +113,13 @@ class Router:
         self._came_up = asyncio.Event()
 
     @classmethod
-    def connect(cls, addresses: Sequence[PairAddress], tls: TlsConfig | None, health_interval_s: float) -> Router:
+    def connect(cls, addresses: Sequence[PairAddress], tls: TlsConfig | None, health_interval_s: float,
+                vocab_size: int = 0) -> Router:
         pairs = [
             Pair(i, addr, TargetClient(addr.target, tls), DraftClient(addr.draft, tls) if addr.draft else None)
             for i, addr in enumerate(addresses)
         ]
-        return cls(pairs, health_interval_s)
+        return cls(pairs, health_interval_s, vocab_size)
 
     # -- leases ---------------------------------------------------------------------------------------------
     def acquire(self, speculative: bool, exclude: Sequence[Pair] = (),
@@ -216,7 +221,16 @@ class Router:
         up = self._judge(pair, part, check)
         if up and not pair.is_up(part):
             await (self._learn_target(pair) if part is Part.TARGET else self._learn_draft(pair))
+            misfit = self._target_misfit(pair) if part is Part.TARGET else ""
+            if misfit:  # (QA: a target restarted as another model served its ids to this tokenizer, and OK)
+                check, up = HealthCheck(Health.MISFIT, misfit), False
         self._set(pair, part, up, check)
+
+    def _target_misfit(self, pair: Pair) -> str:
+        if self._vocab_size and pair.target_vocab and pair.target_vocab != self._vocab_size:
+            return (f"it serves {pair.target_model or 'a model'} of vocabulary {pair.target_vocab}, the gateway's "
+                    f"--model has {self._vocab_size}: not the model this gateway tokenizes for")
+        return ""
 
     def _judge(self, pair: Pair, part: Part, check: HealthCheck) -> bool:
         """Up or down after this check: an unanswered check keeps an up part up until MISSED_CHECKS_DOWN in a
@@ -269,9 +283,11 @@ class Router:
         log.log(level, "%s: %s %s is %sdown: %s", pair, part.value, addr, still, why)
 
     async def _learn_target(self, pair: Pair) -> None:
+        pair.target_vocab = 0
         with contextlib.suppress(grpc.aio.AioRpcError):
             info = await pair.target.model_info()
             pair.target_model, pair.max_context_len = info.model, info.max_context_len
+            pair.target_vocab = info.vocab_size
 
     async def _learn_draft(self, pair: Pair) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError):

@@ -98,6 +98,7 @@ class _Behaviour:
 
 class FakeTarget(target_pb2_grpc.TargetServiceServicer, _Behaviour):
     max_context_len = 512
+    vocab_size = 0  # GetModelInfo's (0: not said)
 
     async def Generate(self, request, context):
         async for chunk, reason in self.stream(request, context, chunk_size=1):
@@ -109,7 +110,7 @@ class FakeTarget(target_pb2_grpc.TargetServiceServicer, _Behaviour):
 
     async def GetModelInfo(self, request, context):
         return target_pb2.TargetServiceGetModelInfoResponse(
-            model="fake-target", max_context_len=self.max_context_len, eos_token_ids=[EOS]
+            model="fake-target", max_context_len=self.max_context_len, eos_token_ids=[EOS], vocab_size=self.vocab_size
         )
 
 

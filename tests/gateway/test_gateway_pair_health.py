@@ -10,7 +10,7 @@ import asyncio
 import logging
 import socket
 
-from gateway_fakes import PairAddress, fake_stack, run, serve_fake, start_fake_pair
+from gateway_fakes import PairAddress, collect, fake_stack, run, serve_fake, start_fake_pair
 
 from gateway.downstream import Health, HealthCheck
 from gateway.interceptors import MetricsInterceptor
@@ -160,6 +160,42 @@ def test_a_target_that_is_loading_is_logged_not_serving_once(fake_model, caplog)
         ("WARNING", f"pair 0 ({addr}): target {addr.target} is down: not serving (it answered NOT_SERVING)"),
         ("INFO", f"pair 0 ({addr}): target {addr.target} is up"),
     ]
+
+
+def test_a_target_of_another_vocabulary_is_kept_down_until_it_serves_the_gateways_model(fake_model, model_dir,
+                                                                                      caplog):
+    """A target restarted as another model (a rolling update gone wrong) answers SERVING, but its ids are not the
+    gateway tokenizer's: the pair stays down with why, requests go to the other pair (QA: plain requests got
+    INVALID_ARGUMENT "token id ... outside the vocabulary" or another model's text with OK), and it comes up once
+    it serves the gateway's model again."""
+    from gateway.config import model_vocab_size
+    from specdec.v1 import common_pb2, gateway_pb2
+
+    caplog.set_level(logging.INFO, logger=ROUTER_LOG)
+    vocab = model_vocab_size(model_dir)
+    assert vocab > 0
+
+    async def body():
+        async with fake_stack(fake_model, model_dir, num_pairs=2) as (pairs, gateway, stub):
+            wrong = gateway.router.pairs[1]
+            pairs[1].target.vocab_size = 2 * vocab
+            wrong.target_up = False  # as after its restart: learnt again at its next check
+            await check_until(gateway.router, lambda: any("misfit" in m or "vocabulary" in m
+                                                          for _, m in router_lines(caplog)))
+            assert not wrong.usable and gateway.router.pairs_up == 1
+            for _ in range(4):
+                await collect(stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(
+                    prompt="def f():", no_speculation=True, sampling=common_pb2.SamplingParams(max_new_tokens=3))))
+            served_by_wrong = len(pairs[1].target.seen.requests)
+            pairs[1].target.vocab_size = vocab
+            await check_until(gateway.router, lambda: wrong.usable)
+            return wrong, served_by_wrong, router_lines(caplog)
+
+    wrong, served_by_wrong, lines = run(body())
+    assert served_by_wrong == 0
+    said = [m for level, m in lines if level == "WARNING" and "vocabulary" in m]
+    assert said == [f"{wrong}: target {wrong.address.target} is down: it serves fake-target of vocabulary "
+                    f"{2 * vocab}, the gateway's --model has {vocab}: not the model this gateway tokenizes for"]
 
 
 def test_each_change_is_logged_once_and_each_reason_once_while_down(monkeypatch, caplog):
