@@ -54,6 +54,7 @@ _BY_CODE = {grpc.StatusCode[cls.status]: cls
 
 CALL_GRACE_S = 5.0  # a call still under way this long after its deadline has a stuck thread (`waits_on_target`)
 UNREACHABLE = grpc.StatusCode.UNAVAILABLE  # a call that did not reach the target (gone, restarting, refused)
+_NEVER = object()
 
 
 class MalformedReply(SpecdecError):
@@ -64,7 +65,9 @@ def _code(exc: grpc.RpcError) -> grpc.StatusCode:
     return exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
 
 
-def _translate(exc: grpc.RpcError) -> SpecdecError:
+def _translate(exc: grpc.RpcError, hint: bool = True) -> SpecdecError:
+    """`hint`: whether a `Socket closed` may be a TLS handshake refused (not once the target answered over these
+    credentials: then it is a target that went away, QA)."""
     code = _code(exc)
     details = exc.details() if hasattr(exc, "details") else str(exc)
     cls = _BY_CODE.get(code, SpecdecError)
@@ -72,7 +75,7 @@ def _translate(exc: grpc.RpcError) -> SpecdecError:
         cls = NotReady
     if code == grpc.StatusCode.UNIMPLEMENTED:  # a gateway's or a draft's address given as the target's (QA)
         return ConfigError(f"{TARGET_PREFIX}{details}: the address does not serve specdec.v1.TargetService")
-    return cls(f"{TARGET_PREFIX}{details}{handshake_hint(code, details, 'the target', '--target-tls')}")
+    return cls(f"{TARGET_PREFIX}{details}{handshake_hint(code, details, 'the target', '--target-tls') if hint else ''}")
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,8 @@ class TargetClient:
         # renewed channels and when to close them (their calls' deadline passed), by a later `renew_channel`
         self._retiring: list[tuple[float, grpc.Channel]] = []
         self._abandoned: dict[int, str] = {}  # link generation -> why `abandon_calls` closed it
+        # the credentials (None: plaintext) of the latest call the target answered; _NEVER before any
+        self._answered_over: object = _NEVER
         self.feature_wire = feature_wire  # asked of every Prefill: "" (compute dtype) or tensor_codec.FP8_ROWS
         self.feature_dim = 0  # set once the draft is built: the feature width it consumes (0: not checked)
         self.features = features  # its requests ask for features (False: `--speculation off`, none come back)
@@ -164,7 +169,9 @@ class TargetClient:
             timeout_s = timeout_s or self.timeout_s
             with (self._waiting(time.monotonic() + timeout_s),
                   blocking_call_metadata(getattr(call, "_method", TARGET_SERVICE_PATH)) as metadata):
-                return call(request, timeout=timeout_s, metadata=metadata or None)
+                reply = call(request, timeout=timeout_s, metadata=metadata or None)
+            self._answered_over = link.credentials
+            return reply
         except grpc.RpcError as exc:
             raise self._failed(exc, link, watched) from None
         except ValueError:  # "Cannot invoke RPC on closed channel!": `abandon_calls` closed it as the call began
@@ -178,7 +185,7 @@ class TargetClient:
             return SpecdecError(f"{TARGET_PREFIX}the channel was closed")
         if watched and self.on_unreachable is not None and _code(exc) == UNREACHABLE:
             self.on_unreachable()
-        return _translate(exc)
+        return _translate(exc, hint=self._answered_over is not link.credentials)
 
     @contextlib.contextmanager
     def _waiting(self, deadline: float):

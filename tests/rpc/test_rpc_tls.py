@@ -115,6 +115,35 @@ def test_a_plaintext_draft_is_told_its_target_may_serve_tls(fake_server, certs):
     assert "if it serves TLS, pass --target-tls-ca" in text, text
 
 
+def test_a_target_that_answered_and_then_went_away_gets_no_tls_hint(fake_server):
+    """A plaintext target killed mid-Prefill ends the call `UNAVAILABLE ... Socket closed`, as a TLS refusal does;
+    once the target has answered over the same credentials it is not a handshake, so no TLS hint (QA: the gateway
+    logged one for every killed plaintext target)."""
+    from draft_service.target_client import TargetClient
+
+    class Closed(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self):
+            return "Stream removed (Socket closed)"
+
+    async def body():
+        async with fake_server() as (handle, _):
+            addr = f"localhost:{handle.bound_port}"
+            fresh, answered = TargetClient(addr), TargetClient(addr)
+            try:
+                await asyncio.to_thread(answered.model_info, 3.0)
+                return (str(fresh._failed(Closed(), fresh._link, watched=False)),
+                        str(answered._failed(Closed(), answered._link, watched=False)))
+            finally:
+                fresh.close()
+                answered.close()
+
+    never, after = run(body())
+    assert "if it serves TLS" in never and "Socket closed" in after and "TLS" not in after
+
+
 def test_flags():
     parser = argparse.ArgumentParser()
     add_tls_args(parser)
