@@ -5,11 +5,13 @@ Downstream, though, an id names the request's state on the draft and the target,
 under it is ALREADY_EXISTS there (after waiting up to 1 s for the first to be aborted: a cancel-and-retry). So a
 stream takes the first id of `rid`, `rid~1`, `rid~2`, ... that no other stream of this gateway holds, and keeps
 the ids it took until it ends (a failed attempt's id may still be held downstream while its abort travels).
-Two gateways sending one client id to one pair at once still meet ALREADY_EXISTS: `FallbackGeneration` then
-moves on to the next id.
+Two gateways sending one client id to one pair at once still meet ALREADY_EXISTS (after the 1 s grace):
+`FallbackGeneration` then takes a random suffix (`claim_unique`), which the other gateway does not take next.
 """
 
 from __future__ import annotations
+
+import secrets
 
 
 def downstream_id(base: str, number: int) -> str:
@@ -30,6 +32,13 @@ class DownstreamIds:
         rid = downstream_id(base, number)
         self._held.add(rid)
         return rid, number
+
+    def claim_unique(self, base: str) -> str:
+        """`base~<random hex>`, now held: after a collision with another gateway's stream."""
+        while (rid := f"{base}~{secrets.token_hex(4)}") in self._held:
+            pass
+        self._held.add(rid)
+        return rid
 
     def release(self, rids) -> None:
         self._held.difference_update(rids)

@@ -65,6 +65,8 @@ class FallbackGeneration:
         self._plan = plan
         self._ids = DownstreamIds() if ids is None else ids  # the gateway's: ids its other streams hold
         self._claimed: list[str] = []  # the downstream ids this stream took, held until it ends
+        self._releasing: set[str] = set()  # ... and those whose Release is still on its way, held until it lands
+        self._ended = False
         self._timeout_s = timeout_s  # seconds left on the client's deadline, asked before each attempt
         self._pair_wait_s = pair_wait_s  # how long the request waits for a pair when none is up (`_wait_s`)
         self.generated: list[int] = []
@@ -87,7 +89,7 @@ class FallbackGeneration:
             # a healthy pair up, when the bound counted its whole life)
             most_in_a_row = 2 * len(self._router.pairs) + 1
             in_a_row, produced = 0, 0
-            number, taken = 0, 0  # the downstream id's suffix; continuation ids found taken
+            number, taken = 0, 0  # the downstream id's suffix; ids found taken downstream (ALREADY_EXISTS)
             while True:
                 done = self._finished_locally()
                 if done is not None:
@@ -95,9 +97,12 @@ class FallbackGeneration:
                     return
                 self.speculative = self.speculative and use_draft
                 while True:
-                    rid, number = self._ids.claim(self._plan.request_id, number)
+                    if taken:  # another gateway's stream has it: a suffix of this stream's own, not the next one
+                        rid = self._ids.claim_unique(self._plan.request_id)  # (which that gateway takes next too)
+                    else:
+                        rid, number = self._ids.claim(self._plan.request_id, number)
+                        number += 1
                     self._claimed.append(rid)
-                    number += 1
                     try:
                         async for chunk in self._attempt(lease, rid, use_draft):
                             yield chunk
@@ -107,7 +112,7 @@ class FallbackGeneration:
                             failure = exc
                             break
                         taken += 1
-                        log.info("id %s is another request's on %s; sending this stream as the next free one",
+                        log.info("id %s is another request's on %s; sending this stream under a suffix of its own",
                                  rid, lease.pair)
                     except Exception as exc:
                         failure = exc
@@ -123,7 +128,8 @@ class FallbackGeneration:
         finally:
             failure = None  # raised from this frame, it would hold the frame through its traceback (a cycle)
             self._router.release(lease)
-            self._ids.release(self._claimed)
+            self._ended = True
+            self._ids.release(rid for rid in self._claimed if rid not in self._releasing)
 
     async def _attempt(self, lease: Lease, rid: str, use_draft: bool) -> AsyncIterator[Chunk]:
         pair = lease.pair
@@ -222,9 +228,19 @@ class FallbackGeneration:
         return None
 
     def _release_later(self, lease: Lease, rid: str) -> None:
+        """Release `rid` on the pair's target in the background; the id stays this stream's until that lands (a
+        stream taking it meanwhile would have its own request released by it)."""
         task = asyncio.create_task(lease.pair.target.release([rid]))
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._releasing.add(rid)
+
+        def landed(done: asyncio.Task) -> None:
+            self._background.discard(done)
+            self._releasing.discard(rid)
+            if self._ended:
+                self._ids.release([rid])
+
+        task.add_done_callback(landed)
 
 
 class PartHung(StreamBroken):

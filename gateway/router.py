@@ -62,7 +62,6 @@ class Pair:
     draft_up: bool = False
     in_flight: int = 0
     target_model: str = ""  # from GetModelInfo once the target was seen up
-    target_vocab: int = 0  # its vocabulary size, likewise (0: not known)
     draft_model: str = ""
     max_context_len: int = 0  # 0: not known yet
     draft_shape: dict[str, int] | None = None  # its draft's tree shape (num_steps, topk, num_draft_tokens), once seen
@@ -220,17 +219,10 @@ class Router:
         check = await client.probe()
         up = self._judge(pair, part, check)
         if up and not pair.is_up(part):
-            await (self._learn_target(pair) if part is Part.TARGET else self._learn_draft(pair))
-            misfit = self._target_misfit(pair) if part is Part.TARGET else ""
+            misfit = await (self._learn_target(pair) if part is Part.TARGET else self._learn_draft(pair))
             if misfit:  # (QA: a target restarted as another model served its ids to this tokenizer, and OK)
                 check, up = HealthCheck(Health.MISFIT, misfit), False
         self._set(pair, part, up, check)
-
-    def _target_misfit(self, pair: Pair) -> str:
-        if self._vocab_size and pair.target_vocab and pair.target_vocab != self._vocab_size:
-            return (f"it serves {pair.target_model or 'a model'} of vocabulary {pair.target_vocab}, the gateway's "
-                    f"--model has {self._vocab_size}: not the model this gateway tokenizes for")
-        return ""
 
     def _judge(self, pair: Pair, part: Part, check: HealthCheck) -> bool:
         """Up or down after this check: an unanswered check keeps an up part up until MISSED_CHECKS_DOWN in a
@@ -282,19 +274,24 @@ class Router:
         level, still = (logging.WARNING, "") if first or was_up else (logging.INFO, "still ")
         log.log(level, "%s: %s %s is %sdown: %s", pair, part.value, addr, still, why)
 
-    async def _learn_target(self, pair: Pair) -> None:
-        pair.target_vocab = 0
+    async def _learn_target(self, pair: Pair) -> str:
+        """What a target that came up serves; why it does not fit the gateway ("" when it does, or is not known):
+        then nothing of it is kept (the model card and the context checks read what is)."""
         with contextlib.suppress(grpc.aio.AioRpcError):
             info = await pair.target.model_info()
+            if self._vocab_size and info.vocab_size and info.vocab_size != self._vocab_size:
+                return (f"it serves {info.model or 'a model'} of vocabulary {info.vocab_size}, the gateway's "
+                        f"--model has {self._vocab_size}: not the model this gateway tokenizes for")
             pair.target_model, pair.max_context_len = info.model, info.max_context_len
-            pair.target_vocab = info.vocab_size
+        return ""
 
-    async def _learn_draft(self, pair: Pair) -> None:
+    async def _learn_draft(self, pair: Pair) -> str:
         with contextlib.suppress(grpc.aio.AioRpcError):
             info = await pair.draft.model_info()
             pair.draft_model, pair.draft_max_context_len = info.model, info.max_context_len
             if all(info.spec.HasField(f) for f in TREE_CAP_FIELDS):
                 pair.draft_shape = {f: getattr(info.spec, f) for f in TREE_CAP_FIELDS}
+        return ""  # (a draft that does not fit its target says so itself: NOT_SERVING)
 
     async def _health_loop(self, pair: Pair) -> None:
         """One pair's checks: each pair keeps its own pace, so a pair that never answers (each check waits out its

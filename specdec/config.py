@@ -13,6 +13,7 @@ log = logging.getLogger(__name__)
 # what the model code computes: a SiLU-gated MLP without biases, full attention without biases (a config asking
 # for anything else is refused by name: QA found gelu MLPs and Mistral's sliding window loaded and computed wrong)
 SUPPORTED_ACTS = ("silu", "swish")
+_WINDOW_SAID: set[str] = set()  # checkpoints whose sliding-window cap was logged
 
 TARGET_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM")
 EAGLE1_ARCHS = ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM")
@@ -142,6 +143,9 @@ def _max_positions(raw: dict, path: str) -> int:
     most = int(raw.get("max_position_embeddings", 4096))
     window = raw.get("sliding_window")
     if window and raw.get("use_sliding_window", True) and int(window) < most:
+        if path in _WINDOW_SAID:  # (a draft reads its target's config several times at start)
+            return int(window)
+        _WINDOW_SAID.add(path)
         log.warning("%s: sliding_window %d < max_position_embeddings %d: the context is capped at %d (attention "
                     "over a sliding window is not implemented; within it, it is full attention)", path, int(window),
                     most, int(window))

@@ -118,7 +118,7 @@ def load_draft(
         )
     if cfg.kind == "eagle3" and not cfg.aux_layer_inputs:
         cfg = replace(cfg, aux_layer_inputs=default_aux_layer_inputs(target_cfg.num_layers))
-    draft_names = set(tensor_files(path)) if not dummy else set()
+    draft_names = {n for n in tensor_files(path) if not n.endswith(ROPE_TABLE)} if not dummy else set()
     if cfg.kind == "eagle1" and not dummy and "fc.bias" not in draft_names:
         cfg = replace(cfg, eagle1_fc_bias=False)
     model = _build(EagleDraft, cfg, device, dtype, max_positions)

@@ -317,14 +317,20 @@ def test_colocated_runs_one_container_that_serves_both_on_one_gpu():
     (("target.cudaGraph=false",), "target.cudaGraph (false) differs"),
     (("target.extraArgs[0]=--max-queue-wait-seconds=5",), "target.extraArgs would be dropped"),
     (("target.extraEnv[0].name=X", "target.extraEnv[0].value=1"), "target.extraEnv would be dropped"),
+    (("draft.maxBatchSize=32",), "target.maxBatchSize (64) differs from draft.maxBatchSize (32)"),
 ])
 def test_colocated_refuses_target_settings_it_would_drop(sets, named):
     """pairing=colocated has no target container: a target setting that would be dropped silently (QA) is refused,
     naming the draft value that carries it; the same value on both, or the target's default, renders."""
     bad = run_helm(*template_args("colocated", *[a for s in sets for a in ("--set", s)]), check=False)
     assert bad.returncode != 0 and named in bad.stderr, bad.stderr
-    for same in (("target.dtype=bfloat16",), ("target.attentionBackend=flashinfer",), ("target.cudaGraph=true",)):
-        assert run_helm(*template_args("colocated", "--set", same[0]), check=False).returncode == 0, same
+    for same in (("target.dtype=bfloat16",), ("target.attentionBackend=flashinfer",), ("target.cudaGraph=true",),
+                 ("target.dtype=bfloat16", "draft.dtype=auto"), ("draft.maxBatchSize=64",)):  # auto: bf16 on cuda
+        sets = [a for s in same for a in ("--set", s)]
+        assert run_helm(*template_args("colocated", *sets), check=False).returncode == 0, same
+    # on a CPU there are no CUDA graphs to differ about
+    assert run_helm(*template_args("default", "--set", "pairing=colocated", "--set", "target.cudaGraph=false"),
+                    check=False).returncode == 0
 
 
 def test_split_scales_drafts_and_targets_together_and_pairs_them_by_index():

@@ -192,5 +192,7 @@ def test_the_pairs_batch_reaches_the_draft_whose_scheduler_decides_it(case):
     assert set(batch_flags().values()) <= {None} | ({"64"} if case == "colocated" else set())
     both = batch_flags("--set", "target.maxBatchSize=128")
     assert both["draft"] == "128" and both.get("target", "128") == "128"
+    if case == "colocated":  # one process, one batch: the two values must agree (test_deploy_chart.py)
+        return
     own = batch_flags("--set", "target.maxBatchSize=128", "--set", "draft.maxBatchSize=32")
-    assert own["draft"] == "32" and own.get("target", "128") == "128"
+    assert own["draft"] == "32" and own["target"] == "128"

@@ -67,10 +67,11 @@ class _Behaviour:
         self.abort_after_chunks: int | None = None  # end with FINISH_REASON_ABORT (an Abort call) after this many
         self.delay_s = 0.0
         self.taken_ids: set[str] = set()  # ids other requests run under: ALREADY_EXISTS (as are running ones)
+        self.taken_prefixes: tuple[str, ...] = ()  # ... and every id starting so
 
     async def stream(self, request, context, chunk_size: int):
         rid = request.request_id
-        if rid in self.taken_ids or rid in self.seen.running:
+        if rid in self.taken_ids or rid in self.seen.running or rid.startswith(self.taken_prefixes or ("\0",)):
             self.seen.refused.append(rid)
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already running")
         self.seen.requests.append((rid, list(request.prompt_ids), request.sampling.max_new_tokens))
@@ -99,12 +100,14 @@ class _Behaviour:
 class FakeTarget(target_pb2_grpc.TargetServiceServicer, _Behaviour):
     max_context_len = 512
     vocab_size = 0  # GetModelInfo's (0: not said)
+    release_delay_s = 0.0  # a Release answers this late
 
     async def Generate(self, request, context):
         async for chunk, reason in self.stream(request, context, chunk_size=1):
             yield target_pb2.TargetServiceGenerateResponse(token_ids=chunk, finish_reason=reason or 0)
 
     async def Release(self, request, context):
+        await asyncio.sleep(self.release_delay_s)
         self.seen.released.extend(request.request_ids)
         return target_pb2.ReleaseResponse()
 

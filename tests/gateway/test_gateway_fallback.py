@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 
 import grpc
@@ -129,39 +130,70 @@ def test_an_abort_call_on_the_draft_ends_the_stream_and_keeps_the_draft_in(fake_
     assert not pairs[0].target.seen.requests and gateway.router.pairs[0].draft_up
 
 
-def test_a_continuation_id_a_client_runs_under_already_takes_the_next_one(fake_model, model_dir):
-    """A client may name a request `r1~1` itself: request r1's continuation on the target then goes as r1~3."""
+def _own_suffix(rid: str, base: str) -> bool:
+    """`base~<8 hex>`: the suffix a stream takes after a collision downstream (`DownstreamIds.claim_unique`)."""
+    return re.fullmatch(re.escape(base) + r"~[0-9a-f]{8}", rid) is not None
+
+
+def test_a_continuation_id_a_client_runs_under_already_takes_one_of_its_own(fake_model, model_dir):
+    """A client may name a request `r1~1` itself: request r1's continuation on the target, refused there as r1~1,
+    then goes under a random suffix (not r1~2: another gateway's stream of r1 would take that one next too)."""
     async def body():
         async with fake_stack(fake_model, model_dir) as (pairs, _, stub):
             pairs[0].draft.fail_after_chunks = 2
-            pairs[0].target.taken_ids = {"r1~1", "r1~2"}
+            pairs[0].target.taken_ids = {"r1~1"}
             result = await collect(stub.Generate(request(request_id="r1")))
             return pairs, result
 
     pairs, (text, ids, final, _) = run(body())
     assert text == SCRIPT_TEXT and ids == fake_model.script
-    assert [r[0] for r in pairs[0].target.seen.requests] == ["r1~3"]  # (refused ids abort before they are seen)
+    (seen,) = [r[0] for r in pairs[0].target.seen.requests]  # (refused ids abort before they are seen)
+    assert _own_suffix(seen, "r1") and pairs[0].target.seen.refused == ["r1~1"]
 
 
-def test_a_clients_own_id_running_elsewhere_runs_under_the_next_free_one(fake_model, model_dir):
+def test_a_clients_own_id_running_elsewhere_runs_under_a_suffix_of_its_own(fake_model, model_dir):
     """A client's id names its request in logs and traces; it is not a uniqueness key. One that another gateway's
-    stream already runs under on the pair (ALREADY_EXISTS) goes as t9~1, the client's stats keep t9 (QA: it was
-    the client's ALREADY_EXISTS, prefixed `target: `); past `MAX_ID_TRIES` taken ids it is the client's error."""
+    stream already runs under on the pair (ALREADY_EXISTS) goes under a random suffix of its own; the client's
+    stats keep t9 (QA: it was the client's ALREADY_EXISTS, prefixed `target: `); past `MAX_ID_TRIES` ids found
+    taken it is the client's error."""
     from gateway.fallback import MAX_ID_TRIES
 
     async def body():
         async with fake_stack(fake_model, model_dir) as (pairs, _, stub):
             pairs[0].target.taken_ids = {"t9"}
             ran = await collect(stub.Generate(request(request_id="t9", no_speculation=True)))
-            pairs[0].target.taken_ids = {"u1", *(f"u1~{n}" for n in range(1, MAX_ID_TRIES + 1))}
+            seen = [r[0] for r in pairs[0].target.seen.requests]
+            pairs[0].target.taken_prefixes = ("u1",)
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await collect(stub.Generate(request(request_id="u1", no_speculation=True)))
-            return pairs, ran, err.value
+            return seen, ran, err.value, pairs[0].target.seen.refused
 
-    pairs, (text, ids, final, _), err = run(body())
+    seen, (text, ids, final, _), err, refused = run(body())
     assert text == SCRIPT_TEXT and final.request_id == "t9"
-    assert [r[0] for r in pairs[0].target.seen.requests] == ["t9~1"]
+    assert len(seen) == 1 and _own_suffix(seen[0], "t9")
     assert err.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert len([r for r in refused if r.startswith("u1")]) == MAX_ID_TRIES + 1
+
+
+def test_an_id_whose_release_is_on_its_way_stays_held_until_it_lands(fake_model, model_dir):
+    """After a draft failure the target is told to release the draft's id in the background; until that lands the
+    id stays the stream's, even once the stream ended, so no new stream under the same client id takes it and has
+    its own request released by the late Release (review)."""
+    async def body():
+        async with fake_stack(fake_model, model_dir) as (pairs, gateway, stub):
+            pairs[0].draft.fail_after_chunks = 2
+            pairs[0].target.release_delay_s = 1.0
+            await collect(stub.Generate(request(request_id="r5")))
+            held_at_end = set(gateway.servicer._ids._held)
+            for _ in range(100):
+                if pairs[0].target.seen.released:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)
+            return held_at_end, set(gateway.servicer._ids._held), pairs[0].target.seen.released
+
+    held_at_end, held_later, released = run(body())
+    assert held_at_end == {"r5"} and released == ["r5"] and held_later == set()
 
 
 @pytest.mark.parametrize("speculative", [True, False])

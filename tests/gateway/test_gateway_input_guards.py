@@ -116,8 +116,7 @@ def test_a_refused_calls_objects_are_freed_with_it(fake_model, model_dir, case):
     async def body():
         async with fake_stack(fake_model, model_dir, api_keys=keys) as (pairs, _, stub):
             if case == "refused downstream":
-                # ALREADY_EXISTS for every id the stream may take: the draft refuses it
-                pairs[0].draft.taken_ids.update(["mine", *(f"mine~{n}" for n in range(1, 10))])
+                pairs[0].draft.taken_prefixes = ("mine",)  # ALREADY_EXISTS for every id the stream may take
             await status_of(stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(
                 prompt="def f():", sampling=common_pb2.SamplingParams(max_new_tokens=2)), metadata=metadata))
             gc.collect()

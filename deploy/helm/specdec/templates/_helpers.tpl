@@ -486,11 +486,14 @@ volumes:
 {{- if eq $v.pairing "colocated" -}}
 {{- /* one process runs both models with the draft container's flags: a target setting that would be dropped
        silently is refused instead, naming where it goes */ -}}
-{{- $backend := ternary "flashinfer" "torch" (eq $v.device "cuda") -}}
-{{- $set := dict "dtype" (and (ne $v.target.dtype "auto") (ne $v.target.dtype $v.draft.dtype))
+{{- $cuda := eq $v.device "cuda" -}}
+{{- $backend := ternary "flashinfer" "torch" $cuda -}}
+{{- $autoDtype := ternary "bfloat16" "float32" $cuda -}}
+{{- $set := dict "dtype" (and (ne $v.target.dtype "auto") (ne $v.target.dtype (ternary $autoDtype $v.draft.dtype (eq $v.draft.dtype "auto"))))
                  "attentionBackend" (and $v.target.attentionBackend (ne $v.target.attentionBackend (default $backend $v.draft.attentionBackend)))
-                 "cudaGraph" (and (not $v.target.cudaGraph) $v.draft.cudaGraph) -}}
-{{- range $key := list "dtype" "attentionBackend" "cudaGraph" -}}
+                 "cudaGraph" (and $cuda (not $v.target.cudaGraph) $v.draft.cudaGraph)
+                 "maxBatchSize" (and (not (kindIs "invalid" $v.target.maxBatchSize)) (not (kindIs "invalid" $v.draft.maxBatchSize)) (ne (toString $v.target.maxBatchSize) (toString $v.draft.maxBatchSize))) -}}
+{{- range $key := list "dtype" "attentionBackend" "cudaGraph" "maxBatchSize" -}}
 {{- if get $set $key -}}
 {{- fail (printf "pairing=colocated runs the target in the draft's process with the draft's flags: target.%s (%v) differs from draft.%s (%v); set draft.%s for both" $key (get $v.target $key) $key (get $v.draft $key) $key) -}}
 {{- end -}}
