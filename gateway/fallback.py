@@ -12,7 +12,8 @@ gives; sampled requests keep the target's distribution but not the same sample.
 Each attempt uses its own downstream request id (`rid`, `rid~1`, `rid~2`, ...), since the failed service may
 still hold the old one, and skips the ids other streams of the gateway hold (`gateway.downstream_ids`: clients
 may send one id for several requests at once). An id another request runs under all the same (ALREADY_EXISTS:
-another gateway's stream, a client's own `rid~1`) is sent again under the next one, `MAX_ID_TRIES` times at most.
+another gateway's stream, a client's own `rid~1`) is sent again under a random suffix (`rid~<8 hex>`),
+`MAX_ID_TRIES` times at most.
 """
 
 from __future__ import annotations
