@@ -1,9 +1,12 @@
 """Convert an HF `tokenizer.json` byte-level BPE (Llama-3 / Qwen2 / GPT-2 style) to tiktoken ranks.
 
 tiktoken merges the adjacent pair whose *concatenation* has the lowest id; HF merges the pair listed earliest
-in `merges`. The two agree when token ids follow merge order, which holds for vocabularies made by tiktoken
-(Llama-3, Qwen2) and by the `tokenizers` BPE trainer; the loader checks it and refuses files where it fails.
-Added tokens (`added_tokens`) become special tokens.
+in `merges`. The two agree when token ids follow merge order and each token's bytes, merged by lower ids alone,
+come to a pair a merge lists for it (tiktoken would otherwise build it from a split HF never merges: QA); both
+hold for vocabularies made by tiktoken (Llama-3, Qwen2) and by the `tokenizers` BPE trainer, and the
+loader checks both and refuses files where either fails (~1 s per 100k merges). Added tokens (`added_tokens`)
+become special tokens; options that change how text around them or within words is split (`lstrip`, `rstrip`,
+`single_word`, BPE `dropout`) are refused.
 """
 
 from __future__ import annotations
@@ -23,7 +26,13 @@ SUPPORTED_NORMALIZERS = {None: None, "NFC": "NFC"}
 def load_hf_tokenizer_json(path: Path, config: TokenizerConfig) -> BpeVocab:
     data = _read_json(path)
     model = data["model"]
-    special_tokens = {item["content"]: int(item["id"]) for item in data.get("added_tokens") or ()}
+    added = data.get("added_tokens") or ()
+    for item in added:
+        options = [o for o in ("lstrip", "rstrip", "single_word") if item.get(o)]
+        if options:
+            raise ConfigError(f"{path}: added token {item.get('content')!r} sets {', '.join(options)}, which is not "
+                              "supported (the text around it would be split otherwise than transformers does)")
+    special_tokens = {item["content"]: int(item["id"]) for item in added}
     mergeable_ranks = _byte_vocab(path, model["vocab"], exclude=set(special_tokens))
     _check_merge_order(path, model["merges"], mergeable_ranks)
     vocab_size = max_id_plus_one(mergeable_ranks, special_tokens)
@@ -46,6 +55,8 @@ def _read_json(path: Path) -> dict:
     if not isinstance(model, dict) or model.get("type") != "BPE" or "merges" not in model:
         kind = model.get("type") if isinstance(model, dict) else None
         raise ConfigError(f"{path}: model type {kind!r} is not supported; only byte-level BPE is")
+    if model.get("dropout"):
+        raise ConfigError(f"{path}: BPE dropout {model['dropout']!r} is not supported (encoding would be random)")
     if (
         model.get("byte_fallback")
         or model.get("continuing_subword_prefix")
@@ -96,6 +107,7 @@ def _merge_pair(merge: str | list[str]) -> tuple[str, str]:
 def _check_merge_order(path: Path, merges: list, mergeable_ranks: dict[bytes, int]) -> None:
     """tiktoken uses ids as merge ranks: each merge's result id must not precede an earlier merge's."""
     last_id = -1
+    splits: dict[bytes, list[tuple[bytes, bytes]]] = {}  # token -> the (left, right) merges that make it
     for index, merge in enumerate(merges):
         left, right = _merge_pair(merge)
         merged = _to_bytes(path, left + right)
@@ -108,6 +120,29 @@ def _check_merge_order(path: Path, merges: list, mergeable_ranks: dict[bytes, in
                 f"{last_id}); it cannot be run as tiktoken ranks"
             )
         last_id = merged_id
+        splits.setdefault(merged, []).append((_to_bytes(path, left), _to_bytes(path, right)))
+    for merged, pairs in splits.items():  # a token may be listed with several splits (ids as ranks allow all)
+        built = _ranked_split(merged, mergeable_ranks[merged], mergeable_ranks)
+        if tuple(built) not in pairs:
+            raise ConfigError(
+                f"{path}: token {merged!r} is merged from {pairs[0]!r} but ids as ranks would build it from "
+                f"{tuple(built)!r}, which no merge lists; it cannot be run as tiktoken ranks"
+            )
+
+
+def _ranked_split(token: bytes, rank: int, ranks: dict[bytes, int]) -> list[bytes]:
+    """The parts tiktoken's merging leaves of `token`'s bytes using only ids below `rank` (lowest id first)."""
+    parts = [token[i : i + 1] for i in range(len(token))]
+    while len(parts) > 2:
+        best, at = rank, -1
+        for i in range(len(parts) - 1):
+            r = ranks.get(parts[i] + parts[i + 1])
+            if r is not None and r < best:
+                best, at = r, i
+        if at < 0:
+            break
+        parts[at : at + 2] = [parts[at] + parts[at + 1]]
+    return parts
 
 
 def _split_pattern(path: Path, pre_tokenizer: dict | None) -> str:

@@ -13,6 +13,7 @@ from tokenizers import Tokenizer as HfTokenizer
 
 from specdec.errors import ConfigError
 from specdec.tokenizer import load_tokenizer
+from specdec.tokenizer.hf_format import byte_level_alphabet
 from specdec.tokenizer.patterns import LLAMA3, XTOK_V1
 
 
@@ -96,4 +97,37 @@ def test_truncated_file_fails_with_path(trained_tokenizer_json, tmp_path):
     broken = tmp_path / "tokenizer.json"
     broken.write_text(trained_tokenizer_json.read_text()[:1000])
     with pytest.raises(ConfigError, match=f"{broken}: cannot read tokenizer"):
+        load_tokenizer(broken)
+
+
+def test_a_token_ids_as_ranks_would_build_from_an_unlisted_split_is_refused(tmp_path):
+    """ids rise with merge order, yet tiktoken would build `abc` from (a, bc) where HF only merges (ab, c): "xabc"
+    encoded [120, 258] here and [120, 97, 256] in `tokenizers` before the loader refused such files (QA)."""
+    alphabet = {v: k for k, v in byte_level_alphabet().items()}
+    vocab = {alphabet[b]: b for b in range(256)} | {"bc": 256, "ab": 257, "abc": 258}
+    data = {"model": {"type": "BPE", "vocab": vocab, "merges": [["b", "c"], ["a", "b"], ["ab", "c"]]},
+            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True},
+            "added_tokens": []}
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=r"token b'abc' is merged from \(b'ab', b'c'\) but ids as ranks would "
+                                          r"build it from \(b'a', b'bc'\), which no merge lists"):
+        load_tokenizer(path)
+    data["model"]["merges"].append(["a", "bc"])  # listed too: both libraries may build it either way
+    path.write_text(json.dumps(data))
+    assert load_tokenizer(path).encode("xabc") == [120, 258]
+
+
+@pytest.mark.parametrize("option", ["lstrip", "rstrip", "single_word"])
+def test_added_token_options_that_change_the_split_are_refused(trained_tokenizer_json, tmp_path, option):
+    """An added token with `rstrip` makes transformers swallow the text after it (a ChatML `<|im_end|>\\n` lost its
+    newline there and kept it here, QA): refused by name rather than encoded otherwise."""
+    broken = _edit(trained_tokenizer_json, tmp_path, lambda d: d["added_tokens"][2].update({option: True}))
+    with pytest.raises(ConfigError, match=f"added token '<\\|im_end\\|>' sets {option}, which is not supported"):
+        load_tokenizer(broken)
+
+
+def test_bpe_dropout_is_refused(trained_tokenizer_json, tmp_path):
+    broken = _edit(trained_tokenizer_json, tmp_path, lambda d: d["model"].update(dropout=0.5))
+    with pytest.raises(ConfigError, match="BPE dropout 0.5 is not supported"):
         load_tokenizer(broken)
