@@ -184,8 +184,9 @@ class FallbackGeneration:
         new_lease = await self._waited(self._router.switch(lease, self._plan.speculative, self._wait_s(),
                                                            fit=self._fits))
         use_draft = self._plan.speculative and self._drafts(new_lease.pair)
-        log.warning("target of %s failed (%s); continuing on %s%s", lease.pair, reason, new_lease.pair,
-                    " through its draft" if use_draft else "")
+        one_process = lease.pair.draft is not None and lease.pair.draft.addr == lease.pair.target.addr
+        log.warning("%s of %s failed (%s); continuing on %s%s", "process" if one_process else "target", lease.pair,
+                    reason, new_lease.pair, " through its draft" if use_draft else "")
         return new_lease, use_draft
 
     @staticmethod

@@ -79,10 +79,11 @@ def test_a_draft_failing_for_its_target_moves_the_stream_to_another_pair(fake_mo
     assert gateway.router.pairs[0].draft_up and not gateway.router.pairs[0].target_up
 
 
-def test_a_colocated_pair_cut_under_its_draft_stream_moves_to_another_pair(fake_model, model_dir):
+def test_a_colocated_pair_cut_under_its_draft_stream_moves_to_another_pair(fake_model, model_dir, caplog):
     """Draft and target at one address (`--target in-process`): a draft stream cut UNAVAILABLE means the process
     serving both is going; the stream moves to the other pair at once (one fallback), not onto that target; a
-    pair without a draft continues it plainly."""
+    pair without a draft continues it plainly. The log names the process, not its target (QA)."""
+    caplog.set_level(logging.WARNING, logger="gateway.fallback")
     from gateway_fakes import FakeDraft, FakeTarget, gateway_over
 
     from specdec.rpc.server import start_server
@@ -111,6 +112,8 @@ def test_a_colocated_pair_cut_under_its_draft_stream_moves_to_another_pair(fake_
     target, other, (text, _, final, _) = run(body())
     assert text == SCRIPT_TEXT and final.fallbacks == 1 and not final.speculative
     assert not target.seen.requests and [r[0] for r in other.target.seen.requests] == ["c1~1"]
+    said = [r.getMessage() for r in caplog.records if r.name == "gateway.fallback"]
+    assert len(said) == 1 and said[0].startswith("process of pair 0 (") and "continuing on pair 1" in said[0]
 
 
 def test_an_abort_call_on_the_draft_ends_the_stream_and_keeps_the_draft_in(fake_model, model_dir):
