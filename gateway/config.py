@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from specdec.errors import ConfigError
 from specdec.rpc.address import address_problem
@@ -96,12 +94,3 @@ class GatewayConfig:
             raise ConfigError(f"--served-model-name {name!r}: expected up to {MAX_MODEL_NAME_CHARS} printable "
                               "characters without leading or trailing spaces")
 
-
-def model_vocab_size(model_dir: str) -> int:
-    """The vocabulary size in `model_dir`'s config.json, the model the gateway tokenizes for (0 when it has none:
-    a tokenizer-only directory); the router keeps down a target whose model has another."""
-    try:
-        raw = json.loads((Path(model_dir) / "config.json").read_text())
-        return int(raw.get("vocab_size") or 0) if isinstance(raw, dict) else 0
-    except (OSError, ValueError, TypeError):
-        return 0

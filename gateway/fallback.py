@@ -66,14 +66,14 @@ class FallbackGeneration:
         self._plan = plan
         self._ids = DownstreamIds() if ids is None else ids  # the gateway's: ids its other streams hold
         self._claimed: list[str] = []  # the downstream ids this stream took, held until it ends
-        self._releasing: set[str] = set()  # ... and those whose Release is still on its way, held until it lands
         self._ended = False
         self._timeout_s = timeout_s  # seconds left on the client's deadline, asked before each attempt
         self._pair_wait_s = pair_wait_s  # how long the request waits for a pair when none is up (`_wait_s`)
         self.generated: list[int] = []
         self.num_fallbacks = 0
         self.speculative = plan.speculative  # false once any part of the stream came from a plain Generate
-        self._background: set[asyncio.Task] = set()
+        # Release calls on their way -> the id each releases (held until it lands, the stream's end or not)
+        self._releasing: dict[asyncio.Task, str] = {}
         self._asked = asked_tree_shape(plan.spec) if plan.spec is not None else {}  # its own tree shape, if any
 
     async def run(self) -> AsyncIterator[Chunk]:
@@ -130,7 +130,7 @@ class FallbackGeneration:
             failure = None  # raised from this frame, it would hold the frame through its traceback (a cycle)
             self._router.release(lease)
             self._ended = True
-            self._ids.release(rid for rid in self._claimed if rid not in self._releasing)
+            self._ids.release(set(self._claimed) - set(self._releasing.values()))
 
     async def _attempt(self, lease: Lease, rid: str, use_draft: bool) -> AsyncIterator[Chunk]:
         pair = lease.pair
@@ -184,9 +184,8 @@ class FallbackGeneration:
         new_lease = await self._waited(self._router.switch(lease, self._plan.speculative, self._wait_s(),
                                                            fit=self._fits))
         use_draft = self._plan.speculative and self._drafts(new_lease.pair)
-        one_process = lease.pair.draft is not None and lease.pair.draft.addr == lease.pair.target.addr
-        log.warning("%s of %s failed (%s); continuing on %s%s", "process" if one_process else "target", lease.pair,
-                    reason, new_lease.pair, " through its draft" if use_draft else "")
+        log.warning("%s of %s failed (%s); continuing on %s%s", "process" if _one_process(lease.pair) else "target",
+                    lease.pair, reason, new_lease.pair, " through its draft" if use_draft else "")
         return new_lease, use_draft
 
     @staticmethod
@@ -233,12 +232,10 @@ class FallbackGeneration:
         """Release `rid` on the pair's target in the background; the id stays this stream's until that lands (a
         stream taking it meanwhile would have its own request released by it)."""
         task = asyncio.create_task(lease.pair.target.release([rid]))
-        self._background.add(task)
-        self._releasing.add(rid)
+        self._releasing[task] = rid
 
         def landed(done: asyncio.Task) -> None:
-            self._background.discard(done)
-            self._releasing.discard(rid)
+            del self._releasing[done]
             if self._ended:
                 self._ids.release([rid])
 
@@ -307,12 +304,16 @@ def _target_failed_under(exc: Exception) -> bool:
     return callable(details) and (details() or "").startswith(TARGET_PREFIX)
 
 
+def _one_process(pair) -> bool:
+    """Draft and target at one address: one process serves both (`serve-draft --target in-process`)."""
+    return pair.draft is not None and pair.draft.addr == pair.target.addr
+
+
 def _one_process_gone(lease: Lease, exc: Exception) -> bool:
     """A colocated pair (draft and target at one address: `serve-draft --target in-process`) whose draft stream was
     cut (UNAVAILABLE, or a stream without its finish): the process serving both is gone or going, so its target
     would fail the continuation too (two fallbacks for one death, before)."""
-    pair = lease.pair
-    if pair.draft is None or pair.draft.addr != pair.target.addr:
+    if not _one_process(lease.pair):
         return False
     code = getattr(exc, "code", None)
     return isinstance(exc, StreamBroken) or (callable(code) and code() == grpc.StatusCode.UNAVAILABLE)

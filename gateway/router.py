@@ -219,8 +219,10 @@ class Router:
         check = await client.probe()
         up = self._judge(pair, part, check)
         if up and not pair.is_up(part):
-            misfit = await (self._learn_target(pair) if part is Part.TARGET else self._learn_draft(pair))
-            if misfit:  # (QA: a target restarted as another model served its ids to this tokenizer, and OK)
+            if part is Part.DRAFT:  # (a draft that does not fit its target says so itself: NOT_SERVING)
+                await self._learn_draft(pair)
+            elif misfit := await self._learn_target(pair):
+                # (QA: a target restarted as another model served its ids to this tokenizer, and OK)
                 check, up = HealthCheck(Health.MISFIT, misfit), False
         self._set(pair, part, up, check)
 
@@ -285,13 +287,12 @@ class Router:
             pair.target_model, pair.max_context_len = info.model, info.max_context_len
         return ""
 
-    async def _learn_draft(self, pair: Pair) -> str:
+    async def _learn_draft(self, pair: Pair) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError):
             info = await pair.draft.model_info()
             pair.draft_model, pair.draft_max_context_len = info.model, info.max_context_len
             if all(info.spec.HasField(f) for f in TREE_CAP_FIELDS):
                 pair.draft_shape = {f: getattr(info.spec, f) for f in TREE_CAP_FIELDS}
-        return ""  # (a draft that does not fit its target says so itself: NOT_SERVING)
 
     async def _health_loop(self, pair: Pair) -> None:
         """One pair's checks: each pair keeps its own pace, so a pair that never answers (each check waits out its

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from grpc_health.v1 import health_pb2
 
 from gateway.auth import ApiKeyFile, ApiKeyInterceptor
-from gateway.config import GatewayConfig, GatewayLimits, PairAddress, model_vocab_size
+from gateway.config import GatewayConfig, GatewayLimits, PairAddress
 from gateway.interceptors import AccessLogInterceptor, MetricsInterceptor
 from gateway.limits import max_request_bytes
 from gateway.pair_metrics import track_pair_parts
@@ -89,7 +89,7 @@ async def start_gateway(
 ) -> RunningGateway:
     """Start serving (call inside the event loop); `await gateway.stop()` when done."""
     tokenizer = load_tokenizer(config.model_dir)
-    router = Router.connect(config.pairs, pair_tls(tls), config.health_interval_s, model_vocab_size(config.model_dir))
+    router = Router.connect(config.pairs, pair_tls(tls), config.health_interval_s, tokenizer.model_vocab_size)
     servicer = GatewayServicer(tokenizer, router, config.limits, config.model_dir, clients_by_key=bool(api_keys),
                                served_model_name=config.served_model_name, pair_wait_s=config.pair_wait_s)
     interceptors = [*server_interceptors(), AccessLogInterceptor()]

@@ -75,13 +75,15 @@ def load_tensors(
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
     on_file=None,
+    files: dict[str, Path] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Load `names` (all tensors when None). Float tensors are cast to `dtype`; integer/bool tensors keep theirs.
 
     Missing tensors raise ConfigError naming the tensor and the directory.
     `on_file(path, num_tensors)` is called once per file read (start-up progress).
+    `files`: the directory's `tensor_files`, when the caller read them already (each file's header read once).
     """
-    mapping = tensor_files(model_dir)
+    mapping = tensor_files(model_dir) if files is None else files
     wanted = list(mapping) if names is None else list(names)
     missing = [n for n in wanted if n not in mapping]
     if missing:

@@ -83,15 +83,15 @@ def load_target(
     if dummy:
         _random_init(model, seed=0)
     else:
-        # old Llama-2 conversions carry their rope tables (computed here, never loaded)
-        names = {n for n in tensor_files(path) if not n.endswith(ROPE_TABLE)}
+        files = _checkpoint_files(path)
+        names = set(files)
         skip = {TARGET_LM_HEAD} if cfg.tie_word_embeddings else set()
         if cfg.tie_word_embeddings and TARGET_LM_HEAD in names:
             log.warning("%s: config.json ties lm_head to the embeddings, so the checkpoint's own %s is not read "
                         "(transformers 5 would read it: untie it in config.json if it was trained apart)", path,
                         TARGET_LM_HEAD)
             names.discard(TARGET_LM_HEAD)
-        tensors = load_tensors(path, names, dtype=dtype, device=device, on_file=_progress)
+        tensors = load_tensors(path, names, dtype=dtype, device=device, on_file=_progress, files=files)
         _fill(model, tensors, str(path), skip=skip)
     model.tie_weights()
     fuse_projections(model)
@@ -118,15 +118,15 @@ def load_draft(
         )
     if cfg.kind == "eagle3" and not cfg.aux_layer_inputs:
         cfg = replace(cfg, aux_layer_inputs=default_aux_layer_inputs(target_cfg.num_layers))
-    draft_names = {n for n in tensor_files(path) if not n.endswith(ROPE_TABLE)} if not dummy else set()
-    if cfg.kind == "eagle1" and not dummy and "fc.bias" not in draft_names:
+    draft_files = _checkpoint_files(path) if not dummy else {}
+    if cfg.kind == "eagle1" and not dummy and "fc.bias" not in draft_files:
         cfg = replace(cfg, eagle1_fc_bias=False)
     model = _build(EagleDraft, cfg, device, dtype, max_positions)
     if dummy:
         _random_init(model, seed=1)  # d2t stays zero: draft id == target id
         fuse_projections(model)
         return model.eval()
-    own = load_tensors(path, draft_names, dtype=dtype, device=device, on_file=_progress)
+    own = load_tensors(path, set(draft_files), dtype=dtype, device=device, on_file=_progress, files=draft_files)
     own.pop("t2d", None)  # the draft->target map d2t is all we need
     # an EAGLE-3 head over the whole target vocabulary may ship no map: d2t stays zero (draft id == target id)
     skip = {"d2t"} if cfg.kind == "eagle3" and "d2t" not in own and cfg.draft_vocab_size == cfg.vocab_size else set()
@@ -134,6 +134,11 @@ def load_draft(
     _fill(model, {**shared, **own}, str(path), skip=skip)
     fuse_projections(model)
     return model.eval()
+
+
+def _checkpoint_files(path) -> dict[str, Path]:
+    """`tensor_files` less the rope tables old Llama-2 conversions carry (computed here, never loaded)."""
+    return {n: f for n, f in tensor_files(path).items() if not n.endswith(ROPE_TABLE)}
 
 
 def fuse_projections(model: nn.Module) -> None:

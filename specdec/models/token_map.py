@@ -55,9 +55,10 @@ def eagle3_draft_vocab(head_dir: str | Path) -> list[int]:
     """The target ids of an EAGLE-3 head's draft vocabulary (draft id i is target id i + d2t[i])."""
     from specdec.weights import load_tensors, tensor_files
 
-    if "d2t" not in tensor_files(head_dir):
+    files = tensor_files(head_dir)
+    if "d2t" not in files:
         raise ConfigError(f"{head_dir}: no d2t tensor: not an EAGLE-3 head with a draft vocabulary")
-    d2t = load_tensors(head_dir, {"d2t"})["d2t"].long()
+    d2t = load_tensors(head_dir, {"d2t"}, files=files)["d2t"].long()
     return (torch.arange(d2t.numel()) + d2t).tolist()
 
 

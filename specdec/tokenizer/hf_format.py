@@ -105,12 +105,14 @@ def _merge_pair(merge: str | list[str]) -> tuple[str, str]:
 
 
 def _check_merge_order(path: Path, merges: list, mergeable_ranks: dict[bytes, int]) -> None:
-    """tiktoken uses ids as merge ranks: each merge's result id must not precede an earlier merge's."""
+    """tiktoken uses ids as merge ranks: each merge's result id must not precede an earlier merge's, and each
+    token's ranked split must be one a merge lists (module docstring)."""
     last_id = -1
     splits: dict[bytes, list[tuple[bytes, bytes]]] = {}  # token -> the (left, right) merges that make it
     for index, merge in enumerate(merges):
         left, right = _merge_pair(merge)
-        merged = _to_bytes(path, left + right)
+        pair = (_to_bytes(path, left), _to_bytes(path, right))
+        merged = pair[0] + pair[1]
         merged_id = mergeable_ranks.get(merged)
         if merged_id is None:
             raise ConfigError(f"{path}: merge {index} ({left!r}, {right!r}) makes a token not in the vocab")
@@ -120,7 +122,7 @@ def _check_merge_order(path: Path, merges: list, mergeable_ranks: dict[bytes, in
                 f"{last_id}); it cannot be run as tiktoken ranks"
             )
         last_id = merged_id
-        splits.setdefault(merged, []).append((_to_bytes(path, left), _to_bytes(path, right)))
+        splits.setdefault(merged, []).append(pair)
     for merged, pairs in splits.items():  # a token may be listed with several splits (ids as ranks allow all)
         built = _ranked_split(merged, mergeable_ranks[merged], mergeable_ranks)
         if tuple(built) not in pairs:

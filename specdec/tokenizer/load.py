@@ -80,6 +80,7 @@ def build_tokenizer(vocab: BpeVocab, config: TokenizerConfig) -> Tokenizer:
         eos_token_ids=eos_token_ids,
         chat_stop_token_ids=find_chat_stop_token_ids(vocab.special_tokens, eos_token_ids, template_source),
         bos_token_id=vocab.special_tokens.get(config.bos_token) if config.bos_token else None,
+        model_vocab_size=config.model_vocab_size or 0,
     )
 
 

@@ -33,9 +33,11 @@ class Tokenizer:
         eos_token_ids: tuple[int, ...],
         chat_stop_token_ids: tuple[int, ...],
         bos_token_id: int | None = None,
+        model_vocab_size: int = 0,
     ) -> None:
         self.name = vocab.name
         self.vocab_size = vocab.vocab_size
+        self.model_vocab_size = model_vocab_size  # the model's logits width by its config.json (0: no config)
         self.special_tokens = dict(vocab.special_tokens)
         self.default_allowed_special = vocab.default_allowed_special
         self.eos_token_ids = eos_token_ids  # a plain completion ends at any of these

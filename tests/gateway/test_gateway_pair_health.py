@@ -168,11 +168,11 @@ def test_a_target_of_another_vocabulary_is_kept_down_until_it_serves_the_gateway
     gateway tokenizer's: the pair stays down with why, requests go to the other pair (QA: plain requests got
     INVALID_ARGUMENT "token id ... outside the vocabulary" or another model's text with OK), and it comes up once
     it serves the gateway's model again."""
-    from gateway.config import model_vocab_size
+    from specdec.tokenizer import load_tokenizer
     from specdec.v1 import common_pb2, gateway_pb2
 
     caplog.set_level(logging.INFO, logger=ROUTER_LOG)
-    vocab = model_vocab_size(model_dir)
+    vocab = load_tokenizer(model_dir).model_vocab_size
     assert vocab > 0
 
     async def body():
