@@ -11,8 +11,9 @@ At batch 1-4 a layer's decode attention is a few microseconds of work; flashinfe
 a step; a tree's masked plan ~0.4 ms). This one plans by writing two small device buffers (a tree's packed mask
 a third), with the interface of `GraphAttention`'s plans (`plan`, `plan_causal`), so `TargetGraphs` swaps one for
 the other per shape. Measured in docs/benchmarks.md (fifteenth pass): at batch 8 and at ~4000 positions it was
-slower, so those keep flashinfer; a chain verify's several queries (sixteenth pass) won at 384 positions and lost
-at 1 request from 1024 on.
+slower as kernels, and a chain verify's several queries (sixteenth pass) won at 384 positions and lost at 1 request
+from 1024 on; but whole calls (forty-first pass), the host plan included, ran faster here up to ~3700 positions at
+1-4 requests, so contexts up to 4096 attend here. Batch 8 keeps flashinfer.
 """
 
 from __future__ import annotations
@@ -23,11 +24,16 @@ from specdec.attention.batch import SeqAttention
 from specdec.host_copy import copy_in
 
 MAX_BATCH = 4  # plain-decode batches up to this size attend here (larger: flashinfer)
-MAX_CONTEXT = 2048  # positions: longer contexts go to flashinfer (at ~4000 its kernel was 3-10 us a layer faster)
+# positions: longer contexts go to flashinfer. At ~4000 its kernel was 3-10 us a layer faster (fifteenth pass), but its
+# step plans on the host (0.2-0.6 ms before the launch): whole plain-decode calls at 1-4 requests and 2300-3730
+# positions ran 0.09-0.37 ms faster here (bench/chain_context_ab.py --drafts 0, forty-first pass)
+MAX_CONTEXT = 4096
 MAX_QUERIES = 9  # tokens per request: plain decode and chain verifies of up to 8 drafts (longer: flashinfer)
-# positions, for several tokens a request: at 384 the kernel beat flashinfer's at 1-4 requests and 7 or 9 tokens
-# (8.8-13.3 us a layer against 10.2-16.4), at 1024 it lost at 1 request and at 4 of 9 tokens (sixteenth pass)
-MAX_CHAIN_CONTEXT = 512
+# positions, for several tokens a request: from 1024 on flashinfer's kernel is up to ~5 us a layer faster at 1 request
+# (sixteenth pass), but whole verify calls of chains of 5 and 8 drafts at 1-4 requests ran faster here at 640-3740
+# positions (by 0.1-0.96 ms; 0.05-0.48 ms past 2048, one row of 27 0.07 ms slower), the host plan costing more than
+# the faster kernel saves (bench/chain_context_ab.py, forty-first pass)
+MAX_CHAIN_CONTEXT = MAX_CONTEXT
 # tree verifies (a mask per request) at small batch: measured against flashinfer's masked prefill (which also plans
 # on the host: ~0.4 ms of a 64-token tree's verify) in bench/decode_attn_micro.py --tree (twenty-first pass)
 MAX_TREE_BATCH = 8

@@ -191,6 +191,31 @@ def test_small_forwards_attend_through_the_triton_kernel():
     assert graphs._graph(1, 6, (), False, MAX_TREE_CONTEXT + 1)[0] is graphs.graphs[(1, 6, (), False)]
 
 
+def test_long_chain_verifies_through_the_triton_kernel_match_flashinfer(monkeypatch):
+    """Chain verifies at ~1100 positions (past the old 512 limit) replay the Triton kernel's graph, and give the
+    tokens and features flashinfer's graph gives for the same calls (the limit lowered for a twin request)."""
+    from specdec.attention import triton_decode
+    from specdec.engine.requests import PrefillInput, VerifyInput
+    from specdec.sampling_params import SamplingParams
+
+    eng = _engine("flashinfer")
+    graphs = eng.graphs
+    prompt = [300 + (i * 37) % 5000 for i in range(1100)]
+    params = SamplingParams(max_new_tokens=100, ignore_eos=True)
+    eng.prefill([PrefillInput(rid, prompt, params) for rid in ("triton", "flashinfer")])
+    for step in range(4):
+        out = {}
+        for rid, limit in (("triton", triton_decode.MAX_CHAIN_CONTEXT), ("flashinfer", 512)):
+            monkeypatch.setattr(triton_decode, "MAX_CHAIN_CONTEXT", limit)
+            out[rid] = eng.verify([VerifyInput(rid, [5 + step, 6, 7, 8], [-1, 0, 1, 2])])[0]
+        monkeypatch.undo()
+        a, b = out["triton"], out["flashinfer"]
+        assert a.tokens == b.tokens
+        rel = ((a.features.float() - b.features.float()).norm() / b.features.float().norm()).item()
+        assert rel < 2e-2, (step, rel)
+    assert graphs._graph(1, 5, (), True, 1120)[0] is graphs.decode_graphs[(1, 5, (), True)]
+
+
 @pytest.mark.parametrize("graphs", [True, False])
 def test_plain_step_chunks_equal_single_steps_on_gpu(graphs):
     """Greedy plain steps chained on the device (one host sync per chunk, the next step planned while the GPU runs
