@@ -13,7 +13,7 @@ from collections.abc import Callable
 from draft_service.colocated import IN_PROCESS, ColocatedTargetService, draft_options, load_target
 from draft_service.colocated import check_args as check_target_args
 from draft_service.servicer import DraftServicer
-from draft_service.target_client import TargetClient
+from draft_service.target_client import NotGrpc, TargetClient
 from draft_service.target_watch import TargetWatch
 from specdec.config import ModelConfig
 from specdec.engine.adaptive import FULL, SpeculationPolicy, budget_menu
@@ -53,7 +53,7 @@ def _connect(client: TargetClient, timeout_s: float, stop: threading.Event):
     while True:
         try:
             return client.model_info()
-        except ConfigError as exc:
+        except (ConfigError, NotGrpc) as exc:
             raise ConfigError(f"--target {client.addr}: {exc}") from None
         except NotReady as exc:
             if time.monotonic() > deadline:

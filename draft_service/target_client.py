@@ -28,6 +28,7 @@ from specdec.errors import (
     UnknownRequest,
 )
 from specdec.rpc.options import channel_options
+from specdec.rpc.peer_protocol import not_grpc, not_grpc_text
 from specdec.rpc.target_codec import (
     prefill_output_from_proto,
     prefill_to_proto,
@@ -61,6 +62,12 @@ class MalformedReply(SpecdecError):
     """The target answered with something the draft cannot use (INTERNAL: not the caller's fault)."""
 
 
+class NotGrpc(NotReady):
+    """The target's address answers, but not in gRPC (another kind of server there): start-up stops at once
+    instead of waiting for it (`draft_service.app`); a call that meets it later is UNAVAILABLE like any target
+    away."""
+
+
 def _code(exc: grpc.RpcError) -> grpc.StatusCode:
     return exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
 
@@ -75,6 +82,8 @@ def _translate(exc: grpc.RpcError, hint: bool = True) -> SpecdecError:
         cls = NotReady
     if code == grpc.StatusCode.UNIMPLEMENTED:  # a gateway's or a draft's address given as the target's (QA)
         return ConfigError(f"{TARGET_PREFIX}{details}: the address does not serve specdec.v1.TargetService")
+    if not_grpc(code, details):
+        return NotGrpc(f"{TARGET_PREFIX}{not_grpc_text('the address')} ({details})")
     return cls(f"{TARGET_PREFIX}{details}{handshake_hint(code, details, 'the target', '--target-tls') if hint else ''}")
 
 

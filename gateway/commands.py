@@ -14,6 +14,7 @@ import grpc
 from gateway.client import GatewayClient, GenerationStats
 from gateway.local_stack import STOP_SIGNALS, LocalStack, StackConfig, is_gateway_serving, temporary_stack
 from specdec.errors import SpecdecError
+from specdec.rpc.peer_protocol import not_grpc, not_grpc_text
 from specdec.rpc.tls import TlsConfig, handshake_hint
 
 DEFAULT_LOCAL_ADDR = "localhost:50050"
@@ -131,6 +132,8 @@ def rpc_error_text(exc: grpc.RpcError, timeout_s: float | None, connected: bool 
     something, so a closed socket is not a handshake refused (QA: a gateway killed mid-stream read as a TLS hint)."""
     if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout_s is not None:
         return f"DEADLINE_EXCEEDED: the request's --timeout of {timeout_s:g} s ran out"
+    if not_grpc(exc.code(), exc.details()):
+        return f"{exc.code().name}: {not_grpc_text('the gateway address')} ({exc.details()})"
     hint = "" if connected else handshake_hint(exc.code(), exc.details(), "the gateway", "--tls")
     return f"{exc.code().name}: {exc.details()}" + hint
 

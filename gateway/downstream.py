@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specdec.errors import SpecdecError
 from specdec.rpc.channel import make_channel
 from specdec.rpc.metadata import request_id_metadata
+from specdec.rpc.peer_protocol import not_grpc, not_grpc_text
 from specdec.rpc.sampling_codec import sampling_to_proto
 from specdec.rpc.tls import TlsConfig
 from specdec.rpc.tls_reload import tls_watch
@@ -73,7 +74,7 @@ class Health(enum.Enum):
     SERVING = "serving"
     NOT_SERVING = "not serving"  # it answered NOT_SERVING: loading, draining, or its own backend away
     FAILED = "failed"  # the check failed: nothing listens there (connection refused), TLS, DNS, ...
-    WRONG_SERVICE = "wrong service"  # it answers, but does not know the expected service: another kind of server
+    WRONG_SERVICE = "wrong service"  # it answers, but not the expected service (or not gRPC): another kind of server
     NO_ANSWER = "no answer"  # the deadline passed
     STALLED = "stalled"  # it answered UNKNOWN: its engine thread is stuck in one step (`specdec.serving.stall_watch`)
     MISFIT = "misfit"  # a target serving a model of another vocabulary than the gateway's tokenizer (`Router`)
@@ -150,6 +151,8 @@ class _ServiceClient:
         if code in _WRONG_SERVICE_CODES:
             return HealthCheck(Health.WRONG_SERVICE, f"does not implement {self.service_name} (its health check "
                                                      f"answered {status}; --pair is DRAFT=TARGET)")
+        if not_grpc(code, details):
+            return HealthCheck(Health.WRONG_SERVICE, f"{not_grpc_text('it')} ({status})")
         what = "connection refused" if "connection refused" in details.lower() else "health check failed"
         return HealthCheck(Health.FAILED, f"{what} ({status})")
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 import json
 import os
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -54,3 +56,19 @@ def tiny_tokenizer(tiny_dir):
     from specdec.tokenizer import load_tokenizer
 
     return load_tokenizer(tiny_dir / "target")
+
+
+@pytest.fixture
+def http1_addr():
+    """HOST:PORT of a plain HTTP/1 server (what a service's --metrics-port or any web server answers with), for
+    clients pointed at an address that is not a gRPC port."""
+    class Quiet(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()

@@ -129,3 +129,12 @@ def test_a_socket_closed_after_text_arrived_gets_no_tls_hint():
 
     assert "--tls-ca" in rpc_error_text(Closed(), None)
     assert rpc_error_text(Closed(), None, connected=True) == "UNAVAILABLE: Stream removed (Socket closed)"
+
+
+def test_a_gateway_address_that_is_not_grpc_is_named_as_such(http1_addr, capsys):
+    """`specdec generate --addr` at an HTTP/1 port printed gRPC's "Failed parsing HTTP/2 (Expected SETTINGS
+    frame ...)" alone (QA)."""
+    assert cli_main(["generate", "--addr", http1_addr, "def f"]) != 0
+    err = capsys.readouterr().err
+    assert "UNAVAILABLE: the gateway address answered, but not in gRPC's HTTP/2" in err
+    assert "Traceback" not in err

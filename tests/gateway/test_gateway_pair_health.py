@@ -101,6 +101,31 @@ def test_a_draft_never_up_is_logged_once_with_its_address_and_why_then_once_when
     assert steady == [] and draft_gauge_after == 1.0
 
 
+def test_a_part_whose_address_is_not_grpc_is_down_as_another_kind_of_server(fake_model, caplog, http1_addr):
+    """A pair part at an HTTP/1 port (a metrics port, say): its health check fails with gRPC's "Failed parsing
+    HTTP/2"; the router logs it as not speaking gRPC (before: "health check failed" and gRPC's text alone, QA)."""
+    caplog.set_level(logging.INFO, logger=ROUTER_LOG)
+
+    async def body():
+        fake = await start_fake_pair(fake_model)
+        addr = PairAddress(http1_addr, fake.address.target)
+        router = Router.connect([addr], None, health_interval_s=0.2)
+        try:
+            await router.check_once()
+            return addr, router.pairs[0].draft_up, router_lines(caplog)
+        finally:
+            await router.close()
+            for handle in (fake.draft_handle, fake.target_handle):
+                await handle.stop(None)
+
+    addr, draft_up, lines = run(body())
+    assert not draft_up
+    level, line = next(line for line in lines if ": draft " in line[1])
+    assert level == "WARNING" and line.startswith(f"pair 0 ({addr}): draft {http1_addr} is down: it answered, but "
+                                                  "not in gRPC's HTTP/2: it is another kind of server")
+    assert "Failed parsing HTTP/2" in line
+
+
 def test_a_swapped_pair_says_each_address_serves_the_other_kind(fake_model, caplog):
     """QA: `--pair TARGET=DRAFT` (the addresses swapped) gave no router line at all. Each health check names the
     service it expects, and each server answers NOT_FOUND for the other one's name: both parts are logged down,

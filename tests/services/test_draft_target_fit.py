@@ -70,3 +70,15 @@ def test_a_target_address_that_serves_another_service_is_named_as_such():
     finally:
         draft.stop()
         target.stop()
+
+
+def test_a_target_address_that_is_not_grpc_fails_at_once_naming_it(http1_addr):
+    """`--target` at an HTTP/1 port (a metrics port, a web server): start-up waited all of --target-wait-seconds
+    and then printed gRPC's "Failed parsing HTTP/2" alone (QA). Now it stops at once and says what answered."""
+    import time
+
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=rf"--target {http1_addr}: target: the address answered, but not in "
+                                           r"gRPC's HTTP/2: .*metrics-port.*Failed parsing HTTP/2"):
+        _draft(http1_addr, TINY / "target", "draft", "--target-wait-seconds", "60").start()
+    assert time.monotonic() - started < 30
