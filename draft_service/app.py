@@ -170,6 +170,16 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
         own = 0.0 if client.waits_on_target(loop.thread_id) else loop.busy_s()
         return max(own, colocated.busy_s() if colocated is not None else 0.0)
 
+    def stalled_thread() -> str:
+        """Which engine thread a stall is in: with the target in-process, its own thread where that one has been
+        in its round longer, or holds the target engine the draft's thread waits for (QA: a frozen target thread
+        was named the draft's, whose step waited for it)."""
+        loop = state.get("loop")
+        if colocated is not None and (colocated.holds_engine() or
+                                      (loop is not None and colocated.busy_s() >= loop.busy_s())):
+            return "the in-process target's engine thread"
+        return "the draft's engine thread"
+
     async def load(metrics) -> str:
         stop = threading.Event()
         try:
@@ -247,7 +257,8 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
         name="draft", health_name=HEALTH_NAME, servicers=servicers,
         load=load, close=close, host=args.host, port=args.port, tls=TlsConfig.from_args(args),
         metrics_port=args.metrics_port, drain_s=args.drain_seconds, model_name=model_label(args.model),
-        trace_parent_required=parent_required, engine_busy=engine_busy, stall_s=args.engine_stall_seconds,
+        trace_parent_required=parent_required, engine_busy=engine_busy, engine_which=stalled_thread,
+        stall_s=args.engine_stall_seconds,
         **hosted,
     ), shutdown, ready)
 

@@ -142,6 +142,7 @@ class ColocatedTargetService:
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.servicer = TargetServicer(None, None, args.target_model)
+        self.lock = None  # the target engine's, shared with the draft's calls (`start`)
 
     def add_to(self, server) -> None:
         add_target_servicer(self.servicer, server)
@@ -155,6 +156,7 @@ class ColocatedTargetService:
         loop = engine_loop(target.engine, max_batch_size, self.args.max_queue_wait_seconds, PLAIN_STEPS,
                            DEFAULT_REQUEST_IDLE_S if idle_s is None else idle_s, metrics, lock=target.lock)
         loop.start()
+        self.lock = target.lock
         self.servicer.engine, self.servicer.loop, self.servicer.metrics = target.engine, loop, metrics
 
     def busy(self) -> bool:
@@ -164,6 +166,11 @@ class ColocatedTargetService:
     def busy_s(self) -> float:
         """How long its engine thread has been in its current round (`EngineLoop.busy_s`; 0 before `start`)."""
         return self.servicer.loop.busy_s() if self.servicer.loop is not None else 0.0
+
+    def holds_engine(self) -> bool:
+        """Whether its engine thread holds the target engine (the lock the draft's calls take in turn with it)."""
+        loop = self.servicer.loop
+        return loop is not None and loop.thread_id is not None and self.lock.holder == loop.thread_id
 
     def stop(self) -> None:
         if self.servicer.loop is not None:

@@ -17,6 +17,7 @@ class FairLock:
         self._cond = threading.Condition(threading.Lock())
         self._issued = 0  # tickets handed out
         self._serving = 0  # the ticket that holds the lock (or may take it)
+        self.holder: int | None = None  # the thread that holds it (`threading.get_ident`), None while free
 
     def acquire(self) -> None:
         with self._cond:
@@ -24,9 +25,11 @@ class FairLock:
             self._issued += 1
             while self._serving != ticket:
                 self._cond.wait()
+            self.holder = threading.get_ident()
 
     def release(self) -> None:
         with self._cond:
+            self.holder = None
             self._serving += 1
             self._cond.notify_all()
 

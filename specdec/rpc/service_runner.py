@@ -55,6 +55,7 @@ class ServiceSpec:
     # serves), and how long a round may last before the service reports itself stalled (0: never)
     engine_busy: Callable[[], float] | None = None
     stall_s: float = 0.0
+    engine_which: Callable[[], str] | None = None  # a process of two engine threads: the stalled one's name
 
 
 async def run_service(spec: ServiceSpec, shutdown: asyncio.Event, ready: Callable[[int], None] | None = None) -> None:
@@ -89,7 +90,7 @@ async def run_service(spec: ServiceSpec, shutdown: asyncio.Event, ready: Callabl
         if spec.watch is not None:
             watches.append(asyncio.ensure_future(spec.watch(health.set_backend)))
         if spec.engine_busy is not None and spec.stall_s > 0:
-            stalls = StallWatch(spec.engine_busy, spec.stall_s, f"the {spec.name}'s engine thread")
+            stalls = StallWatch(spec.engine_busy, spec.stall_s, f"the {spec.name}'s engine thread", spec.engine_which)
             watches.append(asyncio.ensure_future(stalls.run(health.set_stalled)))
         await shutdown.wait()  # (a watch still running reports nothing: health ignores sets once the drain begins)
         log.info("%s draining (up to %.0f s)", spec.name, spec.drain_s)

@@ -32,10 +32,13 @@ PAUSED_S = 2.0  # a look this late (at most; half a shorter limit) follows a pau
 
 
 class StallWatch:
-    def __init__(self, busy_s: Callable[[], float], stall_s: float, what: str) -> None:
+    def __init__(self, busy_s: Callable[[], float], stall_s: float, what: str,
+                 which: Callable[[], str] | None = None) -> None:
         """`busy_s`: seconds the engine thread has been in its current round (`EngineLoop.busy_s`); `stall_s`: how
-        long a round may last before the service counts as stalled (> 0); `what`: the engine's name in messages."""
-        self.busy_s, self.stall_s, self.what = busy_s, stall_s, what
+        long a round may last before the service counts as stalled (> 0); `what`: the engine's name in messages;
+        `which`: where a process has two engine threads (a draft with its target in-process), the name of the one
+        held longer, read when a stall begins (QA: the in-process target's frozen thread was named the draft's)."""
+        self.busy_s, self.stall_s, self.what, self.which = busy_s, stall_s, what, which
         self.look_s = min(LOOK_S, stall_s / 4)
         if stall_s < SHORT_STALL_S:
             # QA, 2 s on a 2-core CPU: a 1,500-token prefill outlasted it, the streams moved to the other pair, whose
@@ -75,6 +78,8 @@ class StallWatch:
             self._longest = max(self._longest, busy)
             if not self.stalled:
                 self.stalled, self.stalls = True, self.stalls + 1
+                if self.which is not None:
+                    self.what = self.which()
                 log.error("%s (%.1f s so far); health reports UNKNOWN under every name (a liveness probe's too) "
                           "and new calls are refused until it moves again", self.reason, busy)
                 await report(self.reason)

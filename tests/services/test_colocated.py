@@ -252,3 +252,44 @@ def test_draft_requests_get_pages_in_turn_beside_busy_plain_clients():
         svc.stop()
     assert [d if isinstance(d, Exception) else len(d) for d in drafts] == [60] * 4
     assert min(plain_counts) >= 1 and whole == (True, True)
+
+
+@pytest.mark.parametrize("frozen", ["target", "draft"])
+def test_a_stall_names_the_engine_thread_it_is_in(monkeypatch, caplog, frozen):
+    """With the target in-process, a stall of the TargetService's engine thread (holding the target engine while
+    the draft's step waits for it) was logged as the draft's engine thread's (QA); a stall of the draft's own step
+    is the draft's."""
+    import logging
+    import threading
+
+    from specdec.engine.draft_engine import DraftEngine
+    from specdec.engine.target_engine import TargetEngine
+
+    cls, method, thread = ((TargetEngine, "verify", "target-engine") if frozen == "target"
+                           else (DraftEngine, "propose", "draft-engine"))
+    real, armed = getattr(cls, method), threading.Event()
+
+    def slow(self, *args, **kwargs):
+        if threading.current_thread().name == thread and armed.is_set():
+            armed.clear()
+            threading.Event().wait(3.0)  # a hung kernel, say
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, method, slow)
+    caplog.set_level(logging.ERROR, logger="specdec.serving.stall_watch")
+    svc = _colocated("--engine-stall-seconds", "1")
+    try:
+        armed.set()
+
+        async def body():
+            plain = asyncio.ensure_future(_plain_generate(svc.addr, "p", PROMPTS[0], 4))
+            await asyncio.sleep(0.3)
+            return await asyncio.gather(plain, _draft_generate(svc.addr, "d", PROMPTS[1], 4))
+
+        plain, drafted = asyncio.run(body())
+    finally:
+        svc.stop()
+    assert len(plain) == 4 and len(drafted) == 4
+    said = [r.getMessage() for r in caplog.records if "has been in one step" in r.getMessage()]
+    name = "the in-process target's engine thread" if frozen == "target" else "the draft's engine thread"
+    assert said and all(m.startswith(f"{name} has been in one step for over 1 s") for m in said), said
