@@ -167,6 +167,8 @@ class TargetClient:
         self._abandoned[old.generation] = why
         self._link = self._open(old.credentials, old.generation + 1)
         old.channel.close()
+        # what answers next may be a target restarted with TLS: its refused handshake gets the hint again
+        self._answered_over = _NEVER
 
     def _call(self, method: str, request, timeout_s: float | None = None, watched: bool = True):
         """One blocking call of the link's `method`; under a trace (a sampled step, a request's prefill) it carries

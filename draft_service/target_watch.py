@@ -13,7 +13,9 @@ row, or answered by a target that does not fit the draft (the start-up checks: `
 the draft reports NOT_SERVING under its service's name and the overall "" (the gateway then serves the pair's
 requests on its target plainly, or on another pair); a target that answers and fits makes it SERVING again. The
 process's `liveness` name stays SERVING: a Kubernetes liveness probe does not restart the draft for its target's
-absence. Each change is logged once.
+absence. Each change is logged once, and while the target does not answer each new reason once (at most
+`MAX_REASONS`): a target back with TLS where the draft speaks plaintext closes the handshake, which the draft then
+words as such (QA: the log kept the first reason, `Connection refused`, for good).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ MISSES_DOWN = 2  # unanswered calls in a row before the draft reports NOT_SERVIN
 ANSWER_S = 5.0  # how long a call waits for its answer
 RECHECK_S = 0.25  # between two calls once one went unanswered or a request's call missed the target (and at least)
 _UNANSWERED = "unanswered"
+MAX_REASONS = 8  # new reasons for one outage that are logged (the rest are not)
 
 
 class TargetWatch:
@@ -43,6 +46,7 @@ class TargetWatch:
         self.interval_s, self.misses_down, self.answer_s = interval_s, misses_down, answer_s
         self.down: str | None = None  # why the draft reports NOT_SERVING (None: it is ready)
         self._missed = 0
+        self._reasons: set[str] = set()  # why the target did not answer, as logged during this outage
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
 
@@ -95,8 +99,12 @@ class TargetWatch:
                     await set_ready(True)
                 return
         if key == self.down:
+            if key == _UNANSWERED and message not in self._reasons and len(self._reasons) < MAX_REASONS:
+                self._reasons.add(message)
+                log.info("%s (still NOT_SERVING)", message)
             return
         was_ready, self.down = self.down is None, key
+        self._reasons = {message}
         if key == _UNANSWERED:
             self.client.abandon_calls(message)  # calls still waiting for it end now: their requests fail over
         log.warning("%s: this draft reports NOT_SERVING until its target answers and fits it", message)

@@ -118,7 +118,8 @@ def test_a_plaintext_draft_is_told_its_target_may_serve_tls(fake_server, certs):
 def test_a_target_that_answered_and_then_went_away_gets_no_tls_hint(fake_server):
     """A plaintext target killed mid-Prefill ends the call `UNAVAILABLE ... Socket closed`, as a TLS refusal does;
     once the target has answered over the same credentials it is not a handshake, so no TLS hint (QA: the gateway
-    logged one for every killed plaintext target)."""
+    logged one for every killed plaintext target). Once the draft's target watch has found it away, the hint comes
+    back: the target may have restarted with TLS (QA: a plaintext draft then only ever said `Socket closed`)."""
     from draft_service.target_client import TargetClient
 
     class Closed(grpc.RpcError):
@@ -134,14 +135,18 @@ def test_a_target_that_answered_and_then_went_away_gets_no_tls_hint(fake_server)
             fresh, answered = TargetClient(addr), TargetClient(addr)
             try:
                 await asyncio.to_thread(answered.model_info, 3.0)
-                return (str(fresh._failed(Closed(), fresh._link, watched=False)),
+                before = str(answered._failed(Closed(), answered._link, watched=False))
+                # the target watch found it away (its calls abandoned): what answers next may serve TLS
+                answered.abandon_calls("the target does not answer")
+                return (str(fresh._failed(Closed(), fresh._link, watched=False)), before,
                         str(answered._failed(Closed(), answered._link, watched=False)))
             finally:
                 fresh.close()
                 answered.close()
 
-    never, after = run(body())
+    never, after, away = run(body())
     assert "if it serves TLS" in never and "Socket closed" in after and "TLS" not in after
+    assert "if it serves TLS, pass --target-tls-ca" in away
 
 
 def test_flags():

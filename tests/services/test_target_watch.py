@@ -70,6 +70,20 @@ def test_one_unanswered_call_is_a_hiccup_two_in_a_row_take_the_draft_out_until_t
     assert len(watch.client.abandoned) == 1  # calls still waiting for an unanswering target end at once
 
 
+def test_each_new_reason_the_target_does_not_answer_is_logged_once(caplog):
+    """While the target stays away, a new reason is worth a line (a target back with TLS where the draft speaks
+    plaintext: the handshake hint; QA: the log kept `Connection refused`); the same reason again is not."""
+    refused, closed = NotReady("target: Connection refused"), NotReady("target: Socket closed (if it serves TLS...)")
+    with caplog.at_level(logging.INFO, logger="draft_service.target_watch"):
+        watch, reported = watch_over([GOOD, refused, refused, refused, closed, closed, refused, GOOD])
+    assert reported == [False, True]
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3 and "Connection refused" in lines[0] and "NOT_SERVING until" in lines[0]
+    assert "Socket closed (if it serves TLS...)" in lines[1] and lines[1].endswith("(still NOT_SERVING)")
+    assert "answers again" in lines[2]
+    assert len(watch.client.abandoned) == 1
+
+
 def test_a_target_restarted_as_another_model_takes_the_draft_out_until_a_fitting_one_answers(caplog):
     with caplog.at_level(logging.WARNING, logger="draft_service.target_watch"):
         watch, reported = watch_over([GOOD, OTHER, OTHER, OTHER, NotReady("x"), NotReady("y"), OTHER, GOOD])
