@@ -109,6 +109,12 @@ def test_values_schema_is_self_contained_and_enforced():
         (["--set", "draft.numDraftTokens=64"], "can grow (5)"),
         (["--set", "target.pageSize=7"], "pageSize"),  # a power of two
         (["--set", "engineStallSeconds=0.5"], "engineStallSeconds"),  # 0 or at least 1 (the services exit 2)
+        # a Jaeger alone deployed nothing and every container got OTEL_SDK_DISABLED (QA)
+        (["--set", "tracing.jaeger.enabled=true"], "tracing.jaeger.enabled=true deploys a Jaeger only for "
+                                                   "tracing.enabled=true"),
+        # a pair's two containers share the pod's network: the second to bind a port failed at start (QA)
+        (["--set", "target.metricsPort=9101"], "draft.metricsPort and target.metricsPort are both 9101"),
+        (["--set", "draft.port=50052"], "draft.port and target.port are both 50052"),
     ],
 )
 def test_incomplete_settings_fail_with_a_message(overrides, message):
@@ -318,6 +324,7 @@ def test_colocated_runs_one_container_that_serves_both_on_one_gpu():
     (("target.extraArgs[0]=--max-queue-wait-seconds=5",), "target.extraArgs would be dropped"),
     (("target.extraEnv[0].name=X", "target.extraEnv[0].value=1"), "target.extraEnv would be dropped"),
     (("draft.maxBatchSize=32",), "target.maxBatchSize (64) differs from draft.maxBatchSize (32)"),
+    (("target.plainSteps=8",), "target.plainSteps (8) would be dropped"),
 ])
 def test_colocated_refuses_target_settings_it_would_drop(sets, named):
     """pairing=colocated has no target container: a target setting that would be dropped silently (QA) is refused,
@@ -325,7 +332,8 @@ def test_colocated_refuses_target_settings_it_would_drop(sets, named):
     bad = run_helm(*template_args("colocated", *[a for s in sets for a in ("--set", s)]), check=False)
     assert bad.returncode != 0 and named in bad.stderr, bad.stderr
     for same in (("target.dtype=bfloat16",), ("target.attentionBackend=flashinfer",), ("target.cudaGraph=true",),
-                 ("target.dtype=bfloat16", "draft.dtype=auto"), ("draft.maxBatchSize=64",)):  # auto: bf16 on cuda
+                 ("target.dtype=bfloat16", "draft.dtype=auto"), ("draft.maxBatchSize=64",),  # auto: bf16 on cuda
+                 ("target.dtype=",), ("draft.dtype=", "target.dtype=bfloat16")):  # "": the default, auto (QA)
         sets = [a for s in same for a in ("--set", s)]
         assert run_helm(*template_args("colocated", *sets), check=False).returncode == 0, same
     # on a CPU there are no CUDA graphs to differ about
@@ -411,6 +419,8 @@ def test_startup_probe_leaves_time_for_model_load_and_graph_capture():
         probe = c["startupProbe"]
         budget_s = probe["periodSeconds"] * probe["failureThreshold"]
         assert budget_s >= (600 if c["name"] != "gateway" else 60), c["name"]
+        if c["name"] == "draft":  # its start waits for its target first (QA: the probe equalled that wait)
+            assert budget_s >= int(flag(c, "target-wait-seconds")) + 600
         # liveness only starts after the startup probe succeeded, so it may be strict
         assert c["livenessProbe"]["periodSeconds"] * c["livenessProbe"]["failureThreshold"] <= 120
 
@@ -743,3 +753,22 @@ def test_readme_documents_every_value():
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     missing = [path for path in leaf_values(values) if path not in documented]
     assert not missing, f"values missing from deploy/helm/specdec/README.md: {missing}"
+
+
+
+@pytest.mark.parametrize(("sets", "threshold", "configured"), [
+    ((), 240, 180),  # 1800 s of target wait + 600: 40 min at 10 s
+    (("draft.targetWaitSeconds=300",), 180, 180),  # the configured 30 min already covers 900 s
+    (("draft.targetWaitSeconds=300", "draft.startupProbe.periodSeconds=5"), 180, 180),
+    (("draft.startupProbe.failureThreshold=10", "draft.targetWaitSeconds=100"), 70, 10),
+])
+def test_a_drafts_startup_probe_covers_its_wait_for_the_target(sets, threshold, configured):
+    """A draft's start is its wait for its target (--target-wait-seconds) plus its own load, calibration and graph
+    capture: its startup probe allows at least the wait + 600 s, or the kubelet restarts it while it waits (QA);
+    with pairing=colocated there is no wait: the configured probe."""
+    args = [a for s in sets for a in ("--set", s)]
+    draft = container(one(render("default", *args), "StatefulSet", f"{FULL}-pair"), "draft")
+    assert draft["startupProbe"]["failureThreshold"] == threshold
+    colocated = container(one(render("default", "--set", "pairing=colocated", *args), "StatefulSet", f"{FULL}-pair"),
+                          "draft")
+    assert colocated["startupProbe"]["failureThreshold"] == configured

@@ -225,7 +225,13 @@ initContainers:
 {{ $kind }}:
   {{- $name := ternary $ctx.service (default $ctx.service $ctx.live) (eq $kind "readinessProbe") }}
   {{- include "specdec.probeHandler" (merge (dict "service" $name) $ctx) | nindent 2 }}
-  {{- toYaml (get $ctx.cfg $kind) | nindent 2 }}
+  {{- $probe := deepCopy (get $ctx.cfg $kind) }}
+  {{- if and (eq $kind "startupProbe") $ctx.minStartupS }}
+  {{- /* at least minStartupS seconds: a draft's start includes its wait for its target (--target-wait-seconds) */}}
+  {{- $period := int (default 10 $probe.periodSeconds) }}
+  {{- $_ := set $probe "failureThreshold" (max (int (default 3 $probe.failureThreshold)) (div (add (int $ctx.minStartupS) $period -1) $period)) }}
+  {{- end }}
+  {{- toYaml $probe | nindent 2 }}
 {{- end }}
 {{- end -}}
 
@@ -364,7 +370,10 @@ lifecycle:
     - {name: grpc-draft, containerPort: {{ $v.draft.port }}, protocol: TCP}
     - {name: metrics-draft, containerPort: {{ $v.draft.metricsPort }}, protocol: TCP}
   {{- /* ready while its target answers and fits it; alive (startup, liveness) once loaded, whatever its target does */}}
-  {{- with include "specdec.probes" (dict "root" .root "port" $v.draft.port "service" "specdec.v1.DraftService" "live" "liveness" "cfg" $v.draft) | trim }}{{ . | nindent 2 }}{{- end }}
+  {{- /* a draft's start waits for its target up to draft.targetWaitSeconds, then loads, calibrates and captures its
+         own graphs (DRAFT_START_S): its startup probe allows both */}}
+  {{- $minStart := ternary 0 (add $v.draft.targetWaitSeconds 600) $colocated }}
+  {{- with include "specdec.probes" (dict "root" .root "port" $v.draft.port "service" "specdec.v1.DraftService" "live" "liveness" "cfg" $v.draft "minStartupS" $minStart) | trim }}{{ . | nindent 2 }}{{- end }}
   {{- with include "specdec.lifecycle" .root | trim }}{{ . | nindent 2 }}{{- end }}
   resources: {{- include "specdec.modelResources" (dict "root" .root "cfg" $v.draft) | nindent 4 }}
   securityContext: {{- toYaml $v.securityContext | nindent 4 }}
@@ -489,7 +498,9 @@ volumes:
 {{- $cuda := eq $v.device "cuda" -}}
 {{- $backend := ternary "flashinfer" "torch" $cuda -}}
 {{- $autoDtype := ternary "bfloat16" "float32" $cuda -}}
-{{- $set := dict "dtype" (and (ne $v.target.dtype "auto") (ne $v.target.dtype (ternary $autoDtype $v.draft.dtype (eq $v.draft.dtype "auto"))))
+{{- $targetDtype := default "auto" $v.target.dtype -}}
+{{- $draftDtype := default "auto" $v.draft.dtype -}}
+{{- $set := dict "dtype" (and (ne $targetDtype "auto") (ne $targetDtype (ternary $autoDtype $draftDtype (eq $draftDtype "auto"))))
                  "attentionBackend" (and $v.target.attentionBackend (ne $v.target.attentionBackend (default $backend $v.draft.attentionBackend)))
                  "cudaGraph" (and $cuda (not $v.target.cudaGraph) $v.draft.cudaGraph)
                  "maxBatchSize" (and (not (kindIs "invalid" $v.target.maxBatchSize)) (not (kindIs "invalid" $v.draft.maxBatchSize)) (ne (toString $v.target.maxBatchSize) (toString $v.draft.maxBatchSize))) -}}
@@ -497,6 +508,9 @@ volumes:
 {{- if get $set $key -}}
 {{- fail (printf "pairing=colocated runs the target in the draft's process with the draft's flags: target.%s (%v) differs from draft.%s (%v); set draft.%s for both" $key (get $v.target $key) $key (get $v.draft $key) $key) -}}
 {{- end -}}
+{{- end -}}
+{{- if not (kindIs "invalid" $v.target.plainSteps) -}}
+{{- fail (printf "pairing=colocated: the in-process target's Generate commits 4 tokens a step; target.plainSteps (%v) would be dropped (draft.plainSteps sets the draft's plain calls)" $v.target.plainSteps) -}}
 {{- end -}}
 {{- range $key := list "extraArgs" "extraEnv" -}}
 {{- if get $v.target $key -}}
@@ -518,6 +532,21 @@ volumes:
 {{- end -}}
 {{- if and $v.tracing.enabled (not $v.tracing.otlpEndpoint) (not $v.tracing.jaeger.enabled) -}}
 {{- fail "tracing.enabled=true needs tracing.otlpEndpoint or tracing.jaeger.enabled=true" -}}
+{{- end -}}
+{{- if and $v.tracing.jaeger.enabled (not $v.tracing.enabled) -}}
+{{- fail "tracing.jaeger.enabled=true deploys a Jaeger only for tracing.enabled=true (the services send no spans without it): set both" -}}
+{{- end -}}
+{{- if eq $v.pairing "pair" -}}
+{{- /* a pair's two containers share the pod's network: each port once */ -}}
+{{- $ports := dict -}}
+{{- range $name := list "draft.port" "draft.metricsPort" "target.port" "target.metricsPort" -}}
+{{- $parts := splitList "." $name -}}
+{{- $port := toString (get (get $v (index $parts 0)) (index $parts 1)) -}}
+{{- if hasKey $ports $port -}}
+{{- fail (printf "pairing=pair runs the draft and the target in one pod (one network): %s and %s are both %s" (get $ports $port) $name $port) -}}
+{{- end -}}
+{{- $_ := set $ports $port $name -}}
+{{- end -}}
 {{- end -}}
 {{- if and $v.tracing.enabled $v.tracing.otlpEndpoint $v.tracing.jaeger.enabled -}}
 {{- fail "tracing.jaeger.enabled=true deploys a Jaeger the services send to only while tracing.otlpEndpoint is empty: set one of the two" -}}
