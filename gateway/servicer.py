@@ -153,14 +153,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 if text.stopped or finish is not None:
                     delta += text.flush()  # (nothing after a stop; it may find a stop string held till the end)
                 finish = Finish(FINISH_STOP) if text.stopped else finish
-                ids = token_ids[: text.used]  # a stop string ends the ids at the token that completed it
+                ids = text.ids  # a stop string ends the ids at the token that completed it
                 if delta and first_text_at is None:
                     first_text_at = time.monotonic()
                 if ids and first_ids_at is None:
                     first_ids_at = time.monotonic()
                 response = gateway_pb2.GatewayServiceGenerateResponse(text=delta, token_ids=ids)
                 if finish is not None:
-                    unused = len(chunk.token_ids) - len(ids)
+                    unused = len(generation.generated) - text.sent  # past a stop string or a stop id
                     first_at = first_text_at or first_ids_at  # no text sent: when its first ids went out
                     response.final.CopyFrom(self._stats(generation, plan, finish, started, first_at, unused))
                     yield response

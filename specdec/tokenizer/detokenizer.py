@@ -25,6 +25,9 @@ class IncrementalDetokenizer:
         self._held = ""  # decoded text not yet emitted: a suffix that may begin a stop string
         self.stopped = False  # a stop string matched; nothing more is emitted
         self.text = ""  # everything emitted so far
+        # where (in the whole text) the earliest complete stop string starts, once one has: the stop, or one held
+        # while a longer stop string starting earlier may still complete (then the stream stops at one of the two)
+        self.match_at: int | None = None
 
     def push(self, ids: Sequence[int]) -> str:
         """New complete text since the last call (maybe ""); after a stop match, always ""."""
@@ -49,6 +52,7 @@ class IncrementalDetokenizer:
     def _emit(self, new_text: str, final: bool) -> str:
         window = self._held + new_text
         stop_at = _first_stop(window, self._stop_strings)
+        self.match_at = None if stop_at is None else len(self.text) + stop_at
         pending = None if stop_at is None or final else _pending_start(window, self._stop_strings, stop_at)
         if pending is not None:  # a stop string starting earlier may still complete: the next text decides
             emitted, self._held = window[:pending], window[pending:]

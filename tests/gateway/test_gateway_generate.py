@@ -123,6 +123,26 @@ def test_gateway_stop_string_spanning_tokens_cuts_text_and_cancels_downstream(fa
     assert pairs[0].draft.seen.cancelled == [final.request_id]  # the draft's stream was closed, freeing its KV
 
 
+def test_gateway_a_stop_held_for_a_longer_one_ends_the_ids_where_it_completed(fake_model, model_dir, tiny_tokenizer):
+    """QA: stops "1\\nX" and "\\n": the text was cut at the "\\n", but the ids and completion_tokens ran on to the
+    token read to rule the longer stop (starting a character earlier) out."""
+    stop = "(n - 2"
+    at = SCRIPT_TEXT.index(stop)
+    longer = SCRIPT_TEXT[at - 1] + stop + "\x01never"  # starts a character earlier, never completes
+
+    async def body():
+        async with fake_stack(fake_model, model_dir) as (_, _, stub):
+            req = request(max_new_tokens=100)
+            req.stop.extend([longer, stop])
+            return await collect(stub.Generate(req))
+
+    text, ids, final, _ = run(body())
+    assert text == SCRIPT_TEXT[:at] and final.finish_reason == STOP
+    completes = next(k for k in range(1, len(fake_model.script) + 1)
+                     if stop in tiny_tokenizer.decode(fake_model.script[:k]))
+    assert ids == fake_model.script[:completes] and final.completion_tokens == completes
+
+
 def test_gateway_chat_stops_at_the_turn_end_marker_and_hides_it(fake_model, model_dir, tiny_tokenizer):
     separator = tiny_tokenizer.special_tokens["<|separator|>"]
     fake_model.script = [*tiny_tokenizer.encode(" Hello"), separator, *tiny_tokenizer.encode(" more")]
