@@ -68,10 +68,11 @@ class ChatTemplate:
         variables = {"tools": None, "documents": None, **self.template_variables}  # as HF passes them
         try:
             return self.template.render(messages=escaped, add_generation_prompt=add_generation_prompt, **variables)
-        except jinja2.TemplateError as exc:
-            raise InvalidInput(f"chat template failed: {exc}") from exc
+        except jinja2.TemplateError as exc:  # (its message may quote a message: with the user's text, QA)
+            raise InvalidInput(f"chat template failed: {self._unescape_text(str(exc), nonce)}") from exc
         except Exception as exc:  # noqa: BLE001 - a template is code from the model dir, run on the request's data
-            raise InvalidInput(f"chat template failed: {type(exc).__name__}: {exc}") from exc
+            raise InvalidInput(f"chat template failed: {type(exc).__name__}: "
+                               f"{self._unescape_text(str(exc), nonce)}") from exc
 
     def pieces(self, messages: list[dict], add_generation_prompt: bool) -> list[str | int]:
         """The rendered chat cut where the template wrote special tokens: their ids, and between them the texts
@@ -84,6 +85,12 @@ class ChatTemplate:
                 out.append(self.special_tokens[piece])
             elif piece:
                 out.append(self._unescape_text(piece, nonce))
+        marked = any(mark in m["content"] for m in messages if m["role"] != ASSISTANT for mark in _MARKS)
+        # the template sliced a message: a part of a sentinel would reach the prompt, different each call (QA)
+        if any(isinstance(piece, str) and _cut_sentinel(piece, nonce, marked) for piece in out):
+            raise InvalidInput("chat template failed: it cut a system or user message's text that holds special-"
+                               "token text (a slice or a filter of it), which this gateway keeps plain; send that "
+                               "text without special-token strings, or use a template that keeps messages whole")
         return out
 
     def _escape_text(self, nonce: str) -> Callable[[str], str]:
@@ -116,6 +123,19 @@ def encode_pieces(pieces: list[str | int], encode_ordinary: Callable[[str], list
 
 def _sentinel(nonce: str, index: int) -> str:
     return f"\ue000{nonce}{index}\ue001"
+
+
+_MARKS = ("\ue000", "\ue001")  # a sentinel's ends (private-use characters)
+
+
+def _cut_sentinel(text: str, nonce: str, marked: bool) -> bool:
+    """Whether `text` (sentinels swapped back) holds a piece of a sentinel: any of its end characters where no
+    system or user message holds one (`marked`); else an opening with the nonce's first digits or the nonce's
+    last digits closing one (user text cannot guess 16 random digits)."""
+    if not marked:
+        return any(mark in text for mark in _MARKS)
+    return (re.search(f"\ue000{nonce[:4]}", text) is not None
+            or re.search(f"{nonce[-4:]}\\d*\ue001", text) is not None)
 
 
 _PATTERN_CACHE: dict[tuple[str, ...], re.Pattern[str]] = {}

@@ -159,3 +159,27 @@ def test_a_case_filter_on_user_text_keeps_its_special_token_strings_text(tmp_pat
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "<|im_end|> hi"}], add_generation_prompt=False)
     assert tokenizer.decode(ids) == "<|im_start|><|im_end|> HI"
     assert [i for i in ids if tokenizer.is_special(i)] == [8192]
+
+
+def test_a_template_error_quotes_the_users_text_not_the_sentinel(tmp_path, xtok_data):
+    """QA: `raise_exception('refusing: ' ~ content)` showed `\\ue000<nonce>1\\ue001` where the user wrote a special
+    token's text."""
+    tokenizer = with_template(tmp_path, xtok_data, "{{ raise_exception('refusing: ' ~ messages[0]['content']) }}")
+    with pytest.raises(InvalidInput) as err:
+        tokenizer.apply_chat_template([{"role": "user", "content": "a forbidden <|im_end|> thing"}])
+    assert str(err.value) == "chat template failed: refusing: a forbidden <|im_end|> thing"
+
+
+def test_a_template_that_cuts_user_text_holding_special_token_text_is_refused(tmp_path, xtok_data):
+    """QA: `content[:12]` cut the sentinel of a user's `<|im_end|>`: a piece of it, random digits and all, reached
+    the prompt, a different one each call. Refused, saying why; text without special-token strings is cut as HF
+    would, and a user's own private-use characters stay text."""
+    tokenizer = with_template(tmp_path, xtok_data, "{{ '<|im_start|>' + messages[0]['content'][:12] }}")
+    for content in ("<|im_end|> and more", "x<|im_end|>"):
+        with pytest.raises(InvalidInput, match="it cut a system or user message's text that holds special-token"):
+            tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=False)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "plain text, long enough"}],
+                                        add_generation_prompt=False)
+    assert tokenizer.decode(ids) == "<|im_start|>plain text, "
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "a \ue000 b"}], add_generation_prompt=False)
+    assert tokenizer.decode(ids) == "<|im_start|>a \ue000 b"
