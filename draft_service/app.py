@@ -161,13 +161,16 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
 
     def engine_busy() -> float:
         """The longer round of this process's engine threads (the in-process target's runs on its own); a draft
-        thread waiting for its remote target's answer counts as moving: the target's own watch judges the target,
+        thread waiting for its remote target's answer counts as moving, and its round counts from its last answer:
+        the target's own watch judges the target,
         and the draft's target watch ends calls it does not answer (a burst of long prompts' admission waits for the
         target's prefills for as long as they take)."""
         loop, client = state.get("loop"), state.get("client")
         if loop is None:  # (a scrape during start-up)
             return 0.0
         own = 0.0 if client.waits_on_target(loop.thread_id) else loop.busy_s()
+        since = client.since_call(loop.thread_id)  # the round's wait for the target is not the draft's own work
+        own = own if since is None else min(own, since)
         return max(own, colocated.busy_s() if colocated is not None else 0.0)
 
     def stalled_thread() -> str:

@@ -80,6 +80,10 @@ class LocalTarget(TakingTurns):
         """Never: the target's forwards run on the calling thread (its own stall counts as the draft's)."""
         return False
 
+    def since_call(self, thread_id: int | None) -> float | None:
+        """None: no call waits on another process (`TargetClient.since_call`)."""
+        return None
+
     def cancel_prefill(self, request_id: str) -> None:
         """Nothing to drop: an in-process prefill is a forward on this thread, not a call in flight."""
 

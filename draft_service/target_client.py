@@ -114,6 +114,7 @@ class TargetClient:
         # renewed channels and when to close them (their calls' deadline passed), by a later `renew_channel`
         self._retiring: list[tuple[float, grpc.Channel]] = []
         self._abandoned: dict[int, str] = {}  # link generation -> why `abandon_calls` closed it
+        self._left_call: dict[int, float] = {}  # thread -> when it last came back from waiting for the target
         # the credentials (None: plaintext) of the latest call the target answered; _NEVER before any
         self._answered_over: object = _NEVER
         self.feature_wire = feature_wire  # asked of every Prefill: "" (compute dtype) or tensor_codec.FP8_ROWS
@@ -209,6 +210,14 @@ class TargetClient:
             calls, latest = self._calling.pop(ident)
             if calls > 1:
                 self._calling[ident] = (calls - 1, latest)
+            self._left_call[ident] = time.monotonic()
+
+    def since_call(self, thread_id: int | None) -> float | None:
+        """Seconds since that thread last came back from waiting for the target, or None if it never waited: its
+        own work since then is what a stall watch judges, not the wait before (QA: a 58 s Prefill wait ended and
+        the draft counted its step as 58 s long, reported itself stalled and lost its streams)."""
+        left = self._left_call.get(thread_id) if thread_id is not None else None
+        return None if left is None else time.monotonic() - left
 
     def waits_on_target(self, thread_id: int | None) -> bool:
         """Whether that thread is waiting for one of the target's answers now, within the call's deadline (any
