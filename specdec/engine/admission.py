@@ -99,6 +99,8 @@ class Admission:
         self._prompt_window = self._window(min(len(self.waiting), self.max_batch_size - len(self.running)))
         step_tokens = self._step_tokens()
         while self.waiting and len(self.running) + len(self.flights) < self.max_batch_size:
+            if self._drop_left(events):
+                continue
             group = self._send_long(self._next_group(step_tokens or MAX_PREFILL_TOKENS))
             if not group:
                 continue
@@ -110,6 +112,19 @@ class Admission:
             if blocked or step_tokens:  # (a batch runs: the rest waits for the next step)
                 break
         return self._extended(events, extend)
+
+    def _drop_left(self, events: list[Event]) -> bool:
+        """Waiting requests whose clients have left end now (ABORT), before a group is taken: the groups of one
+        admission are prefilled one after another, each a blocking call, and a client that left during one had its
+        abort queued behind this whole admission, so the next group's Prefill ran for nobody (QA: 74 of 80 long
+        prompts prefilled after their clients had left, the short requests behind them waiting 37 s); -> whether
+        any ended."""
+        gone = [state for state in self.waiting if state.request_id in self.left]
+        for state in gone:
+            self.waiting.remove(state)
+            self._give_up_place(state)
+            events.append(Event(state.request_id, [], ABORT))
+        return bool(gone)
 
     @property
     def _chunk(self) -> int:

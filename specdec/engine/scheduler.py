@@ -91,6 +91,9 @@ class Scheduler(Admission):
         self.flights = Flights()  # long prompts prefilled in parts meanwhile (`Admission._send_long`)
         self.running: dict[str, RunState] = {}
         self._aborts: set[str] = set()
+        # ids whose clients have left, as the engine loop hears of it (any thread adds, before the abort call that
+        # follows reaches this thread): an admission of several groups takes none of them (`Admission._drop_left`)
+        self.left: set[str] = set()
         self.timings = timings if timings is not None else StepTimings()
         self._last_budget: int | None = None  # the budget of the latest launch (a switch settles the draft first)
         self._joining = 0  # the batch size admission expects its requests to join (`Admission._admit`)

@@ -157,7 +157,7 @@ class EngineLoop:
             # the caller left (a client's cancel, a deadline) while the add was queued: the engine thread adds the
             # request all the same, so this stream's abort is queued right behind it (calls run in order), and the
             # request does not run on, holding its pages and its id, with no one reading it
-            self._left(request_id)
+            self._left(request_id, s)
             await self._abort(request_id, s)
             raise
         finished = False
@@ -177,7 +177,7 @@ class EngineLoop:
             if refuse is not None:
                 refuse.cancel()
             if not finished:
-                self._left(request_id)
+                self._left(request_id, s)
                 await self._abort(request_id, s)
 
     async def _abort(self, request_id: str, stream: _Stream) -> None:
@@ -191,7 +191,11 @@ class EngineLoop:
         task = asyncio.ensure_future(self.call(self._refuse_held, request_id, stream))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # (NotReady while stopping: nothing to do)
 
-    def _left(self, request_id: str) -> None:
+    def _left(self, request_id: str, stream: _Stream) -> None:
+        # its admission skips it from now on (its abort call comes after); not a stream still waiting for the id of
+        # another, which runs under that id meanwhile
+        if self.scheduler is not None and self._streams.get(request_id) is stream:
+            self.scheduler.left.add(request_id)
         if self.on_leave is not None:
             try:
                 self.on_leave(request_id)
@@ -241,6 +245,8 @@ class EngineLoop:
     def _abort_stream(self, request_id: str, stream: _Stream | None = None) -> bool:
         """Abort the request (only if `stream` is the one it runs under, when given: not a request that took
         the id after, nor the one whose id a refused duplicate asked for)."""
+        if self.scheduler is not None:
+            self.scheduler.left.discard(request_id)  # the abort takes over (a request that reuses the id runs)
         waiting = self._next.get(request_id)
         if waiting is not None and stream is not None and waiting[3] is stream:  # left before it got the id
             del self._next[request_id]

@@ -212,3 +212,27 @@ def test_requests_under_admission_are_counted_as_waiting(dev_prompts, tiny_token
     out = _run(sched, _prompts(dev_prompts, tiny_tokenizer, 5), SamplingParams(max_new_tokens=4, ignore_eos=True))
     assert seen == [(0, 5, 0)] and len(out) == 5
     assert sched.admitting == [] and not sched.waiting and not sched.running
+
+
+def test_a_request_whose_client_left_during_an_earlier_groups_prefill_is_not_prefilled(dev_prompts, tiny_tokenizer,
+                                                                                         monkeypatch):
+    """One admission prefills its groups one after another; a client that leaves during one has its abort queued
+    behind the whole admission. The engine loop marks it left at once (`Scheduler.left`): the next group does not
+    take it (QA: 74 of 80 long prompts were prefilled after their clients had left, short requests waiting 37 s
+    behind them)."""
+    engine, draft = tiny_target(), tiny_draft()
+    prompts = _prompts(dev_prompts, tiny_tokenizer, 3)
+    monkeypatch.setattr(admission_module, "MAX_PREFILL_TOKENS", 40)  # a group each
+    sched = Scheduler(None, draft, engine.max_context, 8, feature_layers_for(draft))
+
+    class LeavingTarget(CountingTarget):
+        def prefill(self, inputs):
+            sched.left.add("a2")  # its client leaves while the first group is prefilled
+            self.prefilled = [*getattr(self, "prefilled", []), *(i.request_id for i in inputs)]
+            return super().prefill(inputs)
+
+    sched.target = target = LeavingTarget(engine)
+    out = _run(sched, prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert target.prefilled == ["a0", "a1"] and out["a2"] == []
+    assert len(out["a0"]) == 4 and len(out["a1"]) == 4
+    assert not engine.requests and engine.kv.num_free_pages == engine.kv.num_total_pages
