@@ -74,14 +74,15 @@ class TextStream:
                 self._release([*self._held, i])
             self._held = []
             return True
+        now = [i] if i is not None else []
         if d.match_at is None:
-            self._release([i] if i is not None else [])
+            self._release(now)
         elif self._match_at is None or d.match_at < self._match_at:  # (a longer one, starting earlier, completed)
             self._match_at = d.match_at
-            self._release([*self._held] + ([i] if i is not None else []))
+            self._release([*self._held, *now])
             self._held = []
-        elif i is not None:
-            self._held.append(i)
+        else:
+            self._held += now
         return False
 
     def _release(self, ids: list[int]) -> None:

@@ -50,13 +50,17 @@ class Admission:
         for state in [s for s in self.waiting if s.blocked_since is not None]:
             waited = now - state.blocked_since
             if waited >= self.max_queue_wait_s:
-                self.waiting.remove(state)
-                self._give_up_place(state)
                 err = OutOfPages(f"KV pool full: waited {waited:.1f} s for pages (limit {self.max_queue_wait_s:g} s)")
-                events.append(Event(state.request_id, [], ABORT, error=err))
+                self._end_waiting(state, events, err)
         if not self.waiting:
             self._retry_at = 0.0
         return events
+
+    def _end_waiting(self, state: RunState, events: list[Event], error: SpecdecError | None = None) -> None:
+        """A waiting request ends (ABORT, with `error` if it failed) before its admission."""
+        self.waiting.remove(state)
+        self._give_up_place(state)
+        events.append(Event(state.request_id, [], ABORT, error=error))
 
     def _give_up_place(self, state: RunState) -> None:
         """A waiting request leaves the target's page queue now (aborted, or its wait ran out): its place there would
@@ -99,8 +103,7 @@ class Admission:
         self._prompt_window = self._window(min(len(self.waiting), self.max_batch_size - len(self.running)))
         step_tokens = self._step_tokens()
         while self.waiting and len(self.running) + len(self.flights) < self.max_batch_size:
-            if self._drop_left(events):
-                continue
+            self._drop_left(events)
             group = self._send_long(self._next_group(step_tokens or MAX_PREFILL_TOKENS))
             if not group:
                 continue
@@ -113,18 +116,13 @@ class Admission:
                 break
         return self._extended(events, extend)
 
-    def _drop_left(self, events: list[Event]) -> bool:
+    def _drop_left(self, events: list[Event]) -> None:
         """Waiting requests whose clients have left end now (ABORT), before a group is taken: the groups of one
         admission are prefilled one after another, each a blocking call, and a client that left during one had its
         abort queued behind this whole admission, so the next group's Prefill ran for nobody (QA: 74 of 80 long
-        prompts prefilled after their clients had left, the short requests behind them waiting 37 s); -> whether
-        any ended."""
-        gone = [state for state in self.waiting if state.request_id in self.left]
-        for state in gone:
-            self.waiting.remove(state)
-            self._give_up_place(state)
-            events.append(Event(state.request_id, [], ABORT))
-        return bool(gone)
+        prompts prefilled after their clients had left, the short requests behind them waiting 37 s)."""
+        for state in [state for state in self.waiting if state.request_id in self.left]:
+            self._end_waiting(state, events)
 
     @property
     def _chunk(self) -> int:

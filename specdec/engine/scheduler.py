@@ -174,9 +174,7 @@ class Scheduler(Admission):
                 continue
             waiting = next((s for s in self.waiting if s.request_id == rid), None)
             if waiting is not None:
-                self.waiting.remove(waiting)
-                self._give_up_place(waiting)
-                events.append(Event(rid, [], ABORT))
+                self._end_waiting(waiting, events)
             elif rid in self.running:
                 self._finish(rid, release_target=True)
                 events.append(Event(rid, [], ABORT))

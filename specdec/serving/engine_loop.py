@@ -191,12 +191,16 @@ class EngineLoop:
         task = asyncio.ensure_future(self.call(self._refuse_held, request_id, stream))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # (NotReady while stopping: nothing to do)
 
+    @property
+    def _left_ids(self) -> set[str] | None:
+        """The scheduler's ids whose clients have left (`Scheduler.left`; None: a scheduler that keeps none)."""
+        return getattr(self.scheduler, "left", None)
+
     def _left(self, request_id: str, stream: _Stream) -> None:
         # its admission skips it from now on (its abort call comes after); not a stream still waiting for the id of
         # another, which runs under that id meanwhile
-        left = getattr(self.scheduler, "left", None)  # (a scheduler that keeps no such set: none)
-        if left is not None and self._streams.get(request_id) is stream:
-            left.add(request_id)
+        if self._left_ids is not None and self._streams.get(request_id) is stream:
+            self._left_ids.add(request_id)
         if self.on_leave is not None:
             try:
                 self.on_leave(request_id)
@@ -246,9 +250,8 @@ class EngineLoop:
     def _abort_stream(self, request_id: str, stream: _Stream | None = None) -> bool:
         """Abort the request (only if `stream` is the one it runs under, when given: not a request that took
         the id after, nor the one whose id a refused duplicate asked for)."""
-        left = getattr(self.scheduler, "left", None)
-        if left is not None:
-            left.discard(request_id)  # the abort takes over (a request that reuses the id runs)
+        if self._left_ids is not None:
+            self._left_ids.discard(request_id)  # the abort takes over (a request that reuses the id runs)
         waiting = self._next.get(request_id)
         if waiting is not None and stream is not None and waiting[3] is stream:  # left before it got the id
             del self._next[request_id]

@@ -134,8 +134,7 @@ def _cut_sentinel(text: str, nonce: str, marked: bool) -> bool:
     last digits closing one (user text cannot guess 16 random digits)."""
     if not marked:
         return any(mark in text for mark in _MARKS)
-    return (re.search(f"\ue000{nonce[:4]}", text) is not None
-            or re.search(f"{nonce[-4:]}\\d*\ue001", text) is not None)
+    return f"\ue000{nonce[:4]}" in text or re.search(f"{nonce[-4:]}\\d*\ue001", text) is not None
 
 
 _PATTERN_CACHE: dict[tuple[str, ...], re.Pattern[str]] = {}

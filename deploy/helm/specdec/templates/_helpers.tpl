@@ -371,7 +371,7 @@ lifecycle:
     - {name: metrics-draft, containerPort: {{ $v.draft.metricsPort }}, protocol: TCP}
   {{- /* ready while its target answers and fits it; alive (startup, liveness) once loaded, whatever its target does */}}
   {{- /* a draft's start waits for its target up to draft.targetWaitSeconds, then loads, calibrates and captures its
-         own graphs (DRAFT_START_S): its startup probe allows both */}}
+         own graphs (600 s allowed): its startup probe allows both */}}
   {{- $minStart := ternary 0 (add $v.draft.targetWaitSeconds 600) $colocated }}
   {{- with include "specdec.probes" (dict "root" .root "port" $v.draft.port "service" "specdec.v1.DraftService" "live" "liveness" "cfg" $v.draft "minStartupS" $minStart) | trim }}{{ . | nindent 2 }}{{- end }}
   {{- with include "specdec.lifecycle" .root | trim }}{{ . | nindent 2 }}{{- end }}
