@@ -50,11 +50,14 @@ TARGET_SERVICE_PATH = "/specdec.v1.TargetService/"  # span name when a stub meth
 # missing, so a pipelined plain call that overtook the one before it failed its whole batch as INTERNAL instead of
 # being sent again (`TwoBatchOverlap._again`), and the gateway took a healthy draft out of rotation (QA)
 _BY_CODE = {grpc.StatusCode[cls.status]: cls
-            for cls in (InvalidInput, UnknownRequest, DuplicateRequest, OutOfPages, NotReady, OutOfOrder, Cancelled)}
+            for cls in (InvalidInput, UnknownRequest, DuplicateRequest, OutOfPages, NotReady, OutOfOrder)}
 
 
 CALL_GRACE_S = 5.0  # a call still under way this long after its deadline has a stuck thread (`waits_on_target`)
-UNREACHABLE = grpc.StatusCode.UNAVAILABLE  # a call that did not reach the target (gone, restarting, refused)
+# a call the target did not answer: it is gone, restarting or refused (UNAVAILABLE), or it stopped with the call
+# taken and not yet handed to its handler, which a stopping grpc server cancels (CANCELLED: a cancel of the draft's
+# own raises FutureCancelledError instead). Before, that CANCELLED read as the request's client having left.
+UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 _NEVER = object()
 
 
@@ -78,7 +81,7 @@ def _translate(exc: grpc.RpcError, hint: bool = True) -> SpecdecError:
     code = _code(exc)
     details = exc.details() if hasattr(exc, "details") else str(exc)
     cls = _BY_CODE.get(code, SpecdecError)
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED or code in UNREACHABLE:
         cls = NotReady
     if code == grpc.StatusCode.UNIMPLEMENTED:  # a gateway's or a draft's address given as the target's (QA)
         return ConfigError(f"{TARGET_PREFIX}{details}: the address does not serve specdec.v1.TargetService")
@@ -195,7 +198,7 @@ class TargetClient:
             return NotReady(f"{TARGET_PREFIX}{why}")
         if exc is None:
             return SpecdecError(f"{TARGET_PREFIX}the channel was closed")
-        if watched and self.on_unreachable is not None and _code(exc) == UNREACHABLE:
+        if watched and self.on_unreachable is not None and _code(exc) in UNREACHABLE:
             self.on_unreachable()
         return _translate(exc, hint=self._answered_over is not link.credentials)
 

@@ -32,9 +32,12 @@ TARGET_SERVICE = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_na
 DRAFT_SERVICE = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
 # Status codes that mean "this service is down or broke", not "this request is bad": the gateway falls back.
-FAILURE_CODES = frozenset(
-    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED}
-)
+# CANCELLED here is the service's, never the gateway's own (a cancel of ours raises asyncio's CancelledError in the
+# reader): a grpc server that stops cancels the calls it has taken and not yet handed to a handler, so a stream
+# opened on a draft or target in the last moments of its drain ended with CANCELLED, which reached the client
+# (QA: a rolling restart under load).
+FAILURE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+                           grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED})
 
 
 @dataclass(frozen=True)

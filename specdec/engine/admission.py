@@ -324,7 +324,10 @@ class Admission:
             self._drop_draft(rid)
             if isinstance(exc, OutOfPages) and self.max_queue_wait_s > 0:
                 return _BLOCKED
-            events.append(Event(rid, [], ABORT, error=exc))
+            # aborted during its admission: it ends as an abort before or after it does (FINISH_REASON_ABORT), not
+            # with an error (a CANCELLED status, which the gateway reads as the draft failing and falls back on)
+            aborted = isinstance(exc, Cancelled) and rid in self._aborts
+            events.append(Event(rid, [], ABORT, error=None if aborted else exc))
             return None
 
     def _drop_draft(self, rid: str) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import time
 
 import grpc
 import grpc.aio
@@ -59,6 +60,7 @@ class DrainGate(grpc.aio.ServerInterceptor):
         self._idle.set()
         self._calls: set[_Call] = set()  # the calls accepted and not yet ended (health checks not counted)
         self._ended: str | None = None  # `end_running`'s message, once the grace has run out
+        self._last_call = -float("inf")  # when the last call (health checks not counted) arrived, monotonic
 
     @property
     def in_flight(self) -> int:
@@ -68,6 +70,7 @@ class DrainGate(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith(HEALTH_PREFIX):
             return handler
+        self._last_call = time.monotonic()
         if self.draining and handler_call_details.method not in self.still_served:
             return rebuilt(handler, _refuse_stream if handler.response_streaming else _refuse)
         return rebuilt(handler, self._counted(behaviour_of(handler)))
@@ -79,6 +82,15 @@ class DrainGate(grpc.aio.ServerInterceptor):
         except TimeoutError:
             return False
         return True
+
+    async def wait_quiet(self, quiet_s: float, timeout_s: float) -> None:
+        """Until no call has arrived for `quiet_s` (at once if none came that recently), `timeout_s` at most. Clients
+        that go elsewhere once refused (UNAVAILABLE) or once health says NOT_SERVING stop calling within a round
+        trip; a grpc server stopped while their calls still arrive cancels those it has not yet handed to a handler
+        (CANCELLED, which clients do not retry: 6-7 of 8 such clients, each one call, stopped at once)."""
+        end = time.monotonic() + max(timeout_s, 0.0)
+        while (wait := min(self._last_call + quiet_s, end) - time.monotonic()) > 0:
+            await asyncio.sleep(wait)
 
     def end_running(self, message: str) -> None:
         """The grace has run out: end every counted call with UNAVAILABLE and `message` (a client reads why and

@@ -46,6 +46,10 @@ log = logging.getLogger(__name__)
 
 AddServicer = Callable[[grpc.aio.Server], None]
 BUSY_POLL_S = 0.05  # how often a drain asks whether the service still holds work (`ServerHandle.stop`)
+# before the grpc server stops, a drain waits until no call arrived for QUIET_S, LINGER_MAX_S at most
+# (`DrainGate.wait_quiet`): clients that go elsewhere once refused have then gone
+QUIET_S = 0.1
+LINGER_MAX_S = 1.0
 END_WAIT_S = 1.0  # how long the calls ended at a drain's end get to send their UNAVAILABLE before the server stops
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name  # grpc.health.v1.Health
 # health name of the process itself: SERVING while it runs, whatever its service's readiness (a Kubernetes liveness
@@ -87,7 +91,8 @@ class ServerHandle:
         also waits, up to the same grace, until it says False.
 
         The server keeps running while calls finish, so a call arriving then gets the gate's UNAVAILABLE, not the
-        CANCELLED a stopping grpc server gives calls it no longer matches to a handler."""
+        CANCELLED a stopping grpc server gives calls it no longer matches to a handler; and, within the grace, until
+        calls stop arriving (`QUIET_S`, `LINGER_MAX_S`: clients refused go elsewhere)."""
         self.gate.draining = True
         t0 = time.monotonic()
         await self.health.enter_graceful_shutdown()
@@ -101,6 +106,7 @@ class ServerHandle:
             self.gate.end_running(f"the server is shutting down: its drain period ({grace_s:g} s) ended before "
                                   "this call did; retry on another replica")
             await self.gate.wait_idle(END_WAIT_S)
+        await self.gate.wait_quiet(QUIET_S, min(LINGER_MAX_S, left()))
         await self.server.stop(max(left(), 0.0))
 
     async def wait_for_termination(self) -> None:

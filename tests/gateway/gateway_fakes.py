@@ -61,8 +61,9 @@ class _Behaviour:
     def __init__(self, model: FakeModel) -> None:
         self.model = model
         self.seen = Seen()
-        self.fail_after_chunks: int | None = None  # abort the stream with UNAVAILABLE after this many chunks
+        self.fail_after_chunks: int | None = None  # abort the stream after this many chunks
         self.fail_details = "fake service went away"  # ... saying this
+        self.fail_code = grpc.StatusCode.UNAVAILABLE  # ... with this status
         self.hang_after_chunks: int | None = None  # stop producing (until cancelled) after this many chunks
         self.abort_after_chunks: int | None = None  # end with FINISH_REASON_ABORT (an Abort call) after this many
         self.delay_s = 0.0
@@ -82,7 +83,7 @@ class _Behaviour:
         try:
             for n, chunk in enumerate(chunks):
                 if n == self.fail_after_chunks:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, self.fail_details)
+                    await context.abort(self.fail_code, self.fail_details)
                 if n == self.hang_after_chunks:
                     await asyncio.sleep(3600)
                 if n == self.abort_after_chunks:

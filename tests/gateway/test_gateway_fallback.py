@@ -58,6 +58,22 @@ def test_gateway_draft_failing_mid_stream_continues_on_the_target(fake_model, mo
     assert not gateway.router.pairs[0].draft_up  # taken out until a health check finds it again
 
 
+def test_a_stream_a_stopping_draft_cancels_continues_on_the_target(fake_model, model_dir):
+    """A grpc server that stops cancels the calls it has taken and not yet handed to a handler: a draft stream opened
+    in the last moments of the draft's drain ends with CANCELLED. That is the draft failing (the gateway's own cancel
+    raises asyncio's CancelledError, never this status), so the request goes on on the target; before, the client
+    got the CANCELLED (QA: a rolling restart under load)."""
+
+    async def body():
+        async with fake_stack(fake_model, model_dir) as (pairs, _, stub):
+            pairs[0].draft.fail_after_chunks = 1
+            pairs[0].draft.fail_code, pairs[0].draft.fail_details = grpc.StatusCode.CANCELLED, "CANCELLED"
+            return await collect(stub.Generate(request(request_id="r1")))
+
+    text, ids, final, _ = run(body())
+    assert text == SCRIPT_TEXT and ids == fake_model.script and final.fallbacks == 1
+
+
 def test_a_draft_failing_for_its_target_moves_the_stream_to_another_pair(fake_model, model_dir):
     """The draft says its target failed it ("target: ...": stalled, away): the stream moves to the other pair at
     once, through its draft, not onto the same target (QA: two fallbacks for one stalled target), and the draft
