@@ -19,9 +19,10 @@ from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from specdec.errors import ConfigError
+from specdec.telemetry.metrics_http import serve_text_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +131,8 @@ def model_label(model: str) -> str:
 
 def start_metrics_server(port: int, registry: CollectorRegistry, addr: str = "0.0.0.0",
                          grpc_port: int | None = None) -> Any | None:
-    """Serve `registry` at http://addr:port/metrics from a daemon thread; port 0 = no server (returns None).
+    """Serve `registry` at http://addr:port/metrics from a daemon thread, in the text format whatever the scraper
+    asks (`metrics_http`); port 0 = no server (returns None).
     `addr`: the service's own `--host` (a service kept on loopback keeps its metrics there too). A port that
     cannot be had is a ConfigError (the CLI's `error: ...` and exit 2, like a busy gRPC port), and so is the
     service's own gRPC port (`grpc_port`: said as such, not as "another process").
@@ -142,7 +144,7 @@ def start_metrics_server(port: int, registry: CollectorRegistry, addr: str = "0.
     if port == grpc_port:
         raise ConfigError(f"--metrics-port {port} is also this service's --port: give the metrics a port of their own")
     try:
-        server, _thread = start_http_server(port, addr=addr, registry=registry)
+        server = serve_text_metrics(port, addr, registry)
     except OSError as exc:
         raise ConfigError(f"cannot serve metrics on {addr}:{port}: {exc.strerror or exc}") from None
     logger.info("metrics on http://%s:%d/metrics", addr, port)

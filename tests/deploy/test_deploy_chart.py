@@ -115,6 +115,16 @@ def test_values_schema_is_self_contained_and_enforced():
         # a pair's two containers share the pod's network: the second to bind a port failed at start (QA)
         (["--set", "target.metricsPort=9101"], "draft.metricsPort and target.metricsPort are both 9101"),
         (["--set", "draft.port=50052"], "draft.port and target.port are both 50052"),
+        # a service's own two ports, in any pairing; flashinfer without a GPU: rendered, then refused at start (QA)
+        (["--set", "gateway.metricsPort=50050"], "gateway.port and gateway.metricsPort are both 50050"),
+        (["--set", "pairing=split", "--set", "draft.metricsPort=50051"],
+         "draft.port and draft.metricsPort are both 50051"),
+        (["--set", "pairing=split", "--set", "target.metricsPort=50052"],
+         "target.port and target.metricsPort are both 50052"),
+        (["--set", "pairing=colocated", "--set", "draft.metricsPort=50051"],
+         "draft.port and draft.metricsPort are both 50051"),
+        (["--set", "target.attentionBackend=flashinfer"], "target.attentionBackend=flashinfer needs device=cuda"),
+        (["--set", "draft.attentionBackend=flashinfer"], "draft.attentionBackend=flashinfer needs device=cuda"),
     ],
 )
 def test_incomplete_settings_fail_with_a_message(overrides, message):

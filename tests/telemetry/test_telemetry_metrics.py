@@ -258,3 +258,40 @@ def test_a_metrics_port_that_is_the_services_own_port_is_named_as_such():
 
     with pytest.raises(ConfigError, match="--metrics-port 50099 is also this service's --port"):
         start_metrics_server(50099, ServiceMetrics("target").registry, "127.0.0.1", grpc_port=50099)
+
+
+PROMETHEUS_2_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+                       "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+
+
+@pytest.mark.parametrize("accept", [PROMETHEUS_2_ACCEPT,
+                                    "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8", None])
+def test_every_scraper_gets_the_text_format_with_the_documented_names(accept):
+    """Prometheus 2.x asks for OpenMetrics first; prometheus_client's answer renamed every sample `specdec:x` ->
+    `specdec_x` but kept `specdec:x` in its HELP and TYPE lines (a strict parser refused it: "Clashing name"; QA).
+    The endpoint now answers every scraper in the text format, whose names are the documented ones; gzip still
+    works."""
+    import gzip
+
+    metrics = ServiceMetrics("gateway", model_name="tiny", families={"requests", "fallbacks"})
+    metrics.observe_request("OK", ttft_s=0.05, tpot_s=0.004, e2e_s=1.2)
+    server = start_metrics_server(free_port(), metrics.registry, addr="127.0.0.1")
+    try:
+        for encoding in (None, "gzip"):
+            request = urllib.request.Request(f"http://127.0.0.1:{server.server_port}/metrics")
+            if accept:
+                request.add_header("Accept", accept)
+            if encoding:
+                request.add_header("Accept-Encoding", encoding)
+            with urllib.request.urlopen(request, timeout=5) as response:
+                kind, body = response.headers["Content-Type"], response.read()
+                if encoding:
+                    assert response.headers["Content-Encoding"] == "gzip"
+                    body = gzip.decompress(body)
+            assert kind.startswith("text/plain") and "version=0.0.4" in kind, kind
+            text = body.decode()
+            names = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+            assert "specdec:requests_total" in names and all(n.startswith("specdec:") for n in names), names
+            assert "specdec_" not in text
+    finally:
+        server.shutdown()

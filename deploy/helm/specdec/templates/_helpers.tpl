@@ -536,6 +536,19 @@ volumes:
 {{- if and $v.tracing.jaeger.enabled (not $v.tracing.enabled) -}}
 {{- fail "tracing.jaeger.enabled=true deploys a Jaeger only for tracing.enabled=true (the services send no spans without it): set both" -}}
 {{- end -}}
+{{- range $part := list "gateway" "draft" "target" -}}
+{{- $p := get $v $part -}}
+{{- if eq (toString $p.port) (toString $p.metricsPort) -}}
+{{- fail (printf "%s.port and %s.metricsPort are both %v: a service's metrics need a port of their own (the service refuses to start)" $part $part $p.port) -}}
+{{- end -}}
+{{- end -}}
+{{- if ne $v.device "cuda" -}}
+{{- range $part := list "draft" "target" -}}
+{{- if eq (toString (get $v $part).attentionBackend) "flashinfer" -}}
+{{- fail (printf "%s.attentionBackend=flashinfer needs device=cuda (flashinfer runs on NVIDIA GPUs; the CPU image has no flashinfer and the service refuses to start)" $part) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- if eq $v.pairing "pair" -}}
 {{- /* a pair's two containers share the pod's network: each port once */ -}}
 {{- $ports := dict -}}
