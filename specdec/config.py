@@ -100,8 +100,7 @@ class ModelConfig:
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{path}/config.json: a size field is not a whole number ({exc})") from exc
         _check_computable(raw, path)
-        rope_params = raw.get("rope_parameters") or {}
-        rope_theta = float(raw.get("rope_theta", rope_params.get("rope_theta", 10000.0)))
+        rope_theta, rope_scaling = _rope(raw, path)
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
@@ -117,7 +116,7 @@ class ModelConfig:
             vocab_size=vocab,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
-            rope_scaling=_parse_rope_scaling(raw.get("rope_scaling") or rope_params, path),
+            rope_scaling=rope_scaling,
             max_position_embeddings=_max_positions(raw, path),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)) and kind != "eagle3",
             eos_token_ids=eos_ids,
@@ -153,9 +152,29 @@ def _max_positions(raw: dict, path: str) -> int:
     return most
 
 
-def _parse_rope_scaling(rs, path: str) -> RopeScaling | None:
+def _rope(raw: dict, path: str) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling) read as transformers 5 reads them (`convert_rope_params_to_dict`, `standardize_rope_params`):
+    the legacy `rope_scaling` object when set, else `rope_parameters`; the theta inside that object, else the
+    top-level `rope_theta`, else 10000; a llama3 scaling's pre-training context: a top-level
+    `original_max_position_embeddings`, else the object's, else `max_position_embeddings`. Before, the top-level
+    theta won over the object's and a llama3 scaling without its own context length took 8192: a config whose
+    fields disagree (transformers 5 writes both) gave other logits than transformers' (QA)."""
+    rs = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
     if not isinstance(rs, dict):
         raise ConfigError(f"{path}: rope_scaling must be an object, not {type(rs).__name__}")
+    try:
+        theta = float(rs.get("rope_theta") or raw.get("rope_theta") or 10000.0)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{path}: rope_theta is not a number") from None
+    rs = dict(rs)
+    if raw.get("original_max_position_embeddings") is not None:
+        rs["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
+    elif rs.get("original_max_position_embeddings") is None:
+        rs["original_max_position_embeddings"] = raw.get("max_position_embeddings")
+    return theta, _parse_rope_scaling(rs, path)
+
+
+def _parse_rope_scaling(rs: dict, path: str) -> RopeScaling | None:
     rope_type = rs.get("rope_type") or rs.get("type")
     if rope_type in (None, "default"):
         return None
@@ -163,15 +182,16 @@ def _parse_rope_scaling(rs, path: str) -> RopeScaling | None:
         raise ConfigError(f"{path}: rope_scaling type {rope_type!r} is not supported (supported: default, llama3)")
     if "factor" not in rs:
         raise ConfigError(f"{path}: rope_scaling of type llama3 needs a \"factor\"")
+    original = rs.get("original_max_position_embeddings")
     try:
-        return RopeScaling(
-            factor=float(rs["factor"]),
-            low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)),
-        )
+        factors = float(rs["factor"]), float(rs.get("low_freq_factor", 1.0)), float(rs.get("high_freq_factor", 4.0))
+        original = None if original is None else int(original)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{path}: rope_scaling has a field that is not a number ({exc})") from None
+    if original is None:
+        raise ConfigError(f"{path}: rope_scaling of type llama3 needs \"original_max_position_embeddings\" (or a "
+                          "max_position_embeddings to take it from)")
+    return RopeScaling(*factors, original_max_position_embeddings=original)
 
 
 def _aux_layer_inputs(raw: dict, kind: str) -> tuple[int, ...]:

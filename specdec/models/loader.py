@@ -79,20 +79,19 @@ def load_target(
     cfg = ModelConfig.from_hf(path)
     if cfg.kind != "target":
         raise ConfigError(f"{path}: {cfg.architecture} is a draft head, expected a target model")
+    files = {} if dummy else _checkpoint_files(path)
+    if cfg.tie_word_embeddings and TARGET_LM_HEAD in files and not _ties(path, files):
+        log.warning("%s: config.json ties lm_head to the embeddings, but the checkpoint stores an lm_head of other "
+                    "values: that one is used, as transformers 5 does (set tie_word_embeddings to false in "
+                    "config.json to silence this)", path)
+        cfg = replace(cfg, tie_word_embeddings=False)
     model = _build(LlamaForCausalLM, cfg, device, dtype, max_positions)
     if dummy:
         _random_init(model, seed=0)
     else:
-        files = _checkpoint_files(path)
-        names = set(files)
-        skip = {TARGET_LM_HEAD} if cfg.tie_word_embeddings else set()
-        if cfg.tie_word_embeddings and TARGET_LM_HEAD in names:
-            log.warning("%s: config.json ties lm_head to the embeddings, so the checkpoint's own %s is not read "
-                        "(transformers 5 would read it: untie it in config.json if it was trained apart)", path,
-                        TARGET_LM_HEAD)
-            names.discard(TARGET_LM_HEAD)
+        names = set(files) - ({TARGET_LM_HEAD} if cfg.tie_word_embeddings else set())
         tensors = load_tensors(path, names, dtype=dtype, device=device, on_file=_progress, files=files)
-        _fill(model, tensors, str(path), skip=skip)
+        _fill(model, tensors, str(path), skip={TARGET_LM_HEAD} if cfg.tie_word_embeddings else set())
     model.tie_weights()
     fuse_projections(model)
     return model.eval()
@@ -118,6 +117,11 @@ def load_draft(
         )
     if cfg.kind == "eagle3" and not cfg.aux_layer_inputs:
         cfg = replace(cfg, aux_layer_inputs=default_aux_layer_inputs(target_cfg.num_layers))
+    bad = [i for i in cfg.aux_layer_inputs if not 0 <= i <= target_cfg.num_layers]
+    if bad:  # (the library's path took it, and every request then failed InvalidInput: QA)
+        raise ConfigError(f"{path}: the head reads the target's hidden states at layer {bad[0]} (of "
+                          f"{list(cfg.aux_layer_inputs)}), but {target_path} has {target_cfg.num_layers} layers: the "
+                          "head was trained for another target")
     draft_files = _checkpoint_files(path) if not dummy else {}
     if cfg.kind == "eagle1" and not dummy and "fc.bias" not in draft_files:
         cfg = replace(cfg, eagle1_fc_bias=False)
@@ -134,6 +138,25 @@ def load_draft(
     _fill(model, {**shared, **own}, str(path), skip=skip)
     fuse_projections(model)
     return model.eval()
+
+
+def _ties(path, files: dict[str, Path]) -> bool:
+    """Whether a target whose config ties lm_head to the embeddings is tied: when the checkpoint stores an lm_head
+    too, only where its values are the embeddings' (transformers 5 keeps a stored lm_head of other values; before,
+    it was dropped with a warning and the logits were not transformers', QA)."""
+    both = load_tensors(path, {TARGET_EMBED, TARGET_LM_HEAD}, files=files)  # as stored
+    embed, head = both[TARGET_EMBED], both[TARGET_LM_HEAD]
+    return embed.shape == head.shape and torch.equal(embed, head.to(embed.dtype))
+
+
+def target_lm_head(target_path) -> str:
+    """The target checkpoint's tensor its lm_head is (`load_target`'s reading of a tied config): an EAGLE-1 head
+    without its own shares it."""
+    cfg = ModelConfig.from_hf(target_path)
+    if not cfg.tie_word_embeddings:
+        return TARGET_LM_HEAD
+    files = _checkpoint_files(target_path)
+    return TARGET_EMBED if TARGET_LM_HEAD not in files or _ties(target_path, files) else TARGET_LM_HEAD
 
 
 def _checkpoint_files(path) -> dict[str, Path]:
@@ -154,8 +177,7 @@ def _shared_from_target(model, cfg, target_path, dtype, device, have) -> dict:
     if "embed_tokens.weight" not in have:
         wanted["embed_tokens.weight"] = TARGET_EMBED
     if cfg.kind == "eagle1" and "lm_head.weight" not in have:
-        target_cfg = ModelConfig.from_hf(target_path)
-        wanted["lm_head.weight"] = TARGET_EMBED if target_cfg.tie_word_embeddings else TARGET_LM_HEAD
+        wanted["lm_head.weight"] = target_lm_head(target_path)
     tensors = load_tensors(target_path, set(wanted.values()), dtype=dtype, device=device)
     return {mine: tensors[theirs] for mine, theirs in wanted.items()}
 

@@ -39,6 +39,8 @@ def single(tmp_path_factory):
     ({"rope_scaling": {"rope_type": "llama3"}}, 'llama3 needs a "factor"'),
     ({"rope_scaling": "llama3"}, "rope_scaling must be an object"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": "eight"}}, "not a number"),
+    # no pre-training context anywhere (transformers would take its class's default max_position_embeddings)
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, 'needs "original_max_position_embeddings"'),
     ({"hidden_size": "big"}, "not a whole number"),
 ])
 def test_configs_the_model_code_does_not_compute_are_refused_by_name(tmp_path, changes, message):
