@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from specdec.errors import ConfigError
@@ -72,7 +72,15 @@ class ModelConfig:
             raw = json.loads(cfg_file.read_text())
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{cfg_file}: not valid JSON ({exc})") from exc
-        return cls.from_dict(raw, str(path))
+        cfg = cls.from_dict(raw, str(path))
+        gen_file = path / "generation_config.json"
+        if gen_file.is_file() and cfg.kind == "target":
+            try:
+                gen = json.loads(gen_file.read_text())
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"{gen_file}: cannot read ({exc})") from exc
+            cfg = replace(cfg, eos_token_ids=eos_token_ids(gen if isinstance(gen, dict) else {}, raw, gen_file))
+        return cfg
 
     @classmethod
     def from_dict(cls, raw: dict, path: str = "<memory>") -> ModelConfig:
@@ -101,8 +109,7 @@ class ModelConfig:
             raise ConfigError(f"{path}/config.json: a size field is not a whole number ({exc})") from exc
         _check_computable(raw, path)
         rope_theta, rope_scaling = _rope(raw, path)
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        eos_ids = eos_token_ids({}, raw, path)
         return cls(
             path=path,
             kind=kind,
@@ -124,6 +131,20 @@ class ModelConfig:
             draft_vocab_size=int(raw.get("draft_vocab_size") or vocab),
             aux_layer_inputs=_aux_layer_inputs(raw, kind),
         )
+
+
+def eos_token_ids(gen_config: dict, model_config: dict, where: object = "") -> tuple[int, ...]:
+    """The ids a completion ends at, as transformers' `generate` reads them: `generation_config.json`'s
+    `eos_token_id` when it has one, else `config.json`'s (an int or a list). The target engine and the gateway's
+    tokenizer read them alike: before, the target read config.json's alone, so a model whose end-of-turn id is
+    only in generation_config.json (Llama-3-Instruct's 128009) ran past it on `TargetService.Generate` (QA)."""
+    value = gen_config.get("eos_token_id", model_config.get("eos_token_id"))
+    try:
+        if value is None:
+            return ()
+        return (int(value),) if isinstance(value, int | str) else tuple(int(v) for v in value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: eos_token_id {value!r} is not a token id or a list of them") from None
 
 
 def _check_computable(raw: dict, path: str) -> None:

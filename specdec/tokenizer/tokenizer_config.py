@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specdec.config import eos_token_ids
 from specdec.errors import ConfigError
 
 
@@ -40,7 +41,7 @@ class TokenizerConfig:
             chat_template=template,
             chat_template_origin=origin,
             pat_str=tok_config.get("pat_str"),
-            eos_token_ids=_ids(gen_config.get("eos_token_id", model_config.get("eos_token_id"))),
+            eos_token_ids=eos_token_ids(gen_config, model_config, model_dir),
             model_vocab_size=_vocab_size(model_config),
         )
 
@@ -80,14 +81,6 @@ def _chat_template(model_dir: Path, tok_config: dict) -> tuple[str | None, str |
     if not isinstance(template, str):
         return None, None
     return template, str(model_dir / "tokenizer_config.json")
-
-
-def _ids(value: object) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
 
 
 def _vocab_size(model_config: dict) -> int | None:

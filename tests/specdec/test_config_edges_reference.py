@@ -113,3 +113,20 @@ def test_an_eagle3_heads_default_layers_past_a_small_target_are_refused_at_load(
     (draft / "config.json").write_text(json.dumps(dcfg))
     with pytest.raises(ConfigError, match="has 2 layers: the head was trained for another target"):
         load_draft(draft, target, torch.float32)
+
+
+def test_the_targets_end_ids_are_generation_configs_as_the_gateways_are(tmp_path):
+    """transformers' `generate` stops at generation_config.json's `eos_token_id` (Llama-3-Instruct lists its
+    end-of-turn id there only); the target engine read config.json's alone and ran past it on
+    `TargetService.Generate`, while the gateway, which reads generation_config.json, stopped (QA)."""
+    from specdec.engine.target_engine import TargetEngine
+    from specdec.tokenizer.tokenizer_config import TokenizerConfig
+
+    make_llama_target(tmp_path, shard=False)  # config.json: eos_token_id 2
+    assert TargetEngine(load_target(tmp_path, torch.float32), num_pages=8).eos_ids == (2,)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    assert TargetEngine(load_target(tmp_path, torch.float32), num_pages=8).eos_ids == (2, 7)
+    assert TokenizerConfig.from_dir(tmp_path).eos_token_ids == (2, 7)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "end"}))
+    with pytest.raises(ConfigError, match="eos_token_id 'end' is not a token id"):
+        load_target(tmp_path, torch.float32)
