@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import sys
 
 from gateway.config import DEFAULT_MAX_INPUT_CHARS, DEFAULT_MAX_NEW_TOKENS_LIMIT, DEFAULT_PAIR_WAIT_S
 from gateway.local_stack import DEFAULT_DRAFT_DIR, DEFAULT_PORTS, DEFAULT_TARGET_DIR
@@ -149,5 +150,10 @@ def _generate(args: argparse.Namespace) -> int:
     from gateway.commands import run_generate
     from specdec.tokenizer.cli import text_arg
 
+    from_stdin = args.prompt == "-"
     args.prompt = text_arg(args.prompt)
+    if args.chat and not args.prompt:  # (a plain empty prompt is refused by the gateway; a chat of one empty
+        # message is a valid request, so an empty stdin went out as one and exited 0: QA)
+        print(f"error: the chat message is empty{' (stdin gave no text)' if from_stdin else ''}", file=sys.stderr)
+        return 2
     return run_generate(args)

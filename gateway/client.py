@@ -109,7 +109,8 @@ class GatewayClient:
         tls: TlsConfig | None = None,
         timeout_s: float | None = None,
     ) -> None:
-        if timeout_s is not None and not (isinstance(timeout_s, int | float) and 0 < timeout_s < math.inf):
+        if timeout_s is not None and (isinstance(timeout_s, bool) or not (isinstance(timeout_s, int | float)
+                                                                          and 0 < timeout_s < math.inf)):
             # (inf, nan, 0 and -1 failed every call at once with DEADLINE_EXCEEDED: QA)
             raise InvalidInput(f"timeout_s must be a positive finite number of seconds or None, not {timeout_s!r}")
         options = channel_options()

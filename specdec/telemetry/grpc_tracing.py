@@ -83,9 +83,19 @@ def _rpc_attributes(name: str) -> dict[str, str]:
     return {"rpc.system": "grpc", "rpc.service": service, "rpc.method": method}
 
 
-def _finish(span: trace.Span, code: grpc.StatusCode, details: str | None = None) -> None:
+# what grpc says of a call its own caller cancelled (`call.cancel()`)
+LOCAL_CANCEL = "Locally cancelled by application!"
+
+
+def _finish(span: trace.Span, code: grpc.StatusCode, details: str | None = None, by_caller: bool = False) -> None:
+    """End a span with the call's status: ERROR unless OK, or unless the call's own caller cancelled it
+    (`by_caller`: a client span of a call its caller stopped, because its client left or its deadline passed, is
+    not a failure of its own; the caller's span says why. Before, the gateway's call to the draft showed an ERROR
+    "CANCELLED: Locally cancelled by application!" under every cancelled or timed-out request, QA)."""
     span.set_attribute("rpc.grpc.status_code", code.value[0])
-    if code is not grpc.StatusCode.OK:
+    if by_caller:
+        span.set_attribute("specdec.cancelled_by_caller", True)
+    elif code is not grpc.StatusCode.OK:
         span.set_status(Status(StatusCode.ERROR, f"{code.name}: {details or ''}".rstrip(": ")))
     span.end()
 
@@ -123,7 +133,7 @@ class UnaryUnaryTracing(_ClientTracing, grpc.aio.UnaryUnaryClientInterceptor):
             call = await continuation(details, request)
             code = await call.code()  # the RPC's end; the caller's `await call` then returns at once
         except asyncio.CancelledError:
-            _finish(span, grpc.StatusCode.CANCELLED)
+            _finish(span, grpc.StatusCode.CANCELLED, by_caller=True)
             raise
         _finish(span, code, await call.details())
         return call
@@ -175,7 +185,7 @@ def blocking_call_metadata(
         _finish(span, code, exc.details() if hasattr(exc, "details") else str(exc))
         raise
     except grpc.FutureCancelledError:  # the caller cancelled the call (a draft's Prefill whose client left)
-        _finish(span, grpc.StatusCode.CANCELLED, "cancelled by the caller")
+        _finish(span, grpc.StatusCode.CANCELLED, by_caller=True)
         raise
     except BaseException as exc:
         span.record_exception(exc)
@@ -191,7 +201,8 @@ def _with_context(metadata: Collection[tuple[str, str]], ctx: otel_context.Conte
 
 
 async def _finish_stream(span: trace.Span, call: grpc.aio.Call) -> None:
-    _finish(span, await call.code(), await call.details())
+    code, details = await call.code(), await call.details()
+    _finish(span, code, details, by_caller=call.cancelled() and details == LOCAL_CANCEL)
 
 
 # ---------------------------------------------------------------------------------------------- server side

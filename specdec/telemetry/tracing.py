@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import random
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+from urllib.parse import urlparse
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -55,13 +57,34 @@ def setup_tracing(service_name_default: str, config: TelemetryConfig | None = No
     provider.add_span_processor(BatchSpanProcessor(_exporter))
     trace.set_tracer_provider(provider)
     _provider = provider
+    transport = otlp_transport(config.traces_endpoint)
     logger.info(
-        "tracing on: service=%s endpoint=%s sampler=%s",
+        "tracing on: service=%s endpoint=%s (%s) sampler=%s",
         resource.attributes[SERVICE_NAME],
         config.traces_endpoint,
+        transport,
         sampler_label(config),
     )
+    if transport == "TLS" and "://" not in config.traces_endpoint:
+        logger.warning("the OTLP endpoint %s has no scheme, so spans go over TLS (OpenTelemetry's rule; "
+                       "OTEL_EXPORTER_OTLP_INSECURE=true says otherwise): write http://%s for a collector without "
+                       "TLS, or no span arrives", config.traces_endpoint, config.traces_endpoint)
     return provider
+
+
+def otlp_transport(endpoint: str, environ=None) -> str:
+    """"TLS" or "plaintext": what the OTLP gRPC span exporter uses for `endpoint`, by its own rule: https:// is
+    TLS; else OTEL_EXPORTER_OTLP_TRACES_INSECURE, then OTEL_EXPORTER_OTLP_INSECURE, when set ("true":
+    plaintext); else http:// is plaintext and anything else (no scheme) TLS. A scheme-less endpoint lost every span
+    to a plaintext collector with only SSL errors to say why (QA)."""
+    env = os.environ if environ is None else environ
+    scheme = urlparse(endpoint).scheme.lower() if "://" in endpoint else ""
+    if scheme == "https":
+        return "TLS"
+    for name in ("OTEL_EXPORTER_OTLP_TRACES_INSECURE", "OTEL_EXPORTER_OTLP_INSECURE"):
+        if env.get(name) is not None:
+            return "plaintext" if env[name].strip().lower() == "true" else "TLS"
+    return "plaintext" if scheme == "http" else "TLS"
 
 
 def shutdown_tracing(timeout_s: float = 5.0) -> None:

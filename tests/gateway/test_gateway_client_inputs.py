@@ -79,9 +79,9 @@ def test_a_stream_cancelled_while_iterated_ends_quietly_and_a_closed_client_says
     assert len(texts) == 2 and stats is None and full
 
 
-@pytest.mark.parametrize("timeout_s", [float("inf"), float("nan"), 0, -1, "5"])
+@pytest.mark.parametrize("timeout_s", [float("inf"), float("nan"), 0, -1, "5", True])
 def test_a_timeout_no_call_could_keep_is_refused_when_the_client_is_made(timeout_s):
-    """QA: inf, nan, 0 and -1 made every call fail at once with DEADLINE_EXCEEDED."""
+    """QA: inf, nan, 0 and -1 made every call fail at once with DEADLINE_EXCEEDED; True was a 1 s deadline."""
     with pytest.raises(InvalidInput, match="timeout_s must be a positive finite number of seconds or None"):
         GatewayClient("127.0.0.1:9", timeout_s=timeout_s)
 
@@ -103,3 +103,15 @@ def test_none_stops_are_no_stops_and_a_stream_left_by_break_ends_quietly_when_it
 
     text, again, stats = run(body())
     assert text == SCRIPT_TEXT and again == [] and stats is None
+
+
+def test_an_empty_chat_message_from_stdin_is_refused_before_anything_is_sent(capsys, monkeypatch):
+    """`specdec generate --chat -` with nothing on stdin sent a chat of one empty message and exited 0 (QA); a
+    plain empty prompt is refused by the gateway. Nothing listens at the address: the refusal comes first."""
+    import io
+
+    from specdec.cli import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert main(["generate", "--addr", "127.0.0.1:9", "--chat", "-"]) == 2
+    assert "error: the chat message is empty (stdin gave no text)" in capsys.readouterr().err

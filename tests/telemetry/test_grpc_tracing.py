@@ -162,6 +162,11 @@ def test_stream_spans_cover_the_stream_and_end_on_cancel():
         assert spans[f"{SERVICE}/Count"].attributes["rpc.grpc.status_code"] == 0
         cancelled = spans[f"{SERVICE}/Forever"]
         assert cancelled.attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
+    # the server's span records its client leaving as an error; the client's own cancel is no failure of the
+    # client span (QA: every cancelled or timed-out gateway request showed a red downstream span)
+    assert servers[f"{SERVICE}/Forever"].status.status_code is StatusCode.ERROR
+    assert clients[f"{SERVICE}/Forever"].status.status_code is StatusCode.UNSET
+    assert clients[f"{SERVICE}/Forever"].attributes["specdec.cancelled_by_caller"] is True
     assert servers[f"{SERVICE}/Count"].parent.span_id == clients[f"{SERVICE}/Count"].context.span_id
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 
@@ -52,3 +53,30 @@ def test_telemetry_args():
     assert (args.metrics_port, args.log_format, args.log_level) == (9100, "json", "DEBUG")
     with pytest.raises(SystemExit):
         parser.parse_args(["--log-format", "xml"])
+
+
+@pytest.mark.parametrize(("endpoint", "env", "transport"), [
+    ("http://127.0.0.1:4317", {}, "plaintext"),
+    ("https://collector:4317", {}, "TLS"),
+    ("127.0.0.1:4317", {}, "TLS"),  # no scheme: the exporter's TLS, which lost every span to a plaintext collector
+    ("localhost:4317", {"OTEL_EXPORTER_OTLP_INSECURE": "true"}, "plaintext"),
+    ("http://collector:4317", {"OTEL_EXPORTER_OTLP_TRACES_INSECURE": "false"}, "TLS"),
+    ("https://collector:4317", {"OTEL_EXPORTER_OTLP_INSECURE": "true"}, "TLS"),
+])
+def test_the_transport_named_is_the_exporters(endpoint, env, transport):
+    """`otlp_transport` says what the OTLP exporter does with the endpoint (its channel's kind, read back)."""
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+    from specdec.telemetry.tracing import otlp_transport
+
+    assert otlp_transport(endpoint, env) == transport
+    saved = {k: os.environ.pop(k, None) for k in ("OTEL_EXPORTER_OTLP_INSECURE", "OTEL_EXPORTER_OTLP_TRACES_INSECURE")}
+    try:
+        os.environ.update(env)
+        exporter = OTLPSpanExporter(endpoint=endpoint)
+        assert ("TLS" if not exporter._insecure else "plaintext") == transport
+        exporter.shutdown()
+    finally:
+        for k in env:
+            os.environ.pop(k, None)
+        os.environ.update({k: v for k, v in saved.items() if v is not None})
