@@ -25,7 +25,7 @@ LENGTHS = (5, 8, 11, 7, 1, 14)  # pages of 4: cached lengths ending at every off
 
 
 def check(kind: str, device: str, spec: SpecConfig, root: Path) -> None:
-    make_llama_target(root / "t", vocab=96, hidden=64, layers=2, heads=4, kv_heads=2, shard=False)
+    make_llama_target(root / "t", vocab=96, hidden=64, layers=4, heads=4, kv_heads=2, shard=False)
     cfg = json.loads((root / "t" / "config.json").read_text())
     make_eagle(root / kind, cfg, kind, draft_vocab=48 if kind == "eagle3" else None)
     opts = EngineOptions(device=device, num_pages=400, page_size=4, max_batch_size=8, cuda_graphs=False)
