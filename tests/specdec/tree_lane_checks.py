@@ -25,9 +25,13 @@ LENGTHS = (5, 8, 11, 7, 1, 14)  # pages of 4: cached lengths ending at every off
 
 
 def check(kind: str, device: str, spec: SpecConfig, root: Path) -> None:
-    make_llama_target(root / "t", vocab=96, hidden=64, layers=4, heads=4, kv_heads=2, shard=False)
+    make_llama_target(root / "t", vocab=96, hidden=64, layers=2, heads=4, kv_heads=2, shard=False)
     cfg = json.loads((root / "t" / "config.json").read_text())
-    make_eagle(root / kind, cfg, kind, draft_vocab=48 if kind == "eagle3" else None)
+    head = make_eagle(root / kind, cfg, kind, draft_vocab=48 if kind == "eagle3" else None)
+    if kind == "eagle3":  # layers a 2-layer target has (its default ones, 2, 1 and -1, are refused at load)
+        head_cfg = json.loads((head / "config.json").read_text())
+        head_cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [0, 0, 1]}
+        (head / "config.json").write_text(json.dumps(head_cfg))
     opts = EngineOptions(device=device, num_pages=400, page_size=4, max_batch_size=8, cuda_graphs=False)
     eager, laned = (build_draft(str(root / kind), str(root / "t"), spec, opts, 256) for _ in range(2))
     lanes = DraftTreeGraphs(laned, 8, None, capture=device != "cpu")
