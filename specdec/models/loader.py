@@ -80,18 +80,23 @@ def load_target(
     if cfg.kind != "target":
         raise ConfigError(f"{path}: {cfg.architecture} is a draft head, expected a target model")
     files = {} if dummy else _checkpoint_files(path)
-    if cfg.tie_word_embeddings and TARGET_LM_HEAD in files and not _ties(path, files):
-        log.warning("%s: config.json ties lm_head to the embeddings, but the checkpoint stores an lm_head of other "
-                    "values: that one is used, as transformers 5 does (set tie_word_embeddings to false in "
-                    "config.json to silence this)", path)
-        cfg = replace(cfg, tie_word_embeddings=False)
+    read = {}  # the tensors the tie check read, not read again
+    if cfg.tie_word_embeddings and TARGET_LM_HEAD in files:
+        tied, read = _ties(path, files)
+        if not tied:
+            log.warning("%s: config.json ties lm_head to the embeddings, but the checkpoint stores an lm_head of "
+                        "other values: that one is used, as transformers 5 does (set tie_word_embeddings to false "
+                        "in config.json to silence this)", path)
+            cfg = replace(cfg, tie_word_embeddings=False)
     model = _build(LlamaForCausalLM, cfg, device, dtype, max_positions)
     if dummy:
         _random_init(model, seed=0)
     else:
-        names = set(files) - ({TARGET_LM_HEAD} if cfg.tie_word_embeddings else set())
-        tensors = load_tensors(path, names, dtype=dtype, device=device, on_file=_progress, files=files)
-        _fill(model, tensors, str(path), skip={TARGET_LM_HEAD} if cfg.tie_word_embeddings else set())
+        skip = {TARGET_LM_HEAD} if cfg.tie_word_embeddings else set()
+        tensors = load_tensors(path, set(files) - skip - set(read), dtype=dtype, device=device, on_file=_progress,
+                               files=files)
+        tensors.update(_placed({n: t for n, t in read.items() if n not in skip}, dtype, device))
+        _fill(model, tensors, str(path), skip=skip)
     model.tie_weights()
     fuse_projections(model)
     return model.eval()
@@ -134,29 +139,38 @@ def load_draft(
     own.pop("t2d", None)  # the draft->target map d2t is all we need
     # an EAGLE-3 head over the whole target vocabulary may ship no map: d2t stays zero (draft id == target id)
     skip = {"d2t"} if cfg.kind == "eagle3" and "d2t" not in own and cfg.draft_vocab_size == cfg.vocab_size else set()
-    shared = _shared_from_target(model, cfg, target_path, dtype, device, have=own)
+    shared = _shared_from_target(cfg, target_cfg, target_path, dtype, device, have=own)
     _fill(model, {**shared, **own}, str(path), skip=skip)
     fuse_projections(model)
     return model.eval()
 
 
-def _ties(path, files: dict[str, Path]) -> bool:
-    """Whether a target whose config ties lm_head to the embeddings is tied: when the checkpoint stores an lm_head
-    too, only where its values are the embeddings' (transformers 5 keeps a stored lm_head of other values; before,
-    it was dropped with a warning and the logits were not transformers', QA)."""
+def _ties(path, files: dict[str, Path]) -> tuple[bool, dict[str, torch.Tensor]]:
+    """Whether a target whose config ties lm_head to the embeddings is tied, and the two tensors as stored (read
+    once, for the caller to use): when the checkpoint stores an lm_head too, tied only where its values are the
+    embeddings' (transformers 5 keeps a stored lm_head of other values; before, it was dropped with a warning and
+    the logits were not transformers', QA)."""
     both = load_tensors(path, {TARGET_EMBED, TARGET_LM_HEAD}, files=files)  # as stored
     embed, head = both[TARGET_EMBED], both[TARGET_LM_HEAD]
-    return embed.shape == head.shape and torch.equal(embed, head.to(embed.dtype))
+    return embed.shape == head.shape and torch.equal(embed, head.to(embed.dtype)), both
 
 
-def target_lm_head(target_path) -> str:
+def _placed(tensors: dict[str, torch.Tensor], dtype, device) -> dict[str, torch.Tensor]:
+    """Tensors read as stored, cast and moved as `load_tensors` would have (floats to `dtype`, others kept)."""
+    return {n: (t.to(dtype) if t.is_floating_point() else t).to(device) for n, t in tensors.items()}
+
+
+def target_lm_head(target_path, target_cfg: ModelConfig | None = None) -> tuple[str, dict[str, torch.Tensor]]:
     """The target checkpoint's tensor its lm_head is (`load_target`'s reading of a tied config): an EAGLE-1 head
-    without its own shares it."""
-    cfg = ModelConfig.from_hf(target_path)
+    without its own shares it. Also the tensors the tie check read as stored (empty when none was needed)."""
+    cfg = target_cfg or ModelConfig.from_hf(target_path)
     if not cfg.tie_word_embeddings:
-        return TARGET_LM_HEAD
+        return TARGET_LM_HEAD, {}
     files = _checkpoint_files(target_path)
-    return TARGET_EMBED if TARGET_LM_HEAD not in files or _ties(target_path, files) else TARGET_LM_HEAD
+    if TARGET_LM_HEAD not in files:
+        return TARGET_EMBED, {}
+    tied, read = _ties(target_path, files)
+    return (TARGET_EMBED if tied else TARGET_LM_HEAD), read
 
 
 def _checkpoint_files(path) -> dict[str, Path]:
@@ -171,14 +185,16 @@ def fuse_projections(model: nn.Module) -> None:
             module.fuse()
 
 
-def _shared_from_target(model, cfg, target_path, dtype, device, have) -> dict:
-    """embed_tokens (both formats) and lm_head (EAGLE-1) from the target unless the head ships its own."""
-    wanted = {}
+def _shared_from_target(cfg, target_cfg, target_path, dtype, device, have) -> dict:
+    """embed_tokens (both formats) and lm_head (EAGLE-1) from the target unless the head ships its own; each
+    target tensor is read once."""
+    wanted, read = {}, {}
     if "embed_tokens.weight" not in have:
         wanted["embed_tokens.weight"] = TARGET_EMBED
     if cfg.kind == "eagle1" and "lm_head.weight" not in have:
-        wanted["lm_head.weight"] = target_lm_head(target_path)
-    tensors = load_tensors(target_path, set(wanted.values()), dtype=dtype, device=device)
+        wanted["lm_head.weight"], read = target_lm_head(target_path, target_cfg)
+    read = _placed({n: t for n, t in read.items() if n in wanted.values()}, dtype, device)
+    tensors = {**load_tensors(target_path, set(wanted.values()) - set(read), dtype=dtype, device=device), **read}
     return {mine: tensors[theirs] for mine, theirs in wanted.items()}
 
 
