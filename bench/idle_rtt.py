@@ -40,7 +40,9 @@ from specdec.rpc.options import channel_options, server_options  # noqa: E402
 
 REPLY = bytes(6000)
 CALLS_WARMUP = 10
-KINDS = ("aio-uvloop", "aio-uvloop-thread-hop", "sync", "aio-uvloop-unix", "aio-uvloop-stream")
+# verify-lane: specdec's verify lane (`specdec.rpc.lane_server` on uvloop, the work on another thread, a blocking
+# `LaneClient`), what a draft's Verify takes when its target serves one
+KINDS = ("aio-uvloop", "aio-uvloop-thread-hop", "sync", "aio-uvloop-unix", "aio-uvloop-stream", "verify-lane")
 
 
 def _serve(kind: str, work_s: float, port_out) -> None:
@@ -53,7 +55,8 @@ def _serve(kind: str, work_s: float, port_out) -> None:
         return struct.pack("d", time.perf_counter() - t0) + REPLY
 
     async def handler(request, context):
-        return await asyncio.get_running_loop().run_in_executor(pool, work) if "hop" in kind else work()
+        hop = "hop" in kind or kind == "verify-lane"
+        return await asyncio.get_running_loop().run_in_executor(pool, work) if hop else work()
 
     async def stream_handler(requests, context):
         async for _ in requests:
@@ -74,6 +77,13 @@ def _serve(kind: str, work_s: float, port_out) -> None:
     import uvloop
 
     async def main():
+        if kind == "verify-lane":
+            from specdec.rpc.lane_server import LaneServer
+
+            lane = LaneServer({"/bench.Echo/Echo": grpc.unary_unary_rpc_method_handler(handler)}, [],
+                              ["/bench.Echo/Echo"], 1 << 26)
+            port_out.put(f"lane:{await lane.start('127.0.0.1', 0)}")
+            await asyncio.Event().wait()
         server = grpc.aio.server(options=server_options())
         add(server, handler)
         if kind.endswith("unix"):
@@ -95,8 +105,16 @@ def measure(kind: str, work_ms: float, calls: int) -> float:
     proc = mp.Process(target=_serve, args=(kind, work_ms / 1e3, port_out), daemon=True)
     proc.start()
     try:
-        channel = grpc.insecure_channel(port_out.get(timeout=30), options=channel_options())
-        echo = _stream_echo(channel) if kind.endswith("stream") else channel.unary_unary("/bench.Echo/Echo")
+        addr = port_out.get(timeout=30)
+        if kind == "verify-lane":
+            from specdec.rpc.lane_client import LaneClient
+
+            lane = LaneClient("127.0.0.1", int(addr.split(":")[1]), 1 << 26)
+            channel = lane  # (closed below)
+            echo = lambda message: lane.call("/bench.Echo/Echo", message, 10.0)  # noqa: E731
+        else:
+            channel = grpc.insecure_channel(addr, options=channel_options())
+            echo = _stream_echo(channel) if kind.endswith("stream") else channel.unary_unary("/bench.Echo/Echo")
         for _ in range(CALLS_WARMUP):
             echo(b"x")
         rests = []

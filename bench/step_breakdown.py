@@ -11,7 +11,7 @@ For plain decode (1 token) and a chain verify (1 + 8 tokens; `--rows` adds `tree
   the attention plan, input copies) and after the step's one sync (acceptance, features, commit);
   `features_to_host_ms`: the target service's copy of a step's features to host memory (its engine thread);
 - the GPU kernels of one replay by category (GEMM, attention, elementwise), from the profiler;
-- the top host functions of 50 steps (cProfile, cumulative), written next to `--out`.
+- the top host functions of 50 steps (cProfile, by cumulative and by own time), written next to `--out`.
 The same for the draft head's propose and extend, for each of `--draft-specs` (steps,topk,draft tokens; default a
 chain of 6); a tree's propose (topk > 1) also eagerly (`propose_eager_ms`: one host sync a depth) beside its
 captured graph. Numbers are means over `--repeats` calls after warm-up.
@@ -94,7 +94,8 @@ def host_profile(fn, repeats: int, path: Path) -> None:
     torch.cuda.synchronize()
     pr.disable()
     s = io.StringIO()
-    pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(40)
+    for order in ("cumulative", "tottime"):  # where the calls lead, then where the time is spent
+        pstats.Stats(pr, stream=s).sort_stats(order).print_stats(40)
     path.write_text(s.getvalue())
 
 

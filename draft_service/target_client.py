@@ -14,6 +14,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from draft_service.pending_release import PendingReleases
+from draft_service.verify_lane import VerifyLane
 from specdec.engine.requests import PrefillInput, PrefillOutput, VerifyInput, VerifyOutput, kept_feature_rows
 from specdec.errors import (
     TARGET_PREFIX,
@@ -45,6 +46,7 @@ from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 log = logging.getLogger(__name__)
 
 TARGET_SERVICE_PATH = "/specdec.v1.TargetService/"  # span name when a stub method does not tell its own
+VERIFY_PATH = TARGET_SERVICE_PATH + "Verify"
 
 # the target's errors back as the engine's exceptions, by the status each names (`specdec.errors`); ABORTED was
 # missing, so a pipelined plain call that overtook the one before it failed its whole batch as INTERNAL instead of
@@ -134,6 +136,8 @@ class TargetClient:
         self.pending = PendingReleases()  # requests that ended while the target was away, released once it is back
         # thread id -> (its calls under way, the latest of their deadlines); each thread writes its own key
         self._calling: dict[int, tuple[int, float]] = {}
+        # the target's verify lane, which Verify calls take when it has one (`model_info` tells)
+        self.lane = VerifyLane(addr, plaintext=tls is None)
 
     def _open(self, credentials: grpc.ChannelCredentials | None, generation: int = 0) -> _Link:
         opts = channel_options()
@@ -171,6 +175,7 @@ class TargetClient:
         self._abandoned[old.generation] = why
         self._link = self._open(old.credentials, old.generation + 1)
         old.channel.close()
+        self.lane.reset()
         # what answers next may be a target restarted with TLS: its refused handshake gets the hint again
         self._answered_over = _NEVER
 
@@ -180,11 +185,16 @@ class TargetClient:
         `watched`: a failure to reach the target is told to `on_unreachable` (not the watch's own calls)."""
         link = self._link  # one snapshot: the call's channel and the generation `abandon_calls` may end
         call = getattr(link, method)
+        lane = self.lane.for_call() if method == "verify" else None
         try:
             timeout_s = timeout_s or self.timeout_s
             with (self._waiting(time.monotonic() + timeout_s),
-                  blocking_call_metadata(getattr(call, "_method", TARGET_SERVICE_PATH)) as metadata):
-                reply = call(request, timeout=timeout_s, metadata=metadata or None)
+                  blocking_call_metadata(VERIFY_PATH if lane else getattr(call, "_method", TARGET_SERVICE_PATH))
+                  as metadata):
+                if lane is not None:
+                    reply = lane.call(VERIFY_PATH, request.SerializeToString(), timeout_s, metadata)
+                else:
+                    reply = call(request, timeout=timeout_s, metadata=metadata or None)
             self._answered_over = link.credentials
             return reply
         except grpc.RpcError as exc:
@@ -235,15 +245,24 @@ class TargetClient:
         request's) it carries that trace and gets its own CLIENT span, ended when the call is collected."""
         link = self._link
         call = getattr(link, method)
+        lane = self.lane.for_call() if method == "verify" else None
         stack = contextlib.ExitStack()
         with attached(trace_context):
-            metadata = stack.enter_context(blocking_call_metadata(getattr(call, "_method", TARGET_SERVICE_PATH)))
+            metadata = stack.enter_context(blocking_call_metadata(
+                VERIFY_PATH if lane else getattr(call, "_method", TARGET_SERVICE_PATH)))
         try:
-            future = call.future(request, timeout=self.timeout_s, metadata=metadata or None)
+            if lane is not None:
+                future = lane.start(VERIFY_PATH, request.SerializeToString(), self.timeout_s, metadata)
+            else:
+                future = call.future(request, timeout=self.timeout_s, metadata=metadata or None)
             return stack, future, link, time.monotonic() + self.timeout_s
         except ValueError:  # the channel closed as the call began
             stack.close()
             raise self._failed(None, link) from None
+        except grpc.RpcError as exc:  # the lane's connection broke as the call was sent
+            with contextlib.suppress(grpc.RpcError):
+                stack.__exit__(type(exc), exc, exc.__traceback__)
+            raise self._failed(exc, link) from None
 
     def _wait(self, started):
         stack, future, link, deadline = started
@@ -416,10 +435,13 @@ class TargetClient:
         return True
 
     def model_info(self, timeout_s: float | None = None) -> target_pb2.TargetServiceGetModelInfoResponse:
-        return self._call("model_info", target_pb2.TargetServiceGetModelInfoRequest(), timeout_s,
-                          watched=False)
+        """The target's GetModelInfo; its verify lane (or none) is taken from the answer."""
+        info = self._call("model_info", target_pb2.TargetServiceGetModelInfoRequest(), timeout_s, watched=False)
+        self.lane.told(info.verify_lane_port)
+        return info
 
     def close(self) -> None:
+        self.lane.close()
         self._link.channel.close()
         for _, channel in self._retiring:
             channel.close()

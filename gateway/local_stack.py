@@ -104,6 +104,12 @@ class StackConfig:
             return ["--attention-backend", "flashinfer"]
         return []
 
+    def _lane_flags(self) -> list[str]:
+        """The target's verify lane on any free port (its draft learns which from GetModelInfo), unless the target's
+        own flags choose its port or TLS (the lane is plaintext)."""
+        chosen = any(a.split("=")[0] in ("--verify-lane-port", "--tls-cert") for a in self.target_args)
+        return [] if chosen else ["--verify-lane-port", "0"]
+
     def addr(self, service: str) -> str:
         return f"{self.host}:{getattr(self, f'{service}_port')}"
 
@@ -132,7 +138,7 @@ class StackConfig:
         else:
             commands["target"] = [
                 *specdec, "serve-target", "--model", self.target_dir, *device,
-                "--host", self.host, "--port", str(self.target_port), *self.target_args,
+                "--host", self.host, "--port", str(self.target_port), *self._lane_flags(), *self.target_args,
             ]  # fmt: skip
         if self.draft_dir is not None:
             commands["draft"] = [

@@ -8,6 +8,7 @@ import time
 
 from specdec.engine.factory import build_target
 from specdec.engine.scheduler import Scheduler
+from specdec.errors import ConfigError
 from specdec.rpc.service_runner import ServiceSpec, run_service
 from specdec.rpc.tls import TlsConfig
 from specdec.rpc.wire import add_servicer
@@ -26,11 +27,19 @@ METRIC_FAMILIES = frozenset({"running", "waiting", "kv", "batch", "phases", "eng
 # a draft's calls for the requests it holds here (one short Verify a step): traced only under the draft's trace, and
 # still served while draining (the drafts finish those requests; new Prefills and Generates are refused)
 PER_STEP_METHODS = tuple(f"/{HEALTH_NAME}/{m}" for m in ("Verify", "Release", "GetModelInfo"))
+LANE_METHODS = (f"/{HEALTH_NAME}/Verify",)  # what the verify lane serves (`--verify-lane-port`)
 
 
 async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
     opts = engine_options(args)
     steps = plain_steps(args)
+    tls = TlsConfig.from_args(args)
+    lane_port = getattr(args, "verify_lane_port", None)
+    if lane_port is not None and tls is not None:
+        raise ConfigError("--verify-lane-port: the verify lane is plaintext TCP, and this target serves gRPC over "
+                          "TLS; drop --verify-lane-port (its drafts then verify over gRPC) or TLS")
+    if lane_port and lane_port in (args.port, getattr(args, "metrics_port", 0)):
+        raise ConfigError(f"--verify-lane-port {lane_port} is also this target's gRPC or metrics port")
     servicer = TargetServicer(None, None, args.model)
     state = {}
 
@@ -50,13 +59,15 @@ async def serve(args, shutdown: asyncio.Event, ready=None) -> None:
     spec = ServiceSpec(
         name="target", health_name=HEALTH_NAME,
         servicers=[lambda s: add_target_servicer(servicer, s)],
-        load=load, close=close, host=args.host, port=args.port, tls=TlsConfig.from_args(args),
+        load=load, close=close, host=args.host, port=args.port, tls=tls,
         metrics_port=args.metrics_port, drain_s=args.drain_seconds,
         trace_parent_required=PER_STEP_METHODS,
         model_name=model_label(args.model), metric_families=METRIC_FAMILIES,  # args.model: --config NAME if given
         still_served=frozenset(PER_STEP_METHODS),
         busy=lambda: "engine" in state and bool(state["engine"].requests),
         engine_busy=lambda: state["loop"].busy_s(), stall_s=args.engine_stall_seconds,
+        lane_port=lane_port, lane_methods=LANE_METHODS,
+        lane_started=lambda bound: setattr(servicer, "verify_lane_port", bound),
     )
     await run_service(spec, shutdown, ready)
 

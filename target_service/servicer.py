@@ -82,6 +82,7 @@ def _warmup(inputs: list) -> bool:
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def __init__(self, engine: TargetEngine, loop: EngineLoop, model_name: str, metrics=None):
         self.engine, self.loop, self.model_name, self.metrics = engine, loop, model_name, metrics
+        self.verify_lane_port = 0  # where its verify lane listens (`--verify-lane-port`), told in GetModelInfo
         # prompts prefilled in parts take turns, a part each: one part is queued at a time, so a round of the engine
         # thread runs at most one (four long prompts admitted together once put four parts in a round: 2 s on a
         # 2-core CPU, past a 2 s --engine-stall-seconds; QA)
@@ -260,7 +261,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         sampling.validate(self.engine.cfg.vocab_size)
 
     async def GetModelInfo(self, request, context):
-        return model_info(self.engine, self.model_name)
+        info = model_info(self.engine, self.model_name)
+        info.verify_lane_port = self.verify_lane_port
+        return info
 
 
 def model_info(engine: TargetEngine, model_name: str) -> target_pb2.TargetServiceGetModelInfoResponse:

@@ -36,6 +36,7 @@ from specdec.errors import ConfigError
 from specdec.rpc.decode_guard import DecodeGuard
 from specdec.rpc.drain_gate import DrainGate
 from specdec.rpc.health_list import HealthServicer
+from specdec.rpc.lane_server import LaneServer
 from specdec.rpc.options import DEFAULT_MAX_MESSAGE_BYTES, server_options
 from specdec.rpc.reflection import enable_reflection
 from specdec.rpc.tls import TlsConfig, add_tls_args
@@ -66,6 +67,23 @@ class ServerHandle:
     bound_port: int
     health_names: tuple[str, ...]
     gate: DrainGate = field(default_factory=DrainGate)  # refuses new calls once `stop` begins
+    # the servicers' registered handlers by full method name, and the interceptors that run every call (outermost
+    # first): what a verify lane serves its calls with (`start_lane`)
+    handlers: dict = field(default_factory=dict)
+    chain: tuple = ()
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    lane: LaneServer | None = None
+
+    async def start_lane(self, host: str, port: int, methods) -> int:
+        """Serve `methods` (full names of unary methods) on a verify lane (`specdec.rpc.lane`) at host:port too, each
+        call through this server's handlers and interceptors; -> the port it listens on."""
+        self.lane = LaneServer(self.handlers, self.chain, methods, self.max_message_bytes)
+        try:
+            return await self.lane.start(host, port)
+        except OSError as exc:
+            self.lane = None
+            raise ConfigError(f"cannot listen for the verify lane on {host}:{port}: "
+                              f"{_why_not_bound(host, port) or exc}") from None
 
     async def set_serving(self, serving: bool, names: Sequence[str] | None = None) -> None:
         """Set every health name (and the overall "") to SERVING or NOT_SERVING; `names`: those only."""
@@ -97,6 +115,7 @@ class ServerHandle:
         t0 = time.monotonic()
         await self.health.enter_graceful_shutdown()
         if grace_s is None:
+            await self._stop_lane()
             await self.server.stop(None)
             return
         left = lambda: grace_s - (time.monotonic() - t0)  # noqa: E731
@@ -107,7 +126,12 @@ class ServerHandle:
                                   "this call did; retry on another replica")
             await self.gate.wait_idle(END_WAIT_S)
         await self.gate.wait_quiet(QUIET_S, min(LINGER_MAX_S, left()))
+        await self._stop_lane()
         await self.server.stop(max(left(), 0.0))
+
+    async def _stop_lane(self) -> None:
+        if self.lane is not None:
+            await self.lane.stop()
 
     async def wait_for_termination(self) -> None:
         await self.server.wait_for_termination()
@@ -137,8 +161,9 @@ async def start_server(
     # one the guard sets is the one grpc calls.
     chain = [gate, *interceptors, DecodeGuard()]
     server = grpc.aio.server(options=server_options(max_message_bytes, max_receive_bytes), interceptors=chain)
+    recorder = _Recorder(server)
     for add in servicers:
-        add(server)
+        add(recorder)
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     # reflection lists the services; a health-only name (LIVENESS) is none, and listed it made `grpcurl describe`
@@ -146,11 +171,27 @@ async def start_server(
     services = [name for name in health_names if name != LIVENESS]
     enable_reflection(server, (*services, HEALTH_SERVICE))
     bound_port = _bind(server, host, port, tls)
-    handle = ServerHandle(server, health_servicer, bound_port, tuple(health_names), gate)
+    handle = ServerHandle(server, health_servicer, bound_port, tuple(health_names), gate, recorder.handlers,
+                          tuple(chain), max_receive_bytes or max_message_bytes)
     await handle.set_serving(False)
     await server.start()
     log.info("listening on %s:%d (%s)", host, bound_port, "TLS" if tls else "plaintext")
     return handle
+
+
+class _Recorder:
+    """The server, as the servicers' `add` functions see it: the method handlers they register are kept (by full
+    method name) for a verify lane to serve."""
+
+    def __init__(self, server: grpc.aio.Server) -> None:
+        self._server, self.handlers = server, {}
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        self._server.add_registered_method_handlers(service, handlers)
+        self.handlers.update({f"/{service}/{name}": handler for name, handler in handlers.items()})
+
+    def __getattr__(self, name: str):
+        return getattr(self._server, name)
 
 
 def _bind(server: grpc.aio.Server, host: str, port: int, tls: TlsConfig | None) -> int:

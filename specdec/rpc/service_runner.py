@@ -56,6 +56,11 @@ class ServiceSpec:
     engine_busy: Callable[[], float] | None = None
     stall_s: float = 0.0
     engine_which: Callable[[], str] | None = None  # a process of two engine threads: the stalled one's name
+    # a verify lane (`specdec.rpc.lane`): its port (0: any free one; None: no lane), the methods it serves, and what
+    # to tell once it listens (the port it got)
+    lane_port: int | None = None
+    lane_methods: tuple[str, ...] = ()
+    lane_started: Callable[[int], None] | None = None
 
 
 async def run_service(spec: ServiceSpec, shutdown: asyncio.Event, ready: Callable[[int], None] | None = None) -> None:
@@ -69,6 +74,16 @@ async def run_service(spec: ServiceSpec, shutdown: asyncio.Event, ready: Callabl
                                 spec.tls,
                                 interceptors=[gate, *server_interceptors(provider, spec.trace_parent_required)],
                                 still_served=spec.still_served)
+    if spec.lane_port is not None:
+        try:
+            port = await handle.start_lane(spec.host, spec.lane_port, spec.lane_methods)
+        except BaseException:
+            await handle.stop(None)
+            raise
+        log.info("verify lane on %s:%d (plaintext TCP: %s)", spec.host, port,
+                 ", ".join(m.rsplit("/", 1)[-1] for m in spec.lane_methods))
+        if spec.lane_started is not None:
+            spec.lane_started(port)
     health = ServiceHealth(handle, gate, ("", spec.health_name))
     watches: list[asyncio.Future] = []
     try:

@@ -122,7 +122,7 @@ class TargetServiceGetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TargetServiceGetModelInfoResponse(_message.Message):
-    __slots__ = ("model", "architecture", "vocab_size", "hidden_size", "num_layers", "max_context_len", "eos_token_ids", "dtype", "device", "kv", "num_running", "max_draft_tokens", "num_waiting_for_pages", "prefill_chunk_tokens")
+    __slots__ = ("model", "architecture", "vocab_size", "hidden_size", "num_layers", "max_context_len", "eos_token_ids", "dtype", "device", "kv", "num_running", "max_draft_tokens", "num_waiting_for_pages", "prefill_chunk_tokens", "verify_lane_port")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +137,7 @@ class TargetServiceGetModelInfoResponse(_message.Message):
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FOR_PAGES_FIELD_NUMBER: _ClassVar[int]
     PREFILL_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_LANE_PORT_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     vocab_size: int
@@ -151,4 +152,5 @@ class TargetServiceGetModelInfoResponse(_message.Message):
     max_draft_tokens: int
     num_waiting_for_pages: int
     prefill_chunk_tokens: int
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_context_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv: _Optional[_Union[_common_pb2.KVStats, _Mapping]] = ..., num_running: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., num_waiting_for_pages: _Optional[int] = ..., prefill_chunk_tokens: _Optional[int] = ...) -> None: ...
+    verify_lane_port: int
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_context_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv: _Optional[_Union[_common_pb2.KVStats, _Mapping]] = ..., num_running: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., num_waiting_for_pages: _Optional[int] = ..., prefill_chunk_tokens: _Optional[int] = ..., verify_lane_port: _Optional[int] = ...) -> None: ...

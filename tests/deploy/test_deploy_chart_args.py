@@ -17,7 +17,9 @@ from deploy_helpers import (
     one,
     pod_spec,
     render,
+    run_helm,
     specdec_containers,
+    template_args,
     workloads,
 )
 
@@ -196,3 +198,30 @@ def test_the_pairs_batch_reaches_the_draft_whose_scheduler_decides_it(case):
         return
     own = batch_flags("--set", "target.maxBatchSize=128", "--set", "draft.maxBatchSize=32")
     assert own["draft"] == "32" and own["target"] == "128"
+
+
+@pytest.mark.parametrize("case", ["default", "split", "tls", "colocated"])
+def test_the_target_serves_a_verify_lane_where_its_draft_can_use_it(case):
+    """Plaintext targets serve the verify lane (the flag, a named container port; with pairing=split the
+    NetworkPolicy lets the drafts reach it); with TLS or no target container there is none."""
+    extra = ("--set", "networkPolicy.enabled=true")
+    docs = render(case, *extra)
+    targets = [container(d, "target") for d in workloads(docs)
+               if "target" in {c["name"] for c in pod_spec(d)["containers"]}]
+    lane = case in ("default", "split")
+    assert bool(targets) == (case != "colocated")
+    for c in targets:
+        assert flag(c, "verify-lane-port") == ("50062" if lane else None)
+        assert ({"name": "lane-target", "containerPort": 50062, "protocol": "TCP"} in c["ports"]) == lane
+    if case == "split":
+        policy = one(docs, "NetworkPolicy", f"{FULL}-target")
+        rules = [r for r in policy["spec"]["ingress"] if r["ports"] == [{"port": 50062, "protocol": "TCP"}]]
+        assert len(rules) == 1 and rules[0]["from"][0]["podSelector"]["matchLabels"][
+            "app.kubernetes.io/component"] == "draft"
+
+
+@pytest.mark.parametrize(("port", "why"), [("9102", "also target.port or target.metricsPort"),
+                                           ("50051", "draft.port and target.verifyLanePort are both 50051")])
+def test_a_verify_lane_port_another_port_holds_is_refused(port, why):
+    proc = run_helm(*template_args("default", "--set", f"target.verifyLanePort={port}"), check=False)
+    assert proc.returncode != 0 and why in proc.stderr

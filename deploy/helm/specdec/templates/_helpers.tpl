@@ -58,6 +58,12 @@ app.kubernetes.io/part-of: specdec
 
 {{/* ---------- addresses ---------- */}}
 
+{{/* "true" when the target serves a verify lane: target.verifyLanePort set, a target container (not pairing=colocated),
+plaintext (the lane has no TLS). */}}
+{{- define "specdec.verifyLane" -}}
+{{- if and .Values.target.verifyLanePort (ne .Values.pairing "colocated") (not .Values.tls.enabled) -}}true{{- end -}}
+{{- end -}}
+
 {{/* Headless Service names (the StatefulSets' serviceName). */}}
 {{- define "specdec.pairService" -}}{{ include "specdec.fullname" . }}-pair{{- end -}}
 {{- define "specdec.draftService" -}}{{ include "specdec.fullname" . }}-draft{{- end -}}
@@ -399,6 +405,9 @@ lifecycle:
     - {{ printf "--host=%s" $v.listenHost | quote }}
     - --port={{ $v.target.port }}
     - --metrics-port={{ $v.target.metricsPort }}
+    {{- if include "specdec.verifyLane" .root }}
+    - --verify-lane-port={{ $v.target.verifyLanePort }}
+    {{- end }}
     - --device={{ $v.device }}
     {{- with include "specdec.optionalFlag" (dict "flag" "dtype" "value" $v.target.dtype) | trim }}{{ . | nindent 4 }}{{- end }}
     {{- with include "specdec.attentionBackend" (dict "value" $v.target.attentionBackend "device" $v.device) | trim }}{{ . | nindent 4 }}{{- end }}
@@ -426,6 +435,9 @@ lifecycle:
   ports:
     - {name: grpc-target, containerPort: {{ $v.target.port }}, protocol: TCP}
     - {name: metrics-target, containerPort: {{ $v.target.metricsPort }}, protocol: TCP}
+    {{- if include "specdec.verifyLane" .root }}
+    - {name: lane-target, containerPort: {{ $v.target.verifyLanePort }}, protocol: TCP}
+    {{- end }}
   {{- with include "specdec.probes" (dict "root" .root "port" $v.target.port "service" "specdec.v1.TargetService" "cfg" $v.target) | trim }}{{ . | nindent 2 }}{{- end }}
   {{- with include "specdec.lifecycle" .root | trim }}{{ . | nindent 2 }}{{- end }}
   resources: {{- include "specdec.modelResources" (dict "root" .root "cfg" $v.target) | nindent 4 }}
@@ -536,6 +548,9 @@ volumes:
 {{- if and $v.tracing.jaeger.enabled (not $v.tracing.enabled) -}}
 {{- fail "tracing.jaeger.enabled=true deploys a Jaeger only for tracing.enabled=true (the services send no spans without it): set both" -}}
 {{- end -}}
+{{- if and (include "specdec.verifyLane" $) (has (toString $v.target.verifyLanePort) (list (toString $v.target.port) (toString $v.target.metricsPort))) -}}
+{{- fail (printf "target.verifyLanePort %v is also target.port or target.metricsPort: the lane needs a port of its own (the target refuses to start)" $v.target.verifyLanePort) -}}
+{{- end -}}
 {{- range $part := list "gateway" "draft" "target" -}}
 {{- $p := get $v $part -}}
 {{- if eq (toString $p.port) (toString $p.metricsPort) -}}
@@ -552,7 +567,9 @@ volumes:
 {{- if eq $v.pairing "pair" -}}
 {{- /* a pair's two containers share the pod's network: each port once */ -}}
 {{- $ports := dict -}}
-{{- range $name := list "draft.port" "draft.metricsPort" "target.port" "target.metricsPort" -}}
+{{- $names := list "draft.port" "draft.metricsPort" "target.port" "target.metricsPort" -}}
+{{- if include "specdec.verifyLane" $ }}{{- $names = append $names "target.verifyLanePort" -}}{{- end -}}
+{{- range $name := $names -}}
 {{- $parts := splitList "." $name -}}
 {{- $port := toString (get (get $v (index $parts 0)) (index $parts 1)) -}}
 {{- if hasKey $ports $port -}}
