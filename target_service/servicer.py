@@ -12,7 +12,7 @@ from specdec.engine.admission import MAX_PREFILL_TOKENS
 from specdec.engine.plain_steps import check_plain_steps
 from specdec.engine.requests import RUNNING
 from specdec.engine.target_engine import TargetEngine
-from specdec.errors import SpecdecError
+from specdec.errors import InvalidInput, SpecdecError
 from specdec.request_ids import is_warmup
 from specdec.rpc.errors import map_servicer_errors
 from specdec.rpc.kv_stats import kv_stats
@@ -181,7 +181,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             members = [groups[i] for i in segment]
             flat = [inp for g in members for inp in g[0]]
             if counted:
-                self.metrics.observe_batch(len(flat))
                 for _, _, queued, _ in members:
                     self.metrics.observe_phase("queue", started - queued)
             parent, links = batch_parent([g[1] for g in members])
@@ -195,7 +194,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 with get_tracer().start_as_current_span("target.verify_batch", parent, links=links,
                                                         attributes=attributes):
                     self._verify_segment(groups, segment, result)
-            if counted:
+            ran = sum(len(groups[i][0]) for i in segment if not isinstance(result[i], SpecdecError))
+            if counted and ran:  # what ran: a refused call (200 000 trees of an unknown id) is no batch (QA)
+                self.metrics.observe_batch(ran)
                 self._phase("forward", time.perf_counter() - started)
         return result
 
@@ -208,10 +209,26 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     def _verify_kind(self, inputs: list, kind: tuple[int, int]) -> list:
         steps, rows = kind
+        self._not_generate(inputs)
         packed = self._packed(inputs)  # before the call: a request it finishes leaves the engine
         outs = self.engine.verify(inputs, plain_steps=steps, feature_rows=rows)
         features_to_host(outs, packed)  # here, not in the handler: the copy waits for the GPU
         return outs
+
+    def _own(self, request_id: str) -> bool:
+        """Whether the request is one of this target's own Generate streams (engine thread)."""
+        scheduler = self.loop.scheduler
+        if scheduler is None:  # (an engine loop without Generate streams)
+            return False
+        return request_id in scheduler.running or any(s.request_id == request_id for s in scheduler.waiting)
+
+    def _not_generate(self, inputs: list) -> None:
+        """Verify names a draft's requests: one of this target's Generate streams is refused (another client's
+        Verify took tokens from it, and its next step then failed with every stream of its batch: QA)."""
+        for inp in inputs:
+            if self._own(inp.request_id):
+                raise InvalidInput(f"request {inp.request_id!r} is a Generate stream of this target: Verify and "
+                                   "Release name the requests a draft prefilled")
 
     def _packed(self, inputs: list) -> frozenset:
         """The ids whose features travel as 8-bit floats: all of a Verify batch's when they all asked for it
@@ -228,10 +245,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return target_pb2.ReleaseResponse(num_released=released)
 
     def _release(self, ids: list[str]) -> int:
-        """Idempotent: ids the target no longer holds (finished, or never seen) are skipped; one waiting for pages
-        leaves the page queue (not counted: it held none)."""
+        """Idempotent: ids the target no longer holds (finished, or never seen) and its own Generate streams are
+        skipped; one waiting for pages leaves the page queue (not counted: it held none)."""
         n = 0
         for rid in ids:
+            if self._own(rid):  # its caller ends it by leaving (`_not_generate`)
+                continue
             held = rid in self.engine.requests
             if held or rid in self.engine.page_queue:
                 self.engine.release(rid)

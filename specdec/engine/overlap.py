@@ -48,7 +48,6 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -259,10 +258,7 @@ class TwoBatchOverlap:
         running = [i for i, rid in enumerate(launch.rids) if rid in sched.running]
         if not running:
             return None, None, None
-        if len(running) < len(launch.rids):
-            launch = replace(launch, rids=[launch.rids[i] for i in running],
-                             trees=[launch.trees[i] for i in running],
-                             num_generated=[launch.num_generated[i] for i in running])
+        launch = launch.only(running)
         try:
             return launch, sched.verify(launch), None
         except SpecdecError as exc:

@@ -4,7 +4,7 @@ batch), `Event` (what one request got from one step), `Launch` (one step up to i
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from specdec.engine.finish import length_room
@@ -72,3 +72,10 @@ class Launch:
     @property
     def num_draft_tokens(self) -> int:
         return sum(len(t.tokens) for t in self.trees)
+
+    def only(self, indices: list[int]) -> Launch:
+        """This launch for the requests at `indices` alone (their trees and counts)."""
+        if len(indices) == len(self.rids):
+            return self
+        return replace(self, rids=[self.rids[i] for i in indices], trees=[self.trees[i] for i in indices],
+                       num_generated=[self.num_generated[i] for i in indices] if self.num_generated else [])

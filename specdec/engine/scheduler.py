@@ -31,7 +31,7 @@ from specdec.engine.overlap import TwoBatchOverlap
 from specdec.engine.plain_steps import PLAIN_STEPS
 from specdec.engine.requests import ABORT, RUNNING, StepTimings, VerifyInput
 from specdec.engine.run_state import Event, Launch, RunState
-from specdec.errors import NotReady, SpecdecError, UnknownRequest
+from specdec.errors import InvalidInput, NotReady, OutOfOrder, SpecdecError, UnknownRequest
 from specdec.sampling_params import SamplingParams
 from specdec.telemetry.tracing import StepSpanSampler, batch_parent
 from specdec.tree import TokenTree, TreeCap, max_depth
@@ -39,6 +39,8 @@ from specdec.tree import TokenTree, TreeCap, max_depth
 __all__ = ["Event", "Launch", "RunState", "Scheduler"]
 
 log = logging.getLogger(__name__)
+# a verify refused with these names one of its requests (the engine's checks run before anything is committed)
+ONE_REQUESTS = (UnknownRequest, OutOfOrder, InvalidInput)
 _EMPTY = TokenTree((), ())  # a plain decode step: verify of the root alone
 # Feature rows a plain call asks for per request (`VerifyRequest.feature_rows`): its last token's. The draft follows
 # only that token of a plain stretch and skips the rest: through the services a plain call's features were most of
@@ -292,10 +294,30 @@ class Scheduler(Admission):
             pending = self.target.verify_start(inputs, **more)
         return SentVerify(self, pending, span, time.perf_counter())
 
+    def _land_alone(self, launch: Launch, error: SpecdecError, since: float) -> list[Event]:
+        """A verify refused for what one of its requests is (another client released it on the target or ran it
+        ahead: NOT_FOUND, ABORTED; its tree refused): the target committed nothing, so each request's tree is
+        verified again alone, and only those refused alone fail. Before, one outside Release or Verify naming one
+        request ended every stream of its batch (QA)."""
+        log.warning("verify of %d requests refused (%s): each verified alone", len(launch.rids), error)
+        events: list[Event] = []
+        for i, rid in enumerate(launch.rids):
+            if rid not in self.running:
+                continue
+            one = launch.only([i])
+            try:
+                outputs, alone = self.verify(one), None
+            except SpecdecError as exc:
+                outputs, alone = None, exc
+            events += self.land(one, outputs, alone, since)
+        return events
+
     def land(self, launch: Launch, outputs: list | None, error: SpecdecError | None, since: float) -> list[Event]:
         """Commit a verify's outputs (or fail its requests on `error`), extend the draft over what was accepted.
         The step's time, for the timings and the policy, runs from `since` to now."""
         rids = launch.rids
+        if error is not None and isinstance(error, ONE_REQUESTS) and len(rids) > 1:
+            return self._land_alone(launch, error, since)
         if error is not None:  # the whole batch failed (e.g. the target went away)
             rids = [rid for rid in rids if rid in self.running]  # not those an earlier landing ended
             # a target away, or requests it no longer holds (the gateway moved them on while it was frozen) are the

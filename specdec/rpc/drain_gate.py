@@ -136,7 +136,10 @@ class DrainGate(grpc.aio.ServerInterceptor):
         except asyncio.CancelledError:
             if self._ended is None:  # the client left, or its deadline passed
                 raise
-            await context.abort(grpc.StatusCode.UNAVAILABLE, self._ended)
+            try:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, self._ended)
+            except grpc.aio.UsageError:  # cancelled within the handler's own abort: its status stands (QA, once:
+                raise asyncio.CancelledError from None  # "Abort already called!" logged with a traceback)
         finally:
             self._calls.discard(call)
             _ENDED.pop(id(context), None)

@@ -5,6 +5,7 @@ server answers or closes that connection, and serves the next one)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
@@ -201,3 +202,46 @@ def test_frames_that_break_the_protocol_end_that_connection_only(lane, case):
         assert _closed(sock)
     sock.close()
     assert client.call("/t.S/Echo", b"after", 5.0) == b"after"  # the server goes on
+
+
+def test_a_traced_call_gets_its_server_span_under_the_callers_client_span():
+    """The server's tracing interceptor runs on lane calls: a SERVER span, child of the caller's CLIENT span (made
+    by `blocking_call_metadata`, as the draft's client does), with the handler's status."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import SpanKind, StatusCode
+
+    from specdec.telemetry.grpc_tracing import blocking_call_metadata, server_interceptors
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    impl = _Handlers()
+    handlers = {"/t.S/Echo": grpc.unary_unary_rpc_method_handler(impl.echo),
+                "/t.S/Abort": grpc.unary_unary_rpc_method_handler(impl.abort)}
+    loop = asyncio.new_event_loop()
+    server = LaneServer(handlers, server_interceptors(provider, handlers), handlers, LIMIT)
+    port = loop.run_until_complete(server.start("127.0.0.1", 0))
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    client = LaneClient("127.0.0.1", port, LIMIT)
+    tracer = provider.get_tracer("test")
+    try:
+        with tracer.start_as_current_span("step"):
+            for method in ("/t.S/Echo", "/t.S/Abort"):
+                with contextlib.suppress(grpc.RpcError), \
+                        blocking_call_metadata(method, tracer=tracer) as metadata:
+                    client.call(method, b"r1", 5.0, metadata)
+    finally:
+        client.close()
+        asyncio.run_coroutine_threadsafe(server.stop(), loop).result(5)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+    spans = {(s.name, s.kind): s for s in exporter.get_finished_spans()}
+    for method, status in (("Echo", StatusCode.UNSET), ("Abort", StatusCode.ERROR)):
+        client_span = spans[(f"t.S/{method}", SpanKind.CLIENT)]
+        server_span = spans[(f"t.S/{method}", SpanKind.SERVER)]
+        assert server_span.parent.span_id == client_span.context.span_id
+        assert server_span.context.trace_id == spans[("step", SpanKind.INTERNAL)].context.trace_id
+        assert server_span.status.status_code == client_span.status.status_code == status

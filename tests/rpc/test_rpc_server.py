@@ -357,3 +357,40 @@ def test_a_port_in_use_is_named_as_such():
             run(start_server([], [TARGET], "127.0.0.1", port))
     with pytest.raises(ConfigError, match="192.0.2.1 is not an address of this machine"):
         run(start_server([], [TARGET], "192.0.2.1", 0))
+
+
+def test_a_call_cancelled_inside_its_own_abort_keeps_its_status_at_a_drains_end():
+    """A drain's end cancels a call whose handler is inside `context.abort` (its status already set): the gate's
+    own abort would be a second one, which grpc refuses ("Abort already called!", logged with a traceback, QA).
+    The call ends with its handler's status."""
+    import asyncio
+
+    import grpc.aio
+
+    from specdec.rpc.drain_gate import DrainGate
+
+    class Context:
+        aborts: list = []
+
+        async def abort(self, code, details):
+            if self.aborts:
+                raise grpc.aio.UsageError("Abort already called!")
+            self.aborts.append(code)
+            await asyncio.sleep(10)  # the drain's end cancels the call here
+
+    async def main():
+        gate = DrainGate()
+        context = Context()
+
+        async def call():
+            async with gate._running(context):
+                await context.abort(grpc.StatusCode.NOT_FOUND, "gone")
+
+        task = asyncio.ensure_future(call())
+        await asyncio.sleep(0.05)
+        gate.end_running("drain over")
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert context.aborts == [grpc.StatusCode.NOT_FOUND] and gate.in_flight == 0
+
+    asyncio.run(main())

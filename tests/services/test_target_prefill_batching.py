@@ -209,8 +209,18 @@ def test_a_refused_verify_beside_others_fails_alone_and_runs_nothing_twice(targe
 
     calls = [plain_call("a", 1), plain_call("b", 1), plain_call("a", 9), plain_call("nope", 1)]
 
+    class Batches:  # the batch sizes the metrics see: refused calls ran no forward (QA: they were counted)
+        sizes: list[int] = []
+
+        def observe_batch(self, n):
+            self.sizes.append(n)
+
+        def observe_phase(self, phase, seconds):
+            pass
+
     loop = EngineLoop(None, "target-engine")
-    servicer = TargetServicer(engine, loop, "tiny")
+    metrics = Batches()
+    servicer = TargetServicer(engine, loop, "tiny", metrics)
     try:
         a, b, overtaking, unknown = asyncio.run(_calls(servicer.Verify, loop, calls))
     finally:
@@ -221,6 +231,7 @@ def test_a_refused_verify_beside_others_fails_alone_and_runs_nothing_twice(targe
     assert "has generated 5 tokens; the call continues from 9" in str(overtaking)
     assert isinstance(unknown, Aborted) and unknown.code == grpc.StatusCode.NOT_FOUND
     assert engine.requests["a"].num_generated == engine.requests["b"].num_generated == 5  # each ran once
+    assert metrics.sizes == [2]
     for rid in ("a", "b"):
         engine.release(rid)
     assert engine.kv.num_free_pages == engine.kv.num_total_pages
