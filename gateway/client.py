@@ -173,7 +173,10 @@ class GatewayClient:
     def tokenize(self, text: str | Messages) -> list[int]:
         request = gateway_pb2.TokenizeRequest()
         if isinstance(text, str):
-            request.text = text
+            try:  # a lone surrogate: protobuf's UnicodeEncodeError (QA)
+                request.text = text
+            except (ValueError, TypeError) as exc:
+                raise InvalidInput(f"bad request: text: {type(exc).__name__}: {exc}") from exc
         else:
             request.chat.CopyFrom(_chat(text))
         return list(self._unary(self._stub.Tokenize, request).token_ids)
@@ -242,11 +245,14 @@ def _chat(messages: Messages) -> gateway_pb2.ChatMessages:
     if not isinstance(messages, Sequence):  # None or a number raised a bare TypeError; a dict gave its keys
         raise InvalidInput(f"bad request: the input must be a str or a list of chat messages, not "
                            f"{type(messages).__name__}")
+    chat = gateway_pb2.ChatMessages()
     for i, message in enumerate(messages):
         _check_message(i, message)
-    return gateway_pb2.ChatMessages(
-        messages=[gateway_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages]
-    )
+        try:  # text a message cannot hold (a lone surrogate: UnicodeEncodeError, QA)
+            chat.messages.append(gateway_pb2.ChatMessage(role=message["role"], content=message["content"]))
+        except (ValueError, TypeError) as exc:
+            raise InvalidInput(f"bad request: chat message {i}: {type(exc).__name__}: {exc}") from exc
+    return chat
 
 
 def _check_message(index: int, message) -> None:

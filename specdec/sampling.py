@@ -11,7 +11,9 @@ from specdec.sampling_params import SamplingParams
 
 
 def make_generator(params: SamplingParams) -> torch.Generator:
-    """A per-request CPU generator: seeded requests are reproducible whatever else runs in the batch."""
+    """A per-request CPU generator: a seeded request's draws do not depend on what else runs in the batch (its text
+    may, by floating-point rounding: a batch's logits can differ from one request's alone in their last bits, which
+    flips a draw within ~1e-6 of the boundary between two tokens; QA saw it once)."""
     gen = torch.Generator(device="cpu")
     if params.seed is not None:
         gen.manual_seed(params.seed)

@@ -14,6 +14,7 @@ or decorate the whole class with `@map_servicer_errors`.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import inspect
@@ -74,6 +75,10 @@ def map_errors(method):
                 raise
             except Exception as exc:
                 end_with(context, exc, name)
+            except BaseException as exc:
+                if not _foreign(exc):
+                    raise
+                end_with(context, exc, name)
 
         return streaming
     if inspect.iscoroutinefunction(method):
@@ -87,9 +92,20 @@ def map_errors(method):
             except Exception as exc:
                 end_with(context, exc, name)
                 return None
+            except BaseException as exc:
+                if not _foreign(exc):
+                    raise
+                end_with(context, exc, name)
+                return None
 
         return unary
     raise TypeError(f"map_errors needs an async def or async generator method, got {name}")
+
+
+def _foreign(exc: BaseException) -> bool:
+    """A BaseException that is no cancel or exit: a native library's panic (pyo3's PanicException: tiktoken's on
+    ~1M whitespace characters left the call without a status until its deadline, QA), INTERNAL like any bug."""
+    return not isinstance(exc, (asyncio.CancelledError, KeyboardInterrupt, SystemExit, GeneratorExit))
 
 
 def map_servicer_errors(cls):

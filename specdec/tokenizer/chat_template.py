@@ -85,7 +85,8 @@ class ChatTemplate:
                 out.append(self.special_tokens[piece])
             elif piece:
                 out.append(self._unescape_text(piece, nonce))
-        marked = any(mark in m["content"] for m in messages if m["role"] != ASSISTANT for mark in _MARKS)
+        # any message's own marks (an assistant's too: its U+E000 was taken for a cut sentinel, QA)
+        marked = any(mark in m["content"] for m in messages for mark in _MARKS)
         # the template sliced a message: a part of a sentinel would reach the prompt, different each call (QA)
         if any(isinstance(piece, str) and _cut_sentinel(piece, nonce, marked) for piece in out):
             raise InvalidInput("chat template failed: it cut a system or user message's text that holds special-"
@@ -130,7 +131,7 @@ _MARKS = ("\ue000", "\ue001")  # a sentinel's ends (private-use characters)
 
 def _cut_sentinel(text: str, nonce: str, marked: bool) -> bool:
     """Whether `text` (sentinels swapped back) holds a piece of a sentinel: any of its end characters where no
-    system or user message holds one (`marked`); else an opening with the nonce's first digits or the nonce's
+    message holds one (`marked`); else an opening with the nonce's first digits or the nonce's
     last digits closing one (user text cannot guess 16 random digits)."""
     if not marked:
         return any(mark in text for mark in _MARKS)

@@ -6,6 +6,7 @@ the caller allows them: `encode(text)` treats `"<|eos|>"` in text as the charact
 
 from __future__ import annotations
 
+import re
 import unicodedata
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -67,9 +68,15 @@ class Tokenizer:
         allowed = self._allowed(allowed_special)
         if self._normalization:
             text = unicodedata.normalize(self._normalization, text)
-        if not allowed:
-            return self._encoding.encode_ordinary(text)
-        return self._encoding.encode(text, allowed_special=allowed, disallowed_special=())
+        try:
+            if not allowed:
+                return self._encoding.encode_ordinary(text)
+            return self._encoding.encode(text, allowed_special=allowed, disallowed_special=())
+        except BaseException as exc:  # tiktoken's panic (pyo3's PanicException) is no Exception
+            if type(exc).__name__ != "PanicException":
+                raise
+            raise InvalidInput(f"the tokenizer cannot encode this text ({_why_not_encoded(text)}); shorten "
+                               "it") from None
 
     def min_num_tokens(self, text: str) -> int:
         """A lower bound on `len(self.encode(text))` in O(1), without encoding: refuses an oversized text early."""
@@ -165,3 +172,12 @@ def _bytes_by_id(vocab: BpeVocab) -> list[bytes | None]:
     for text, token_id in vocab.special_tokens.items():
         table[token_id] = text.encode("utf-8")
     return table
+
+
+def _why_not_encoded(text: str) -> str:
+    """What made tiktoken give up on `text`: its regex overflows its stack on one run of ~1M whitespace
+    characters (900k encode in 0.5 s; QA), which no other limit refuses first."""
+    longest = max((len(m.group()) for m in re.finditer(r"\s{1000,}", text)), default=0)
+    if longest:
+        return f"a run of {longest} whitespace characters"
+    return f"{len(text)} characters"

@@ -44,6 +44,10 @@ def test_a_stop_that_is_not_text_is_invalid_input(stop, shown):
     ("tokenize", None, "bad request: the input must be a str or a list of chat messages, not NoneType"),
     ("tokenize", 42, "bad request: the input must be a str or a list of chat messages, not int"),
     ("generate", None, "bad request: the input must be a str or a list of chat messages, not NoneType"),
+    # a lone surrogate (a non-UTF-8 byte of a command line): protobuf's bare UnicodeEncodeError before (QA)
+    ("tokenize", "a\ud800b", "bad request: text: UnicodeEncodeError"),
+    ("tokenize", [{"role": "user", "content": "a\ud800b"}], "bad request: chat message 0: UnicodeEncodeError"),
+    ("generate", [{"role": "user", "content": "a\ud800b"}], "bad request: chat message 0: UnicodeEncodeError"),
 ])
 def test_tokenize_detokenize_and_generate_refuse_wrong_types_as_invalid_input(call, arg, message):
     """QA: `detokenize([1.5])` and `tokenize(None)` raised protobuf's (or enumerate's) bare TypeError."""

@@ -394,3 +394,38 @@ def test_a_call_cancelled_inside_its_own_abort_keeps_its_status_at_a_drains_end(
         assert context.aborts == [grpc.StatusCode.NOT_FOUND] and gate.in_flight == 0
 
     asyncio.run(main())
+
+
+def test_a_native_panic_in_a_handler_ends_the_call_internal():
+    """A BaseException that is no cancel or exit (pyo3's PanicException, raised by tiktoken) ends the call with
+    INTERNAL like any bug; before, the call got no status and waited for its deadline (QA). A cancel passes."""
+    import asyncio
+
+    from specdec.rpc.errors import map_errors
+
+    class PanicException(BaseException):
+        pass
+
+    class Context:
+        code = details = None
+
+        def set_code(self, code):
+            self.code = code
+
+        def set_details(self, details):
+            self.details = details
+
+    class Servicer:
+        @map_errors
+        async def Panics(self, request, context):
+            raise PanicException("stack overflow")
+
+        @map_errors
+        async def Cancelled(self, request, context):
+            raise asyncio.CancelledError
+
+    context = Context()
+    assert asyncio.run(Servicer().Panics(None, context)) is None
+    assert context.code == grpc.StatusCode.INTERNAL and "PanicException: stack overflow" in context.details
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(Servicer().Cancelled(None, Context()))

@@ -183,3 +183,21 @@ def test_a_template_that_cuts_user_text_holding_special_token_text_is_refused(tm
     assert tokenizer.decode(ids) == "<|im_start|>plain text, "
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "a \ue000 b"}], add_generation_prompt=False)
     assert tokenizer.decode(ids) == "<|im_start|>a \ue000 b"
+
+
+@pytest.mark.parametrize("role", ["assistant", "user", "system"])
+def test_private_use_marks_in_any_message_are_text(tiny_code, role):
+    """U+E000 / U+E001 are the ends of the template's sentinels; in a message they are text, whatever its role (an
+    assistant message's was taken for a cut sentinel and the chat refused, QA)."""
+    text = "a \ue000 b \ue001 c"
+    messages = [{"role": "user", "content": "hi"}, {"role": role, "content": text}]
+    ids = tiny_code.apply_chat_template(messages)
+    assert text in tiny_code.decode(ids)
+
+
+def test_a_whitespace_run_the_tokenizer_cannot_encode_is_invalid_input(tiny_code):
+    """tiktoken's regex overflows its stack on ~1M whitespace characters and panics (a BaseException, which left a
+    Tokenize call without a status until its deadline, QA): refused, naming the run."""
+    with pytest.raises(InvalidInput, match="a run of 1200000 whitespace characters"):
+        tiny_code.encode("x" + " " * 1_200_000 + "y")
+    assert tiny_code.decode(tiny_code.encode("x" + " " * 9 + "y")) == "x" + " " * 9 + "y"
