@@ -14,6 +14,7 @@ sent: the caller may send that call over gRPC instead.
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 import threading
 import time
@@ -113,8 +114,10 @@ class LaneClient:
     def connect(self) -> _Connection:
         """This thread's connection, opened now if it has none (or its last one broke). LaneDown: none could be."""
         conn = getattr(self._local, "conn", None)
-        if conn is not None and conn.broken is None:
+        if conn is not None and conn.broken is None and _open(conn.sock):
             return conn
+        if conn is not None:  # the target closed it (restarted, or stopped with no call under way): a new one
+            self._break(conn, conn.broken or "the target closed the verify lane's connection")
         if self.closed:
             raise LaneDown("the verify lane was closed")
         conn = _Connection(self.host, self.port, self.max_message_bytes)
@@ -161,6 +164,20 @@ class LaneClient:
             raise ValueError(f"a frame of kind {kind} and {len1} + {len2} bytes is no reply")
         part1, part2 = _read(conn.sock, len1), _read(conn.sock, len2)
         return call_id, (part2 if kind == REPLY else status_from(part1, part2))
+
+
+def _open(sock: socket.socket) -> bool:
+    """Whether the peer has not closed the connection (its end of stream or a reset is waiting to be read), asked
+    without blocking before a call is sent on it: a call sent on a connection a restarted target closed while this
+    thread was idle reached nobody, and failed UNAVAILABLE as if that target were away."""
+    try:
+        poller = select.poll()  # (a recv with MSG_DONTWAIT waits out the socket's timeout in Python)
+        poller.register(sock, select.POLLIN)
+        if not poller.poll(0):
+            return True  # nothing to read: open
+        return sock.recv(1, socket.MSG_PEEK) != b""  # a reply waiting (open), or the end of the stream
+    except (OSError, ValueError):
+        return False
 
 
 def _read(sock: socket.socket, n: int) -> bytes:

@@ -29,6 +29,9 @@ from specdec.rpc.lane import CALL, HEADER, MAGIC, MAX_HEAD_BYTES, REPLY, decode_
 
 log = logging.getLogger(__name__)
 
+GREETING_S = 10.0  # a connection that has not sent the lane's greeting by then is closed
+MAX_CALLS_PER_CONNECTION = 128  # calls of one connection running at once (gRPC's default stream limit is 100)
+
 
 class _Abort(grpc.aio.AbortError):
     pass
@@ -118,7 +121,7 @@ class LaneServer:
         peer = f"lane:{peername[0]}:{peername[1]}" if isinstance(peername, tuple) else "lane"
         calls: set[asyncio.Task] = set()
         try:
-            if await reader.readexactly(len(MAGIC)) != MAGIC:
+            if await asyncio.wait_for(reader.readexactly(len(MAGIC)), GREETING_S) != MAGIC:
                 log.warning("verify lane: %s did not open with the lane's greeting; closed", peer)
                 return
             writer.write(MAGIC)
@@ -137,8 +140,10 @@ class LaneServer:
                 call = asyncio.ensure_future(self._call(call_id, head, body, peer, writer))
                 calls.add(call)
                 call.add_done_callback(calls.discard)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass  # the client closed the connection
+                if len(calls) >= MAX_CALLS_PER_CONNECTION:  # the next frame waits: a client's calls are bounded
+                    await asyncio.wait(set(calls), return_when=asyncio.FIRST_COMPLETED)
+        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
+            pass  # the client closed the connection (or never greeted)
         except asyncio.CancelledError:
             pass  # `stop` (ended here: asyncio logs a connection task that ends cancelled as an error)
         finally:

@@ -245,3 +245,43 @@ def test_a_traced_call_gets_its_server_span_under_the_callers_client_span():
         assert server_span.parent.span_id == client_span.context.span_id
         assert server_span.context.trace_id == spans[("step", SpanKind.INTERNAL)].context.trace_id
         assert server_span.status.status_code == client_span.status.status_code == status
+
+
+def test_a_server_restarted_between_calls_gets_the_next_call_on_a_new_connection():
+    """A target restarted (same port) while a draft thread was idle: that thread's connection is closed; its next
+    call opens a new one instead of failing UNAVAILABLE on the old one."""
+    impl = _Handlers()
+    handlers = {"/t.S/Echo": grpc.unary_unary_rpc_method_handler(impl.echo)}
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def serve(port: int) -> LaneServer:
+        server = LaneServer(handlers, [], handlers, LIMIT)
+        asyncio.run_coroutine_threadsafe(server.start("127.0.0.1", port), loop).result(5)
+        return server
+
+    first = serve(0)
+    client = LaneClient("127.0.0.1", first.port, LIMIT)
+    try:
+        assert client.call("/t.S/Echo", b"before", 5.0) == b"before"
+        asyncio.run_coroutine_threadsafe(first.stop(), loop).result(5)
+        second = serve(first.port)
+        time.sleep(0.1)  # the old connection's end has reached this side
+        assert client.call("/t.S/Echo", b"after", 5.0) == b"after"
+        asyncio.run_coroutine_threadsafe(second.stop(), loop).result(5)
+    finally:
+        client.close()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+
+
+def test_a_connection_that_never_greets_is_closed(lane, monkeypatch):
+    import specdec.rpc.lane_server as lane_server
+
+    monkeypatch.setattr(lane_server, "GREETING_S", 0.2)
+    client, _, port = lane
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    assert _closed(sock)  # after GREETING_S, not the socket's 5 s timeout
+    sock.close()
+    assert client.call("/t.S/Echo", b"ok", 5.0) == b"ok"
