@@ -175,8 +175,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         (it commits nothing) runs again one group at a time, and groups that already ran keep their outputs (the
         engine loop's own retry of a failed batch would run them again on the tokens they committed)."""
         counted = self.metrics is not None and not _warmup([inp for g in groups for inp in g[0]])
-        result: list = [None] * len(groups)
+        result: list = [self._one_width(g[0]) for g in groups]  # a refused RPC runs nothing
         for segment in _in_order(groups):
+            segment = [i for i in segment if result[i] is None]
+            if not segment:
+                continue
             started = time.perf_counter()
             members = [groups[i] for i in segment]
             flat = [inp for g in members for inp in g[0]]
@@ -214,6 +217,21 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         outs = self.engine.verify(inputs, plain_steps=steps, feature_rows=rows)
         features_to_host(outs, packed)  # here, not in the handler: the copy waits for the GPU
         return outs
+
+    def _one_width(self, inputs: list) -> InvalidInput | None:
+        """Why one Verify RPC cannot be answered, or None: its reply carries one feature tensor, so the requests it
+        names that get features must read the same number of layers (QA: mixed ones failed INTERNAL after the
+        tokens were committed). RPCs of different widths still share a forward (an EAGLE-1 and an EAGLE-3 draft)."""
+        widths: dict[int, str] = {}
+        for inp in inputs:
+            req = self.engine.requests.get(inp.request_id)
+            if req is not None and req.features:
+                widths.setdefault(max(1, len(req.feature_layers)), inp.request_id)
+        if len(widths) < 2:
+            return None
+        first, second = list(widths.values())[:2]
+        return InvalidInput(f"requests {first!r} and {second!r} read the features of different layers: one Verify "
+                            "returns features of one width; verify them in separate calls")
 
     def _own(self, request_id: str) -> bool:
         """Whether the request is one of this target's own Generate streams (engine thread)."""
