@@ -434,6 +434,10 @@ class TargetClient:
             return False
         return True
 
+    def probe_lane(self, timeout_s: float) -> None:
+        """The target watch's look at the verify lane, once the target answered over gRPC (`VerifyLane.probe`)."""
+        self.lane.probe(VERIFY_PATH, timeout_s)
+
     def model_info(self, timeout_s: float | None = None) -> target_pb2.TargetServiceGetModelInfoResponse:
         """The target's GetModelInfo; its verify lane (or none) is taken from the answer."""
         info = self._call("model_info", target_pb2.TargetServiceGetModelInfoRequest(), timeout_s, watched=False)

@@ -75,7 +75,11 @@ class TargetWatch:
 
     def _look(self):
         self.client.renew_channel()
-        return self.client.model_info(self.answer_s)
+        info = self.client.model_info(self.answer_s)
+        probe_lane = getattr(self.client, "probe_lane", None)  # (a client without a verify lane has none)
+        if probe_lane is not None:
+            probe_lane(self.answer_s)
+        return info
 
     async def check(self, set_ready: Callable[[bool], Awaitable[None]]) -> None:
         """One look at the target (on a new channel when the TLS files were renewed); reports a change of readiness

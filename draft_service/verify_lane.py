@@ -12,12 +12,16 @@ import logging
 import threading
 import time
 
+import grpc
+
 from specdec.rpc.lane_client import LaneClient, LaneDown
 from specdec.rpc.options import DEFAULT_MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
 
 RETRY_S = 60.0  # a lane that could not be connected to is tried again after this long
+MISSES_DOWN = 2  # probes in a row the lane did not answer (while gRPC did) before its calls move to gRPC
+PROBE = b""  # an empty VerifyRequest: the target answers it at once, with nothing run
 
 
 def lane_host(addr: str) -> str | None:
@@ -37,6 +41,7 @@ class VerifyLane:
         self.client: LaneClient | None = None
         self._down_until = 0.0
         self._lock = threading.Lock()
+        self._misses = 0
 
     def told(self, port: int) -> None:
         """The target's GetModelInfo says its lane listens at `port` (0: it has none)."""
@@ -63,7 +68,36 @@ class VerifyLane:
             log.warning("%s; Verify calls go over gRPC, the lane is tried again in %.0f s (a Kubernetes Service must "
                         "expose the target's lane port too)", exc, RETRY_S)
             return None
+        if self._down_until:
+            self._down_until = 0.0
+            log.info("Verify calls go over the target's verify lane at %s:%d again", client.host, client.port)
         return client
+
+    def probe(self, method: str, timeout_s: float) -> None:
+        """One empty call on the lane (the target watch's, after its target answered over gRPC). A lane that does
+        not answer `MISSES_DOWN` probes in a row while gRPC does (its port cut off alone, a frozen proxy) is left
+        for `RETRY_S` and its calls under way end UNAVAILABLE (their requests fail over, as when gRPC is cut off):
+        before, they waited out their 60 s deadline (QA)."""
+        client = self.for_call()
+        if client is None:
+            return
+        try:
+            client.call(method, PROBE, timeout_s)
+        except (grpc.RpcError, LaneDown) as exc:
+            if isinstance(exc, grpc.RpcError) and exc.code() not in (grpc.StatusCode.UNAVAILABLE,
+                                                                     grpc.StatusCode.DEADLINE_EXCEEDED):
+                self._misses = 0  # it answered (refused while loading or draining: the lane works)
+                return
+            self._misses += 1
+            if self._misses >= MISSES_DOWN:
+                self._misses = 0
+                self._down_until = time.monotonic() + RETRY_S
+                log.warning("the verify lane at %s:%d does not answer while the target's gRPC port does (%s); "
+                            "Verify calls go over gRPC, the lane is tried again in %.0f s", client.host, client.port,
+                            exc, RETRY_S)
+                self.reset()
+            return
+        self._misses = 0
 
     def reset(self) -> None:
         """Close the lane's connections (calls waiting on them end UNAVAILABLE); the next call opens new ones."""

@@ -27,6 +27,7 @@ MAGIC = b"specdec-lane/1\n"
 HEADER = struct.Struct("<IBII")  # call id, kind, part 1 length, part 2 length
 CALL, REPLY, STATUS = 1, 2, 3
 MAX_HEAD_BYTES = 64 * 1024  # a call's method, timeout and metadata
+MAX_TIMEOUT_DIGITS = 12  # a call's timeout in ms: up to ~30 years
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
@@ -54,7 +55,7 @@ class CallHead:
 
 
 def encode_head(method: str, timeout_s: float | None, metadata=()) -> bytes:
-    lines = [method, str(round(timeout_s * 1000)) if timeout_s else "0"]
+    lines = [method, str(max(1, round(timeout_s * 1000))) if timeout_s else "0"]  # (0: no deadline)
     lines += [f"{key}: {value}" for key, value in metadata]
     return "\n".join(lines).encode()
 
@@ -64,9 +65,10 @@ def decode_head(data: bytes) -> CallHead:
     lines = data.decode().split("\n")
     if len(lines) < 2 or not lines[0].startswith("/"):
         raise ValueError("a call's head starts with its method and timeout")
+    if not lines[1].isdigit() or len(lines[1]) > MAX_TIMEOUT_DIGITS:  # (400 digits overflowed a float, QA)
+        raise ValueError(f"timeout {lines[1][:40]!r} is not a count of milliseconds of at most "
+                         f"{MAX_TIMEOUT_DIGITS} digits")
     timeout_ms = int(lines[1])
-    if timeout_ms < 0:
-        raise ValueError(f"negative timeout {timeout_ms}")
     metadata = []
     for line in lines[2:]:
         key, sep, value = line.partition(": ")

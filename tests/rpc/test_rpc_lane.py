@@ -285,3 +285,29 @@ def test_a_connection_that_never_greets_is_closed(lane, monkeypatch):
     assert _closed(sock)  # after GREETING_S, not the socket's 5 s timeout
     sock.close()
     assert client.call("/t.S/Echo", b"ok", 5.0) == b"ok"
+
+
+def test_a_client_that_does_not_read_its_replies_is_held_back(lane):
+    """Replies wait to be sent before the connection's next calls are read: a client sending calls without reading
+    its replies soon cannot send more (before, every reply piled up in the server's memory: +800 MiB, QA)."""
+    client, _, port = lane
+    sock = _raw(port)
+    sock.settimeout(3.0)
+    call = frame(1, CALL, encode_head("/t.S/Echo", 5.0), bytes(64 * 1024))
+    sent = 0
+    with pytest.raises(TimeoutError):
+        for _ in range(2000):  # 128 MB of replies if nothing held it back
+            sock.sendall(call)
+            sent += 1
+    assert sent < 1000
+    sock.close()
+    assert client.call("/t.S/Echo", b"others", 5.0) == b"others"
+
+
+def test_a_call_head_with_an_absurd_timeout_is_invalid_argument(lane):
+    _, _, port = lane
+    sock = _raw(port)
+    sock.sendall(frame(3, CALL, b"/t.S/Echo\n" + b"9" * 400, b"x"))
+    call_id, kind, part1, part2 = _answer(sock)
+    assert (call_id, kind, status_from(part1, part2).code()) == (3, STATUS, grpc.StatusCode.INVALID_ARGUMENT)
+    sock.close()

@@ -181,3 +181,60 @@ def test_lane_calls_and_grpc_calls_refuse_the_same_garbage(target):
     assert err.value.code() == grpc_err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details() == grpc_err.value.details()
 
+
+
+def _frozen_lane() -> tuple[socket.socket, int]:
+    """A lane that greets and then never answers (its port cut off past the handshake, a frozen proxy)."""
+    import threading
+
+    from specdec.rpc.lane import MAGIC
+
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conn.recv(len(MAGIC), socket.MSG_WAITALL)
+            conn.sendall(MAGIC)  # then reads nothing, answers nothing
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener, listener.getsockname()[1]
+
+
+def test_a_lane_that_stops_answering_while_grpc_answers_is_left_by_the_target_watch(target, caplog, dev_prompts,
+                                                                                     tiny_tokenizer):
+    """QA: a lane cut off alone (gRPC fine) held a step for its 60 s deadline. The watch's probes find it: the call
+    under way ends UNAVAILABLE (its requests fail over, as when gRPC is cut off) and later calls go over gRPC."""
+    import threading
+
+    listener, port = _frozen_lane()
+    client = _client(target, lane=True)
+    client.lane.told(port)
+    client.prefill([PrefillInput("frozen", tiny_tokenizer.encode(dev_prompts[7])[-30:],
+                                 SamplingParams(max_new_tokens=30))])
+    errors: list[BaseException] = []
+
+    def stuck_call() -> None:
+        try:
+            client.verify([VerifyInput("frozen", [5], [-1])])
+        except BaseException as exc:  # noqa: BLE001 - what the call ended with
+            errors.append(exc)
+
+    caller = threading.Thread(target=stuck_call)
+    try:
+        caller.start()
+        with caplog.at_level(logging.WARNING, logger="draft_service.verify_lane"):
+            for _ in range(2):
+                client.probe_lane(0.3)
+        caller.join(5)
+        assert not caller.is_alive() and isinstance(errors[0], NotReady)  # ended now, not at its 10 s deadline
+        assert any("does not answer while the target's gRPC port does" in r.getMessage() for r in caplog.records)
+        out = client.verify([VerifyInput("frozen", [5], [-1])])  # over gRPC (the stuck call committed nothing)
+        assert out[0].tokens
+    finally:
+        listener.close()
+        client.release("frozen")
+        client.close()
