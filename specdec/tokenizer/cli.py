@@ -78,9 +78,13 @@ def run_detokenize(args: argparse.Namespace) -> int:
 
 def text_arg(value: str) -> str:
     """A text argument, or stdin's for `-`: its bytes read as UTF-8, any that are not as U+FFFD (Python's own
-    reading kept them as lone surrogates, which `specdec generate` then failed to send: `UnicodeEncodeError`, QA)."""
+    reading kept them as lone surrogates, which `specdec generate` then failed to send: `UnicodeEncodeError`, QA).
+    An argument's bytes are read the same way (before, a bad byte was refused there and replaced on stdin, QA)."""
     if value != "-":
-        return value
+        try:  # (Python decodes argv with surrogateescape: a byte that is not UTF-8 is a lone surrogate)
+            return value.encode("utf-8", "surrogateescape").decode("utf-8", errors="replace")
+        except UnicodeEncodeError:  # a surrogate no argv byte makes (a caller's own string): as it is
+            return value
     raw = getattr(sys.stdin, "buffer", None)  # (a text stream without one, as tests give, is read as it is)
     return sys.stdin.read() if raw is None else raw.read().decode("utf-8", errors="replace")
 

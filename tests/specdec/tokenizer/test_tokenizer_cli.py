@@ -69,3 +69,16 @@ def test_errors_exit_1_with_message(capsys, tmp_path):
         in capsys.readouterr().err
     assert main(["tokenize", "--tokenizer", str(tmp_path), "x"]) == 1
     assert "no tokenizer file found" in capsys.readouterr().err
+
+
+def test_argument_bytes_that_are_not_utf8_read_as_on_stdin():
+    """Python decodes argv with surrogateescape: `specdec generate $'def \\xff f'` sent lone surrogates and was refused
+    (`--chat`: a traceback), while the same bytes on stdin became U+FFFD (QA). Both read the same now."""
+    import os
+
+    from specdec.tokenizer.cli import text_arg
+
+    argv_text = os.fsdecode(b"def \xff f \xc3\xa9")  # what sys.argv holds for those bytes
+    assert text_arg(argv_text) == "def \ufffd f \u00e9"
+    assert text_arg("caf\u00e9 \U0001f600") == "caf\u00e9 \U0001f600"  # UTF-8 arguments unchanged
+    assert text_arg("a\ud800b") == "a\ud800b"  # a caller's own lone surrogate (no argv byte): left to the request
