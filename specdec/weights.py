@@ -69,6 +69,13 @@ def _unreadable(f: Path, exc: Exception) -> str:
     return f"{f}: not a readable safetensors file ({exc}): truncated, or still being copied?"
 
 
+def placed(t: torch.Tensor, dtype: torch.dtype | None, device) -> torch.Tensor:
+    """A tensor as read, cast to `dtype` when it is a float one (integer/bool tensors keep theirs), on `device`."""
+    if dtype is not None and t.is_floating_point():
+        t = t.to(dtype)
+    return t.to(device)
+
+
 def load_tensors(
     model_dir: str | Path,
     names: Iterable[str] | None = None,
@@ -101,10 +108,7 @@ def load_tensors(
                 for n in file_names:
                     if n not in present:  # (safetensors' own error names neither the file nor the index)
                         raise ConfigError(f"{f}: has no tensor {n!r}, which {INDEX_FILE} says it holds")
-                    t = handle.get_tensor(n)
-                    if dtype is not None and t.is_floating_point():
-                        t = t.to(dtype)
-                    out[n] = t.to(device)
+                    out[n] = placed(handle.get_tensor(n), dtype, device)
         except SafetensorError as exc:
             raise ConfigError(_unreadable(f, exc)) from None
         if on_file:

@@ -233,20 +233,21 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return InvalidInput(f"requests {first!r} and {second!r} read the features of different layers: one Verify "
                             "returns features of one width; verify them in separate calls")
 
-    def _own(self, request_id: str) -> bool:
-        """Whether the request is one of this target's own Generate streams (engine thread)."""
+    def _streams(self, ids) -> list[str]:
+        """Those of `ids` that are this target's own Generate streams, running or waiting (engine thread)."""
         scheduler = self.loop.scheduler
         if scheduler is None:  # (an engine loop without Generate streams)
-            return False
-        return request_id in scheduler.running or any(s.request_id == request_id for s in scheduler.waiting)
+            return []
+        waiting = {s.request_id for s in scheduler.waiting} if scheduler.waiting else set()
+        return [rid for rid in ids if rid in scheduler.running or rid in waiting]
 
     def _not_generate(self, inputs: list) -> None:
         """Verify names a draft's requests: one of this target's Generate streams is refused (another client's
         Verify took tokens from it, and its next step then failed with every stream of its batch: QA)."""
-        for inp in inputs:
-            if self._own(inp.request_id):
-                raise InvalidInput(f"request {inp.request_id!r} is a Generate stream of this target: Verify and "
-                                   "Release name the requests a draft prefilled")
+        own = self._streams(inp.request_id for inp in inputs)
+        if own:
+            raise InvalidInput(f"request {own[0]!r} is a Generate stream of this target: Verify and Release name the "
+                               "requests a draft prefilled")
 
     def _packed(self, inputs: list) -> frozenset:
         """The ids whose features travel as 8-bit floats: all of a Verify batch's when they all asked for it
@@ -266,8 +267,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         """Idempotent: ids the target no longer holds (finished, or never seen) and its own Generate streams are
         skipped; one waiting for pages leaves the page queue (not counted: it held none)."""
         n = 0
+        own = set(self._streams(ids))  # its caller ends it by leaving (`_not_generate`)
         for rid in ids:
-            if self._own(rid):  # its caller ends it by leaving (`_not_generate`)
+            if rid in own:
                 continue
             held = rid in self.engine.requests
             if held or rid in self.engine.page_queue:

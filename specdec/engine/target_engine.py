@@ -341,7 +341,6 @@ class TargetEngine(PrefillParts):
         if len({inp.request_id for inp in inputs}) != len(inputs):
             raise InvalidInput("a request id appears twice in one verify batch")
 
-
     def _verify_once(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
         self._check_batch(inputs)
         return self._verify_checked(inputs)

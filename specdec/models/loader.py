@@ -18,7 +18,7 @@ from specdec.errors import ConfigError
 from specdec.models.eagle import EagleDraft
 from specdec.models.layers import RotaryEmbedding
 from specdec.models.llama import LlamaForCausalLM
-from specdec.weights import load_tensors, tensor_files
+from specdec.weights import load_tensors, placed, tensor_files
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def load_target(
         skip = {TARGET_LM_HEAD} if cfg.tie_word_embeddings else set()
         tensors = load_tensors(path, set(files) - skip - set(read), dtype=dtype, device=device, on_file=_progress,
                                files=files)
-        tensors.update(_placed({n: t for n, t in read.items() if n not in skip}, dtype, device))
+        tensors.update({n: placed(t, dtype, device) for n, t in read.items() if n not in skip})
         _fill(model, tensors, str(path), skip=skip)
     model.tie_weights()
     fuse_projections(model)
@@ -155,18 +155,13 @@ def _ties(path, files: dict[str, Path]) -> tuple[bool, dict[str, torch.Tensor]]:
     return embed.shape == head.shape and torch.equal(embed, head.to(embed.dtype)), both
 
 
-def _placed(tensors: dict[str, torch.Tensor], dtype, device) -> dict[str, torch.Tensor]:
-    """Tensors read as stored, cast and moved as `load_tensors` would have (floats to `dtype`, others kept)."""
-    return {n: (t.to(dtype) if t.is_floating_point() else t).to(device) for n, t in tensors.items()}
-
-
-def target_lm_head(target_path, target_cfg: ModelConfig | None = None) -> tuple[str, dict[str, torch.Tensor]]:
+def target_lm_head(target_path, target_cfg: ModelConfig,
+                   files: dict[str, Path]) -> tuple[str, dict[str, torch.Tensor]]:
     """The target checkpoint's tensor its lm_head is (`load_target`'s reading of a tied config): an EAGLE-1 head
-    without its own shares it. Also the tensors the tie check read as stored (empty when none was needed)."""
-    cfg = target_cfg or ModelConfig.from_hf(target_path)
-    if not cfg.tie_word_embeddings:
+    without its own shares it. Also the tensors the tie check read as stored (empty when none was needed).
+    `files`: the target's `_checkpoint_files`."""
+    if not target_cfg.tie_word_embeddings:
         return TARGET_LM_HEAD, {}
-    files = _checkpoint_files(target_path)
     if TARGET_LM_HEAD not in files:
         return TARGET_EMBED, {}
     tied, read = _ties(target_path, files)
@@ -187,14 +182,20 @@ def fuse_projections(model: nn.Module) -> None:
 
 def _shared_from_target(cfg, target_cfg, target_path, dtype, device, have) -> dict:
     """embed_tokens (both formats) and lm_head (EAGLE-1) from the target unless the head ships its own; each
-    target tensor is read once."""
+    target tensor (and the checkpoint's index) is read once."""
     wanted, read = {}, {}
     if "embed_tokens.weight" not in have:
         wanted["embed_tokens.weight"] = TARGET_EMBED
     if cfg.kind == "eagle1" and "lm_head.weight" not in have:
-        wanted["lm_head.weight"], read = target_lm_head(target_path, target_cfg)
-    read = _placed({n: t for n, t in read.items() if n in wanted.values()}, dtype, device)
-    tensors = {**load_tensors(target_path, set(wanted.values()) - set(read), dtype=dtype, device=device), **read}
+        wanted["lm_head.weight"] = None
+    if not wanted:
+        return {}
+    files = _checkpoint_files(target_path)
+    if "lm_head.weight" in wanted:
+        wanted["lm_head.weight"], read = target_lm_head(target_path, target_cfg, files)
+    tensors = {n: placed(t, dtype, device) for n, t in read.items() if n in wanted.values()}
+    tensors.update(load_tensors(target_path, set(wanted.values()) - set(tensors), dtype=dtype, device=device,
+                                files=files))
     return {mine: tensors[theirs] for mine, theirs in wanted.items()}
 
 

@@ -174,7 +174,7 @@ class LaneServer:
     async def _run(self, call_id: int, head_bytes: bytes, body: bytes, peer: str) -> bytes:
         try:
             head = decode_head(head_bytes)
-        except (ValueError, UnicodeDecodeError) as exc:
+        except ValueError as exc:  # (UnicodeDecodeError included)
             return status_frame(call_id, grpc.StatusCode.INVALID_ARGUMENT, f"malformed call head: {exc}")
         registered = self.handlers.get(head.method)
         if registered is None:
