@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -20,14 +21,27 @@ EAGLE1_ARCHS = ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM")
 EAGLE3_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
 
+# rope scalings the model code computes as transformers does (others, e.g. longrope, are refused by name)
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+
+
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style frequency scaling (`rope_scaling.rope_type == "llama3"`)."""
+    """A `rope_scaling` other than the default: `models.layers.rope_inv_freq` and `RotaryEmbedding` turn it into
+    the cos/sin tables as transformers' `modeling_rope_utils` does (dynamic: the default rope, which is what
+    transformers computes over the `max_position_embeddings` positions specdec serves). `rope_type` says which
+    fields below are read; the others keep their defaults. Yarn's `attention_factor` is resolved here once (from
+    `mscale` / `mscale_all_dim` / `factor` when the config does not give it), so the model code reads one number."""
 
+    rope_type: str  # "linear", "dynamic", "yarn" or "llama3"
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    original_max_position_embeddings: int | None = None  # llama3, yarn: the pre-training context
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn: rotations above which a frequency is kept
+    beta_slow: float = 1.0  # yarn: rotations below which a frequency is divided by `factor`
+    truncate: bool = True  # yarn: round the blend's band outwards to whole dimensions
+    attention_factor: float = 1.0  # yarn: multiplies cos and sin (so every q.k by its square)
 
 
 @dataclass(frozen=True)
@@ -176,7 +190,7 @@ def _max_positions(raw: dict, path: str) -> int:
 def _rope(raw: dict, path: str) -> tuple[float, RopeScaling | None]:
     """(theta, scaling) read as transformers 5 reads them (`convert_rope_params_to_dict`, `standardize_rope_params`):
     the legacy `rope_scaling` object when set, else `rope_parameters`; the theta inside that object, else the
-    top-level `rope_theta`, else 10000; a llama3 scaling's pre-training context: a top-level
+    top-level `rope_theta`, else 10000; a llama3 or yarn scaling's pre-training context: a top-level
     `original_max_position_embeddings`, else the object's, else `max_position_embeddings`. Before, the top-level
     theta won over the object's and a llama3 scaling without its own context length took 8192: a config whose
     fields disagree (transformers 5 writes both) gave other logits than transformers' (QA)."""
@@ -196,23 +210,70 @@ def _rope(raw: dict, path: str) -> tuple[float, RopeScaling | None]:
 
 
 def _parse_rope_scaling(rs: dict, path: str) -> RopeScaling | None:
+    """The scaling a `rope_scaling` object asks for; None for the default rope. Refused by name: a type the model
+    code does not compute (longrope, ...), a missing or non-positive `factor` (transformers refuses a missing one;
+    for one <= 0 it only warns and computes NaN or mirrored positions), a field that is not a number."""
     rope_type = rs.get("rope_type") or rs.get("type")
     if rope_type in (None, "default"):
         return None
-    if rope_type != "llama3":
-        raise ConfigError(f"{path}: rope_scaling type {rope_type!r} is not supported (supported: default, llama3)")
-    if "factor" not in rs:
-        raise ConfigError(f"{path}: rope_scaling of type llama3 needs a \"factor\"")
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(f"{path}: rope_scaling type {rope_type!r} is not supported (supported: "
+                          f"{', '.join(ROPE_TYPES)})")
+    factor = _number(rs, "factor", path)
+    if factor is None:
+        raise ConfigError(f"{path}: rope_scaling of type {rope_type} needs a \"factor\"")
+    if not factor > 0:
+        raise ConfigError(f"{path}: rope_scaling factor must be > 0, not {rs['factor']!r}")
     original = rs.get("original_max_position_embeddings")
+    if original is not None:
+        original = int(_number(rs, "original_max_position_embeddings", path))
+    elif rope_type in ("llama3", "yarn"):
+        raise ConfigError(f"{path}: rope_scaling of type {rope_type} needs \"original_max_position_embeddings\" (or "
+                          "a max_position_embeddings to take it from)")
+    if rope_type == "llama3":
+        return RopeScaling("llama3", factor, original, _number(rs, "low_freq_factor", path, 1.0),
+                           _number(rs, "high_freq_factor", path, 4.0))
+    if rope_type == "yarn":
+        return _parse_yarn(rs, factor, original, path)
+    return RopeScaling(rope_type, factor)  # linear, dynamic: the factor alone
+
+
+def _parse_yarn(rs: dict, factor: float, original: int, path: str) -> RopeScaling:
+    """Yarn's fields with transformers' defaults (`_compute_yarn_parameters`): a beta that is absent or 0 is 32 /
+    1; `truncate` absent is true (null is false, as there); `attention_factor` absent is YaRN's
+    `0.1 * ln(factor) + 1` (1 for factor <= 1), or the ratio of that with `mscale` over that with `mscale_all_dim`
+    when both are set and non-zero (DeepSeek-style configs)."""
+    truncate = rs.get("truncate", True)
+    if truncate is not None and not isinstance(truncate, bool):
+        raise ConfigError(f"{path}: rope_scaling truncate must be true or false, not {truncate!r}")
+    attention = _number(rs, "attention_factor", path, None)
+    if attention is None:
+        mscale, mscale_all_dim = _number(rs, "mscale", path, 0.0), _number(rs, "mscale_all_dim", path, 0.0)
+        if mscale and mscale_all_dim:
+            attention = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention = _yarn_mscale(factor, 1.0)
+    if not attention > 0:
+        raise ConfigError(f"{path}: rope_scaling attention_factor must be > 0, not {attention!r}")
+    return RopeScaling("yarn", factor, original, beta_fast=_number(rs, "beta_fast", path, 0.0) or 32.0,
+                       beta_slow=_number(rs, "beta_slow", path, 0.0) or 1.0, truncate=bool(truncate),
+                       attention_factor=attention)
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's attention temperature (paper eq. 21): the longer the stretch, the sharper the attention."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _number(rs: dict, key: str, path: str, default: float | None = None) -> float | None:
+    """`rs[key]` as a float; `default` when it is absent or null."""
+    value = rs.get(key)
+    if value is None:
+        return default
     try:
-        factors = float(rs["factor"]), float(rs.get("low_freq_factor", 1.0)), float(rs.get("high_freq_factor", 4.0))
-        original = None if original is None else int(original)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{path}: rope_scaling has a field that is not a number ({exc})") from None
-    if original is None:
-        raise ConfigError(f"{path}: rope_scaling of type llama3 needs \"original_max_position_embeddings\" (or a "
-                          "max_position_embeddings to take it from)")
-    return RopeScaling(*factors, original_max_position_embeddings=original)
+        return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{path}: rope_scaling has a field that is not a number ({key}: {value!r})") from None
 
 
 def _aux_layer_inputs(raw: dict, kind: str) -> tuple[int, ...]:

@@ -50,10 +50,29 @@ def _fused_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    if scaling is None:
+    """The rotary frequencies, as transformers computes them for each `rope_type` (`modeling_rope_utils`):
+
+    - default, dynamic: `theta ** (-2i / head_dim)`. Dynamic NTK raises theta only once a forward's longest
+      sequence passes `max_position_embeddings`, which is the most positions specdec serves: within them it is
+      the default rope, exactly (a growing theta cannot be exact with a paged cache anyway: keys written earlier
+      stay rotated with the theta of their time).
+    - linear: divided by `factor` (positions squeezed `factor` times).
+    - llama3, yarn: long wavelengths divided by `factor`, short ones kept, a blend in between (`_llama3_*`,
+      `_yarn_*`).
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))  # [head_dim / 2]
+    if scaling is None or scaling.rope_type == "dynamic":
         return inv_freq.float()
-    # Llama-3 scaling: long wavelengths divided by `factor`, short kept, a smooth blend in between.
+    if scaling.rope_type == "linear":
+        return (inv_freq / scaling.factor).float()
+    if scaling.rope_type == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, theta, scaling).float()
+    return _llama3_inv_freq(inv_freq, scaling).float()
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    """Llama-3: wavelengths longer than `original / low_freq_factor` divided by `factor`, shorter than
+    `original / high_freq_factor` kept, a smooth blend in between."""
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
@@ -63,11 +82,34 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
     out = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
     mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
-    return torch.where(mid, blended, out).float()
+    return torch.where(mid, blended, out)
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """YaRN ("NTK-by-parts"): a frequency that turns more than `beta_fast` times over the pre-training context is
+    kept, one that turns fewer than `beta_slow` times is divided by `factor`, and a linear ramp over the
+    dimensions between blends the two. Worked example: head_dim 16, theta 1e4, original 32, betas 32 / 1 give
+    the band [-1.6, 1.4], truncated outwards and clamped to [0, 2]: pair 0 kept, pair 1 half-and-half, pairs 2-7
+    divided by `factor`."""
+    original = scaling.original_max_position_embeddings
+
+    def dim_of(rotations: float) -> float:  # the (fractional) dimension whose frequency turns `rotations` times
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(scaling.beta_fast), dim_of(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # (as transformers: no division by zero)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)  # 0 kept, 1 scaled
+    return inv_freq / scaling.factor * ramp + inv_freq * (1 - ramp)
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin tables indexed by position (HF's rotate-half layout)."""
+    """Precomputed cos/sin tables indexed by position (HF's rotate-half layout). Yarn's attention factor multiplies
+    both tables, as transformers multiplies its cos and sin: the torch path and the fused `rope_store` kernel
+    read it with them."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None):
         super().__init__()
@@ -75,8 +117,9 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)  # [max_positions, head_dim]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        attention_factor = scaling.attention_factor if scaling is not None else 1.0
+        self.register_buffer("cos", emb.cos() * attention_factor, persistent=False)
+        self.register_buffer("sin", emb.sin() * attention_factor, persistent=False)
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotation:
         """The rotation for this forward's positions, shared by every layer."""
