@@ -7,6 +7,9 @@ scraped: the benchmarks read where its steps go from `specdec:step_phase_seconds
     after = proc.scrape()
     forward_s = after.phase_sum("forward") - before.phase_sum("forward")
     proc.stop()
+
+`SPECDEC_BENCH_PROFILE=DIR`: each service runs under cProfile (its main thread: the event loop;
+`bench/profiled_service.py`) and writes `DIR/<serve-command>-<port>.prof` when stopped.
 """
 
 from __future__ import annotations
@@ -67,7 +70,12 @@ class ServiceProcess:
 
         port, self.metrics_port = free_port(), free_port()
         self.addr = f"127.0.0.1:{port}"
-        argv = [sys.executable, "-m", "specdec", *argv, "--port", str(port), "--metrics-port", str(self.metrics_port)]
+        command = argv[0]
+        profile = os.environ.get("SPECDEC_BENCH_PROFILE")
+        runner = ([str(REPO_ROOT / "bench" / "profiled_service.py"), f"{profile}/{command}-{port}.prof"] if profile
+                  else ["-m", "specdec"])
+        argv = [sys.executable, *runner, *argv, "--port", str(port), "--metrics-port",
+                str(self.metrics_port)]
         path = os.pathsep.join(x for x in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if x)
         self.proc = subprocess.Popen(argv, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": path})
 
@@ -76,7 +84,7 @@ class ServiceProcess:
                 deadline = time.monotonic() + timeout_s
                 while True:
                     if self.proc.poll() is not None:
-                        raise RuntimeError(f"{argv[3]} exited with {self.proc.returncode}")
+                        raise RuntimeError(f"{command} exited with {self.proc.returncode}")
                     try:
                         return await wait_for_serving(channel, health_name, 5.0)
                     except Exception:

@@ -51,6 +51,7 @@ def main(argv=None) -> int:
     features = not args.no_features
     client = TargetClient(target.addr, device=args.client_device, features=features)
     try:
+        client.model_info()  # as a draft does: Verify then goes over the target's verify lane when it has one
         rids = [f"r{i}" for i in range(args.batch)]
         # enough for every call's tokens, no more: the target reserves KV pages for max_new_tokens up front
         per_call = max(args.plain_steps, args.chain + 1)
