@@ -356,7 +356,7 @@ class TargetEngine(PrefillParts):
             for inp, start in zip(inputs, starts, strict=True):
                 self.kv.resize(inp.request_id, start + n)
             ids = [t for inp, req in zip(inputs, reqs, strict=True) for t in (req.root, *inp.draft_tokens)]
-            positions = (torch.tensor(starts)[:, None] + torch.arange(n)).reshape(-1)
+            positions = [s + i for s in starts for i in range(n)]  # a list: no tensor work on the host
             hidden, aux = self._forward_causal(ids, positions, inputs, starts, n)
         else:
             hidden, aux, rows = self._forward_trees(inputs)
@@ -540,8 +540,8 @@ class TargetEngine(PrefillParts):
             raise UnknownRequest(f"unknown request id {rid!r}")
         return req
 
-    def _forward_causal(self, ids, positions: torch.Tensor, inputs, starts: list[int], n: int, inputs_taken=None,
-                        aux: bool = True):
+    def _forward_causal(self, ids, positions: torch.Tensor | list[int], inputs, starts: list[int], n: int,
+                        inputs_taken=None, aux: bool = True):
         """`_forward` for causal sequences of n new tokens each (chains, plain steps), request i's at positions
         starts[i] .. starts[i] + n - 1 (pages already grown to hold them): a captured forward reads the requests'
         page lists; the eager one gets slot tensors. `aux` False: none of the features' layer outputs (a plain
