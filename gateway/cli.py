@@ -100,6 +100,9 @@ def _register_up(subparsers: argparse._SubParsersAction) -> None:
         # 1-65535: the other services are told this port, so 0 (any free port) cannot stand for one
         p.add_argument(f"--{service}-port", type=port(zero=None), default=default,
                        help=f"{service} port (default {default})")
+    p.add_argument("--verify-lane-port", type=port(), default=0,
+                   help="the target's verify lane, a fourth port: Verify over plain TCP (docs/protocol.md); default 0, "
+                        "any free port (the draft asks the target which). Off with --target-args '--tls-cert ...'")
     p.set_defaults(handler=_up)
 
 

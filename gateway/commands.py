@@ -31,6 +31,7 @@ def run_up(args: argparse.Namespace) -> int:
         gateway_port=args.gateway_port,
         draft_port=args.draft_port,
         target_port=args.target_port,
+        verify_lane_port=args.verify_lane_port,
         colocated=args.colocated,
         target_args=tuple(args.target_args),
         draft_args=tuple(args.draft_args),

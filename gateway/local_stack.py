@@ -84,6 +84,7 @@ class StackConfig:
     gateway_port: int = DEFAULT_PORTS["gateway"]
     draft_port: int = DEFAULT_PORTS["draft"]
     target_port: int = DEFAULT_PORTS["target"]
+    verify_lane_port: int = 0  # the target's verify lane (docs/protocol.md); 0: any free port (its draft asks)
     speculation: str = "auto"  # the draft's --speculation (auto: per step, whichever is measured faster)
     colocated: bool = False  # the draft runs the target in its own process (`--target in-process`): no target process
     # more `serve-target` / `serve-draft` / `serve-gateway` flags (`up --target-args`, `--draft-args`,
@@ -105,10 +106,13 @@ class StackConfig:
         return []
 
     def _lane_flags(self) -> list[str]:
-        """The target's verify lane on any free port (its draft learns which from GetModelInfo), unless the target's
-        own flags choose its port or TLS (the lane is plaintext)."""
-        chosen = any(a.split("=")[0] in ("--verify-lane-port", "--tls-cert") for a in self.target_args)
-        return [] if chosen else ["--verify-lane-port", "0"]
+        """The target's verify lane on `verify_lane_port` (0: any free port; its draft learns which from
+        GetModelInfo), unless the target's own flags choose its port or TLS (the lane is plaintext)."""
+        return ["--verify-lane-port", str(self.verify_lane_port)] if self._lane_ours() else []
+
+    def _lane_ours(self) -> bool:
+        """Whether the target process takes its lane port from `verify_lane_port`."""
+        return not any(a.split("=")[0] in ("--verify-lane-port", "--tls-cert") for a in self.target_args)
 
     def addr(self, service: str) -> str:
         return f"{self.host}:{getattr(self, f'{service}_port')}"
@@ -117,6 +121,8 @@ class StackConfig:
         """The port of each service it starts. ConfigError if two share one: the second failed to bind only
         after the models had loaded."""
         ports = {name: getattr(self, f"{name}_port") for name in self.commands()}
+        if "target" in ports and self.verify_lane_port and self._lane_ours():
+            ports["verify-lane"] = self.verify_lane_port
         first = {}
         for name, port in ports.items():
             if port in first:

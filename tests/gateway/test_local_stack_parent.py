@@ -106,6 +106,20 @@ def test_two_services_on_one_port_are_refused_before_anything_starts():
     assert colocated.ports() == {"draft": cfg.draft_port, "gateway": cfg.gateway_port}
 
 
+def test_the_verify_lane_port_is_up_s_fourth_port():
+    """`up --verify-lane-port N` puts the target's lane there (default 0: any free port), checked against the other
+    ports; the target's own flags (a port, or TLS, which turns the lane off) win, and colocated has no lane."""
+    cfg = StackConfig.free_ports()
+    assert cfg.commands()["target"][-2:] == ["--verify-lane-port", "0"] and "verify-lane" not in cfg.ports()
+    fixed = replace(cfg, verify_lane_port=cfg.target_port + 1)
+    assert "--verify-lane-port" in fixed.commands()["target"] and fixed.ports()["verify-lane"] == cfg.target_port + 1
+    with pytest.raises(ConfigError, match=rf"^--gateway-port and --verify-lane-port are both {cfg.gateway_port}: "):
+        replace(cfg, verify_lane_port=cfg.gateway_port).ports()
+    own = replace(fixed, target_args=("--tls-cert", "x.pem"))
+    assert "--verify-lane-port" not in own.commands()["target"] and "verify-lane" not in own.ports()
+    assert "verify-lane" not in replace(fixed, colocated=True).ports()
+
+
 def test_up_with_two_services_on_one_port_exits_at_once():
     cfg = StackConfig.free_ports()
     cmd = [sys.executable, "-m", "specdec", "up", "--gateway-port", str(cfg.gateway_port),
