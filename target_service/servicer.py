@@ -214,7 +214,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         steps, rows = kind
         self._not_generate(inputs)
         packed = self._packed(inputs)  # before the call: a request it finishes leaves the engine
-        outs = self.engine.verify(inputs, plain_steps=steps, feature_rows=rows)
+        # a tree verify's features come to the host beside its logits (`engine.host_features`), 8-bit ones after
+        outs = self.engine.verify(inputs, plain_steps=steps, feature_rows=rows, features_on_host=not packed)
         features_to_host(outs, packed)  # here, not in the handler: the copy waits for the GPU
         return outs
 

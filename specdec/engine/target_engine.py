@@ -17,6 +17,7 @@ from specdec.attention import AttentionBatch, SeqAttention, make_backend, triton
 from specdec.attention.graph_backend import GraphCaptureError
 from specdec.engine.device import engine_call, resolve_device
 from specdec.engine.finish import cut_at_finish, length_room
+from specdec.engine.host_features import STAGE_MAX_BYTES, FeatureStager, StagedRows
 from specdec.engine.page_queue import PageQueue
 from specdec.engine.plain_steps import (
     MAX_PLAIN_STEPS,
@@ -99,6 +100,7 @@ class TargetEngine(PrefillParts):
         self.finished: OrderedDict[str, str] = OrderedDict()  # id -> finish reason (`FINISHED_MEMORY`)
         self.prefill_chunk_tokens = prefill_chunk_tokens  # a longer prompt is prefilled in parts (`PrefillParts`)
         self.prefilling: dict[str, PromptInParts] = {}
+        self._stager: FeatureStager | None = None  # `features_on_host` copies (made at the first)
         self.graphs = None
         if cuda_graphs:
             from specdec.engine.cuda_graphs import TargetGraphs
@@ -270,10 +272,12 @@ class TargetEngine(PrefillParts):
         return outputs
 
     @engine_call
-    def verify(self, inputs: list[VerifyInput], plain_steps: int = 1, feature_rows: int = 0) -> list[VerifyOutput]:
+    def verify(self, inputs: list[VerifyInput], plain_steps: int = 1, feature_rows: int = 0,
+               features_on_host: bool = False) -> list[VerifyOutput]:
         """One target forward over the trees of several requests; commits the accepted paths. With empty trees,
         `plain_steps` > 1 runs that many plain decode steps (`specdec.engine.plain_steps`). `feature_rows` > 0:
-        each output carries the features of its last that many tokens only."""
+        each output carries the features of its last that many tokens only. `features_on_host`: a tree verify's
+        features come back in host memory, copied while the logits are computed (`engine.host_features`)."""
         check_plain_steps(inputs, plain_steps, feature_rows)
         gone = {inp.request_id for inp in inputs if inp.request_id not in self.requests and
                 inp.request_id in self.finished}
@@ -281,7 +285,7 @@ class TargetEngine(PrefillParts):
             return self._verify_past_finish(inputs, gone, plain_steps, feature_rows)
         self._named(inputs)
         if plain_steps == 1:
-            return last_feature_rows(self._verify_once(inputs), feature_rows)
+            return last_feature_rows(self._verify_once(inputs, features_on_host), feature_rows)
         self._check_batch(inputs)
         if self.simulate_accept_len or all(self.requests[i.request_id].sampling.greedy for i in inputs):
             outputs = run_plain_steps(lambda live, k: self._plain_chunk(live, k, feature_rows), inputs,
@@ -341,11 +345,11 @@ class TargetEngine(PrefillParts):
         if len({inp.request_id for inp in inputs}) != len(inputs):
             raise InvalidInput("a request id appears twice in one verify batch")
 
-    def _verify_once(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
+    def _verify_once(self, inputs: list[VerifyInput], features_on_host: bool = False) -> list[VerifyOutput]:
         self._check_batch(inputs)
-        return self._verify_checked(inputs)
+        return self._verify_checked(inputs, features_on_host)
 
-    def _verify_checked(self, inputs: list[VerifyInput]) -> list[VerifyOutput]:
+    def _verify_checked(self, inputs: list[VerifyInput], features_on_host: bool = False) -> list[VerifyOutput]:
         """One forward over inputs that `_check_batch` accepted (a live subset of them stays accepted)."""
         shapes = {tuple(inp.parents) for inp in inputs}
         if len(shapes) == 1 and is_chain(next(iter(shapes))):  # chains of one length (or plain steps): causal
@@ -360,6 +364,7 @@ class TargetEngine(PrefillParts):
             hidden, aux = self._forward_causal(ids, positions, inputs, starts, n)
         else:
             hidden, aux, rows = self._forward_trees(inputs)
+        staged = self._staged(inputs, hidden, aux) if features_on_host else None
         logits = self.model.compute_logits(hidden)  # [num_tokens, vocab]
         # greedy (and simulated) acceptance reads the whole batch's argmax in one host sync
         greedy = self.simulate_accept_len or any(self.requests[i.request_id].sampling.greedy for i in inputs)
@@ -370,8 +375,21 @@ class TargetEngine(PrefillParts):
             verdicts.append(verdict)
             committed.append([0] + verdict.accepted)  # tree rows whose K/V stay: root, then the accepted path
             start += n
-        feats = self._batch_features(inputs, rows, committed, hidden, aux)
+        feats = self._batch_features(inputs, rows, committed, hidden, aux, staged)
         return [self._accept(inp, v, c, f) for inp, v, c, f in zip(inputs, verdicts, committed, feats, strict=True)]
+
+    def _staged(self, inputs: list[VerifyInput], hidden, aux: dict) -> StagedRows | None:
+        """Every row's features on their way to the host, for a batch whose requests all read the same layers
+        and whose rows are at most `STAGE_MAX_BYTES` (else None: gathered on the device after the verdict)."""
+        reqs = [self.requests[inp.request_id] for inp in inputs]
+        if not all(r.features for r in reqs) or len({r.feature_layers for r in reqs}) > 1:
+            return None
+        if hidden.numel() * hidden.element_size() * max(1, len(reqs[0].feature_layers)) > STAGE_MAX_BYTES:
+            return None
+        if self._stager is None:
+            self._stager = FeatureStager(self.device)
+        layers = reqs[0].feature_layers
+        return self._stager.stage([aux[i] for i in layers] if layers else [hidden])
 
     def _forward_trees(self, inputs: list[VerifyInput]):
         """The forward of a verify whose trees differ in shape or are not chains: a tree mask per request.
@@ -403,10 +421,14 @@ class TargetEngine(PrefillParts):
             return verify_greedy(tokens, parents, top1)
         return verify_stochastic(tokens, parents, _host_probs(logits, req.sampling), req.generator)
 
-    def _batch_features(self, inputs, rows: list[int], committed: list[list[int]], hidden, aux) -> list:
+    def _batch_features(self, inputs, rows: list[int], committed: list[list[int]], hidden, aux,
+                        staged: StagedRows | None = None) -> list:
         """Each request's features at its committed rows: one gather when the batch shares its feature layers
-        (None for requests admitted without features: no gather at all when none wants them)."""
+        (None for requests admitted without features: no gather at all when none wants them); read on the host
+        from `staged` rows when given."""
         reqs = [self.requests[inp.request_id] for inp in inputs]
+        if staged is not None:
+            return self._rows_of(staged.host(), rows, committed)
         if not all(r.features for r in reqs):
             if not any(r.features for r in reqs):
                 return [None] * len(inputs)
@@ -420,12 +442,19 @@ class TargetEngine(PrefillParts):
         if len({r.feature_layers for r in reqs}) > 1:
             return [self._features(r, hidden, aux, s + torch.tensor(c)) for r, s, c in zip(reqs, starts, committed,
                                                                                           strict=True)]
+        return self._rows_of(None, rows, committed, lambda at: self._features(reqs[0], hidden, aux, at))
+
+    @staticmethod
+    def _rows_of(source: torch.Tensor | None, rows: list[int], committed: list[list[int]], read=None) -> list:
+        """Each request's committed rows of the batch's features, one read for all: of `source` (every row's
+        features) or through `read(rows)`. The first row to the last with no gap (a chain at batch 1, a plain step)
+        is one slice, read without an index tensor."""
+        starts = [0, *itertools.accumulate(rows)][:-1]
         flat = [s + r for s, c in zip(starts, committed, strict=True) for r in c]
-        # the first row to the last with no gap (a chain at batch 1, a plain step) is one slice, read without an
-        # index tensor sent to the device
         whole = flat[-1] - flat[0] == len(flat) - 1 and flat == list(range(flat[0], flat[-1] + 1))
-        rows_of = slice(flat[0], flat[-1] + 1) if whole else host_tensor(flat)
-        return list(self._features(reqs[0], hidden, aux, rows_of).split([len(c) for c in committed]))
+        at = slice(flat[0], flat[-1] + 1) if whole else host_tensor(flat)
+        picked = source[at] if source is not None else read(at)
+        return list(picked.split([len(c) for c in committed]))
 
     def _accept(self, inp: VerifyInput, verdict, committed_rows: list[int], feats) -> VerifyOutput:
         rid, req = inp.request_id, self.requests[inp.request_id]
