@@ -77,8 +77,7 @@ def _load(args, opts, spec: SpecConfig, off: bool, stop: threading.Event):
                               features=not off)
         log.info("connecting to target at %s", args.target)
         wait_s = DEFAULT_TARGET_WAIT_S if args.target_wait_seconds is None else args.target_wait_seconds
-        info = _connect(client, wait_s, stop)
-        client.prefill_chunk_tokens = info.prefill_chunk_tokens
+        info = _connect(client, wait_s, stop)  # (`model_info` takes the target's part size, each time it answers)
     _raise_mismatch(target_mismatch(args, target_cfg, spec, info))  # what `misfit` asks again of every later answer
     max_context = min(info.max_context_len, opts.max_context or info.max_context_len)
     log.info("target %s: context length %d", info.model, max_context)

@@ -434,6 +434,10 @@ class TargetClient:
             return False
         return True
 
+    def target_back(self) -> None:
+        """The target watch found the target answering again after an outage: its lane is tried at once."""
+        self.lane.retry_now()
+
     def probe_lane(self, timeout_s: float) -> None:
         """The target watch's look at the verify lane, once the target answered over gRPC (`VerifyLane.probe`)."""
         self.lane.probe(VERIFY_PATH, timeout_s)
@@ -442,6 +446,11 @@ class TargetClient:
         """The target's GetModelInfo; its verify lane (or none) is taken from the answer."""
         info = self._call("model_info", target_pb2.TargetServiceGetModelInfoRequest(), timeout_s, watched=False)
         self.lane.told(info.verify_lane_port)
+        # the target's part size as it is now: a target restarted with another --prefill-chunk-tokens (a rolling
+        # update) was admitted for with the part size of the one the draft started against (QA: started against
+        # one that prefills in one forward, the draft kept blocking its running streams for a long prompt's whole
+        # prefill after the target came back prefilling in parts, a 2.0-2.8 s gap against 0.3-0.7 s)
+        self.prefill_chunk_tokens = info.prefill_chunk_tokens
         return info
 
     def close(self) -> None:

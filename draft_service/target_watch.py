@@ -97,6 +97,8 @@ class TargetWatch:
             key = message
             if message is None:
                 if self.down is not None:
+                    if self.down == _UNANSWERED and hasattr(self.client, "target_back"):
+                        self.client.target_back()  # a lane refused while it was away is not a lane cut off
                     self.down = None
                     log.info("the target at %s answers again (%s): this draft is SERVING", self.client.addr,
                              info.model)

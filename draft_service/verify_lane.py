@@ -56,6 +56,13 @@ class VerifyLane:
         if port:
             log.info("Verify calls go over the target's verify lane at %s:%d", self.host, port)
 
+    def retry_now(self) -> None:
+        """The target answers again after it did not (restarted, back from a pause): a lane it refused meanwhile
+        was refused by a target away, not by a network that lacks the lane's port, so it is tried at the next call
+        (QA: a draft whose step found a draining target's lane closed left the lane for 60 s, with a WARNING about
+        a Kubernetes Service, and a target restarted on the same lane port was told of it in vain meanwhile)."""
+        self._down_until = 0.0
+
     def for_call(self) -> LaneClient | None:
         """The lane, connected for this thread, or None (no lane, or one that could not be connected to lately)."""
         client = self.client

@@ -122,8 +122,10 @@ class TwoBatchOverlap:
             self.plain_in_flight = 1  # two workers may send a pipeline's calls out of order
         return target if self._workers == 2 else TakingTurns(target)
 
-    def busy(self) -> set[str]:
-        return {rid for launch, _ in self.inflight for rid in launch.rids}
+    def busy(self, sched: Scheduler) -> set[str]:
+        """The running requests a call in flight names (not a new request under the id of one that a failed call
+        ended while another of its calls was still out: that call names the old one)."""
+        return {rid for launch, _ in self.inflight for i, rid in enumerate(launch.rids) if sched.launched(launch, i)}
 
     def decode(self, sched: Scheduler) -> list[Event]:
         if self._plain and self.inflight:
@@ -134,7 +136,7 @@ class TwoBatchOverlap:
     def _take_turns(self, sched: Scheduler, budget: int | None = None) -> list[Event]:
         """Send the idle micro-batch (or step synchronously below `min_batch_size`), land the oldest in flight.
         `budget`: already chosen for the next launch."""
-        busy = self.busy()
+        busy = self.busy(sched)
         idle = [rid for rid in sched.running if rid not in busy]  # in admission order
         big = bool(self.min_batch_size) and len(sched.running) >= self.min_batch_size
         if not self.inflight:
@@ -148,7 +150,7 @@ class TwoBatchOverlap:
                 return self._whole_plain(sched)
         if idle and big:  # the idle micro-batch goes out while the other is verified
             weights = self._weights(sched, idle)
-            in_flight = sum(self._weights(sched, list(self.busy())))
+            in_flight = sum(self._weights(sched, list(self.busy(sched))))
             share = 0.5 * (sum(weights) + in_flight) / sum(weights)  # half of all running tokens
             rids = split_by_tokens(idle, weights, share)[0]
             if not self._send(sched, rids):
@@ -195,8 +197,9 @@ class TwoBatchOverlap:
         can tell: not being aborted, short of its token limit (one at its limit would get an empty result)."""
         pending: dict[str, int] = {}  # tokens the calls in flight commit at most, per request
         for launch, _ in self.inflight:
-            for rid in launch.rids:
-                pending[rid] = pending.get(rid, 0) + launch.plain_steps
+            for i, rid in enumerate(launch.rids):
+                if sched.launched(launch, i):  # (a stale call of a failed batch commits nothing for a new request)
+                    pending[rid] = pending.get(rid, 0) + launch.plain_steps
         rids = [rid for rid, state in sched.running.items() if rid not in sched.aborting and
                 pending.get(rid, 0) < state.room(sched.max_context)]
         if rids:  # recorded at the call's own size once it is smaller than the batch the choice was made for:
@@ -255,7 +258,7 @@ class TwoBatchOverlap:
         committed nothing (two unary calls in flight reach a gRPC server's handlers in no guaranteed order; once
         seen as a text whose 4-token chunks came back swapped). Every call before it has landed now: send it again,
         for the requests still running (None: none is). -> (the launch sent, its outputs or its error)"""
-        running = [i for i, rid in enumerate(launch.rids) if rid in sched.running]
+        running = [i for i in range(len(launch.rids)) if sched.launched(launch, i)]
         if not running:
             return None, None, None
         launch = launch.only(running)

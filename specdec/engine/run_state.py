@@ -68,6 +68,10 @@ class Launch:
     # plus what the calls in flight ahead of it commit): sent with the call, which the target refuses if it runs
     # out of order (`VerifyInput.num_generated`)
     num_generated: list[int] = field(default_factory=list)
+    # [len(rids)] the requests' RunStates at the launch: a request that ended while this call was in flight (the
+    # target went away) may be followed by a new one under the same id, which this call's landing must not touch
+    # (`Scheduler.launched`)
+    states: list = field(default_factory=list)
 
     @property
     def num_draft_tokens(self) -> int:
@@ -78,4 +82,5 @@ class Launch:
         if len(indices) == len(self.rids):
             return self
         return replace(self, rids=[self.rids[i] for i in indices], trees=[self.trees[i] for i in indices],
-                       num_generated=[self.num_generated[i] for i in indices] if self.num_generated else [])
+                       num_generated=[self.num_generated[i] for i in indices] if self.num_generated else [],
+                       states=[self.states[i] for i in indices] if self.states else [])

@@ -167,7 +167,7 @@ class Scheduler(Admission):
 
     def _apply_aborts(self) -> list[Event]:
         events, later = [], set()
-        in_flight = self.overlap.busy() if self.overlap is not None and self._aborts else set()
+        in_flight = self.overlap.busy(self) if self.overlap is not None and self._aborts else set()
         if self.flights.out:  # their admission is in flight: aborted as it lands (`cancel_prefill` stops their
             in_flight |= self.flights.ids()  # Prefill meanwhile)
         for rid in self._aborts:
@@ -243,7 +243,8 @@ class Scheduler(Admission):
             ramp = not speculate and not micro and plain < self.plain_steps
             ahead = ahead or {}
             generated = [self.running[rid].num_generated + ahead.get(rid, 0) for rid in rids]
-            launch = Launch(rids, trees, budget, speculate, trace, started, plain, chosen_at, rows, ramp, generated)
+            launch = Launch(rids, trees, budget, speculate, trace, started, plain, chosen_at, rows, ramp, generated,
+                            [self.running[rid] for rid in rids])
             if span is not None:
                 span.set_attribute("num_draft_tokens", launch.num_draft_tokens)
         return launch
@@ -301,8 +302,8 @@ class Scheduler(Admission):
         request ended every stream of its batch (QA)."""
         log.warning("verify of %d requests refused (%s): each verified alone", len(launch.rids), error)
         events: list[Event] = []
-        for i, rid in enumerate(launch.rids):
-            if rid not in self.running:
+        for i in range(len(launch.rids)):
+            if not self.launched(launch, i):
                 continue
             one = launch.only([i])
             try:
@@ -312,6 +313,12 @@ class Scheduler(Admission):
             events += self.land(one, outputs, alone, since)
         return events
 
+    def launched(self, launch: Launch, i: int) -> bool:
+        """Whether the request at `launch.rids[i]` is still running, as the request the launch was made for (not
+        a new one under the same id)."""
+        state = self.running.get(launch.rids[i])
+        return state is not None and (not launch.states or state is launch.states[i])
+
     def land(self, launch: Launch, outputs: list | None, error: SpecdecError | None, since: float) -> list[Event]:
         """Commit a verify's outputs (or fail its requests on `error`), extend the draft over what was accepted.
         The step's time, for the timings and the policy, runs from `since` to now."""
@@ -319,11 +326,14 @@ class Scheduler(Admission):
         if error is not None and isinstance(error, ONE_REQUESTS) and len(rids) > 1:
             return self._land_alone(launch, error, since)
         if error is not None:  # the whole batch failed (e.g. the target went away)
-            rids = [rid for rid in rids if rid in self.running]  # not those an earlier landing ended
+            # not those an earlier landing ended, nor a new request under such a one's id (a client's retry once the
+            # target is back: a pipelined call of the failed batch lands only then, QA)
+            rids = [rid for i, rid in enumerate(rids) if self.launched(launch, i)]
             # a target away, or requests it no longer holds (the gateway moved them on while it was frozen) are the
             # fleet's weather, logged as such; anything else (a malformed reply) is an error
             level = logging.WARNING if isinstance(error, (NotReady, UnknownRequest)) else logging.ERROR
-            log.log(level, "verify failed for %d requests: %s", len(rids), error)
+            if rids:  # (a call of a batch an earlier landing failed: nothing left to tell)
+                log.log(level, "verify failed for %d requests: %s", len(rids), error)
             away = isinstance(error, NotReady)
             for rid in rids:  # a target that answered (malformed reply) may still hold them
                 self._finish(rid, release_target=not away)
@@ -333,9 +343,11 @@ class Scheduler(Admission):
                 release_later(rids)
             return [Event(rid, [], ABORT, error=error) for rid in rids]
         events, extend, bounded = [], [], set()
-        for tree, out in zip(launch.trees, outputs, strict=True):
+        for i, (tree, out) in enumerate(zip(launch.trees, outputs, strict=True)):
             state = self.running.get(out.request_id)
-            if state is None:  # an earlier plain call of the pipeline finished it (`TwoBatchOverlap`)
+            # an earlier plain call of the pipeline finished it (`TwoBatchOverlap`), or an earlier landing failed it
+            # and this is a new request under its id
+            if state is None or not self.launched(launch, i):
                 continue
             if self.policy is not None and out.finish_reason == RUNNING and self._near_limit(state, launch, tree):
                 bounded.add(out.request_id)

@@ -160,3 +160,25 @@ def test_a_draft_whose_target_misfits_refuses_new_requests_saying_why():
 
     with pytest.raises(NotReady, match="serves other, hidden 512: this draft takes no requests until its target"):
         asyncio.run(first())
+
+
+def test_the_drafts_client_takes_the_part_size_of_the_target_that_answers_now():
+    """QA: a target restarted with another `--prefill-chunk-tokens` (a rolling update) was admitted for with the
+    part size of the one the draft had started against: against one that prefilled in one forward, a long prompt's
+    admission kept blocking the draft's running streams for the whole prefill (their longest gap 2.0-2.8 s on a
+    CPU, 0.3-0.7 s from a draft started against the restarted target). Each GetModelInfo answer (the target
+    watch's, every 2 s) now sets it."""
+    from dataclasses import replace
+
+    from draft_service.target_client import TargetClient
+    from specdec.v1 import target_pb2
+
+    client = TargetClient("127.0.0.1:1")
+    try:
+        for chunk in (0, 512, 0):
+            answer = target_pb2.TargetServiceGetModelInfoResponse(model="tiny", prefill_chunk_tokens=chunk)
+            client._link = replace(client._link, model_info=lambda request, answer=answer, **kw: answer)
+            client.model_info(1.0)
+            assert client.prefill_chunk_tokens == chunk
+    finally:
+        client.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -238,3 +239,66 @@ def test_a_lane_that_stops_answering_while_grpc_answers_is_left_by_the_target_wa
         listener.close()
         client.release("frozen")
         client.close()
+
+
+def test_a_lane_refused_while_its_target_was_away_is_tried_again_once_the_target_answers(caplog):
+    """QA: a draft whose step came as its target's drain ended found the lane refused, logged a WARNING about a
+    Kubernetes Service and left the lane for 60 s; the target restarted on the same lane port (the chart's 50062)
+    and told of it in GetModelInfo, but a port already known changed nothing, so Verify stayed on gRPC for the
+    rest of the minute. The target watch's finding the target back now tries the lane at the next call."""
+    from draft_service.target_watch import TargetWatch
+    from draft_service.verify_lane import VerifyLane
+    from specdec.rpc.lane import MAGIC
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # nothing listens: the target is away
+    lane = VerifyLane(f"127.0.0.1:{port}", plaintext=True)
+    lane.told(port)
+    with caplog.at_level(logging.WARNING, logger="draft_service.verify_lane"):
+        assert lane.for_call() is None  # refused: Verify goes over gRPC
+    listener = socket.create_server(("127.0.0.1", port))  # the target back, its lane on the same port
+    import threading
+
+    def greet() -> None:
+        conn, _ = listener.accept()
+        conn.recv(len(MAGIC), socket.MSG_WAITALL)
+        conn.sendall(MAGIC)
+
+    threading.Thread(target=greet, daemon=True).start()
+
+    class Client:  # the TargetClient's part the watch uses
+        addr = f"127.0.0.1:{port}"
+        answers = [NotReady("target: refused"), NotReady("target: refused"), SimpleNamespace(model="tiny")]
+
+        def renew_channel(self):
+            pass
+
+        def abandon_calls(self, why):
+            pass
+
+        def model_info(self, timeout_s=None):
+            answer = self.answers.pop(0)
+            if isinstance(answer, Exception):
+                raise answer
+            lane.told(port)  # GetModelInfo tells the same port again
+            return answer
+
+        def target_back(self):
+            lane.retry_now()
+
+    watch = TargetWatch(Client(), lambda info: None, interval_s=0.0, misses_down=2)
+
+    async def looks() -> None:
+        async def set_ready(up: bool) -> None:
+            pass
+        for _ in range(3):
+            await watch.check(set_ready)
+
+    try:
+        asyncio.run(looks())
+        assert watch.down is None
+        assert lane.for_call() is not None  # the lane again, not gRPC for the rest of the minute
+    finally:
+        lane.close()
+        listener.close()

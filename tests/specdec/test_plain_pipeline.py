@@ -17,7 +17,7 @@ from specdec.engine.generate import feature_layers_for
 from specdec.engine.overlap import TwoBatchOverlap
 from specdec.engine.requests import ABORT, PrefillInput, VerifyInput
 from specdec.engine.scheduler import Scheduler
-from specdec.errors import InvalidInput, OutOfOrder
+from specdec.errors import InvalidInput, NotReady, OutOfOrder
 from specdec.sampling_params import SamplingParams
 
 
@@ -308,3 +308,61 @@ def test_a_pipelined_call_of_the_last_requests_is_recorded_at_its_own_size(dev_p
     assert any(h[1] <= 2 for h in steps)  # calls of the last two requests, then the last one
     assert all(policy.bucket(h[7]) == policy.bucket(h[1]) for h in steps), steps
     assert _free(engine, draft)
+
+
+class GoneTarget(OrderedTarget):
+    """A remote target that goes away (every call from the `gone_at`-th on fails NotReady, as when it is killed:
+    the calls in flight on its broken connection fail together) and comes back restarted (`restart`: it holds
+    nothing). Records what the scheduler hands `release_later` (the ids the draft releases once it is back)."""
+
+    def __init__(self, engine, gone_at: int):
+        super().__init__(engine, delay_s=0.01)
+        self.gone_at, self.gone = gone_at, False
+        self.released_later: list[str] = []
+
+    def _run(self, inputs, plain_steps, feature_rows):
+        with self._lock:
+            if len(self.calls) >= self.gone_at:
+                self.gone = True
+            gone = self.gone
+        if gone:
+            time.sleep(self.delay_s)
+            with self._lock:
+                self.pending -= 1
+            raise NotReady("target: the target closed the verify lane's connection (end of stream)")
+        return super()._run(inputs, plain_steps, feature_rows)
+
+    def release_later(self, request_ids):
+        self.released_later += list(request_ids)
+
+    def restart(self) -> None:
+        with self._lock:
+            for rid in list(self.engine.requests):
+                self.engine.release(rid)
+            self.gone, self.gone_at = False, 1 << 30
+
+
+def test_a_request_under_the_id_of_one_a_dead_target_failed_is_not_failed_by_that_ones_stale_call(
+        dev_prompts, tiny_tokenizer):
+    """QA: the target killed under a pipelined plain stretch failed the stream at the first call's landing, but the
+    second call, sent before that landing, stayed in flight with no request left to land it. Once the target was
+    back, a client's retry under the same request id was failed by that stale call (UNAVAILABLE with the old
+    error, its id then released on the new target), and through the gateway a healthy, just restarted target was
+    marked down again."""
+    engine = tiny_target()
+    prompts = _prompts(dev_prompts, tiny_tokenizer, 1)
+    params = [SamplingParams(max_new_tokens=40, ignore_eos=True)]
+    ref = _run(Scheduler(engine, None, engine.max_context, 8), prompts, params)
+    target = GoneTarget(engine, gone_at=3)
+    sched = Scheduler(target, None, engine.max_context, 8, plain_steps=4, overlap=TwoBatchOverlap(0))
+    sched.add("r0", prompts[0], params[0])
+    first = []
+    while sched.has_work:
+        first += sched.step()
+    assert [e.finish_reason for e in first if e.error is not None] == [ABORT]  # the stream failed, the target gone
+    target.restart()
+    released = len(target.released_later)
+    out = _run(sched, prompts, params)  # the client's retry, same id
+    assert out == ref
+    assert target.released_later[released:] == []  # the new request's id is not released on the new target
+    assert _free(engine)

@@ -126,7 +126,7 @@ def test_abort_of_a_request_in_flight_lands_first_and_frees_its_pages(dev_prompt
 
     def abort_in_flight(s, n):
         if n == 3:
-            rid = sorted(overlap.busy())[0]
+            rid = sorted(overlap.busy(s))[0]
             aborted.append(rid)
             s.abort(rid)
 
