@@ -8,12 +8,17 @@ copied to pinned host memory on a side stream as soon as the forward is queued, 
 and argmax; after the verdict the accepted rows are read on the host. Copying all rows instead of the accepted ones
 moves ~1.5-2x the bytes (a chain's), which the side stream hides behind the lm_head; a forward of more than
 `STAGE_MAX_BYTES` of features (large batches of wide trees: ~13x the accepted rows' bytes at 64-token trees) keeps
-the gather after the verdict. On a CPU the rows are the forward's own.
+the gather after the verdict. On a CPU the rows are the forward's own. `SPECDEC_HOST_FEATURES=0` turns it off.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
+
+log = logging.getLogger(__name__)
 
 # the most feature bytes a forward stages: ~0.15 ms of device-to-host copy, less than the lm_head of that many rows
 # takes on the 8B shape (32 chains of 8 drafts: 2.4 MB; one 64-token tree: 0.5 MB)
@@ -52,11 +57,27 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
+def staging_on() -> bool:
+    """`SPECDEC_HOST_FEATURES=0` turns the staging off (features gathered on the device after the verdict)."""
+    return os.environ.get("SPECDEC_HOST_FEATURES", "1") != "0"
+
+
 class FeatureStager:
-    """One side stream per engine for `StagedRows` copies (none on a CPU)."""
+    """One side stream per engine for `StagedRows` copies (none on a CPU). A staging that fails (a GPU or driver
+    that refuses the side stream or the pinned buffer) is logged once and turns the staging off for this engine:
+    the verify gathers its features on the device as before."""
 
     def __init__(self, device: torch.device):
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.on = staging_on()
 
-    def stage(self, parts: list[torch.Tensor]) -> StagedRows:
-        return StagedRows(parts, self._stream)
+    def stage(self, parts: list[torch.Tensor]) -> StagedRows | None:
+        if not self.on:
+            return None
+        try:
+            return StagedRows(parts, self._stream)
+        except Exception as exc:  # noqa: BLE001 - any failure: the device path, which needs none of this
+            self.on = False
+            log.warning("features are gathered on the device from now on: staging them for the host failed (%s)",
+                        exc)
+            return None

@@ -98,3 +98,24 @@ def test_a_forward_of_too_many_feature_bytes_is_gathered_after_the_verdict(targe
     layers = [(), ()]
     _same(_run(target, False, layers, trees, [40, 40]), _run(target, True, layers, trees, [40, 40]))
     assert len(staged) == 3
+
+
+def test_staging_that_fails_or_is_switched_off_leaves_the_device_path(target, monkeypatch, caplog):
+    from specdec.engine import host_features
+
+    device = _run(target, False, [()], [CHAIN], [40])
+    monkeypatch.setenv("SPECDEC_HOST_FEATURES", "0")
+    assert FeatureStager(torch.device("cpu")).stage([torch.zeros(2, 2)]) is None
+    monkeypatch.delenv("SPECDEC_HOST_FEATURES")
+
+    def refuse(*args):
+        raise RuntimeError("no pinned memory here")
+
+    target._stager = None
+    monkeypatch.setattr(host_features, "StagedRows", refuse)
+    with caplog.at_level("WARNING", logger="specdec.engine.host_features"):
+        _same(device, _run(target, True, [()], [CHAIN], [40]))
+    assert [r.message for r in caplog.records].count(
+        "features are gathered on the device from now on: staging them for the host failed (no pinned memory "
+        "here)") == 1
+    target._stager = None
