@@ -70,6 +70,9 @@ class ModelConfig:
     # EAGLE-3 only: target layers whose residual-stream *inputs* form the feature, in order
     aux_layer_inputs: tuple[int, ...]
     eagle1_fc_bias: bool = True
+    # EAGLE-1 only: its layer normalizes its input (an export whose `layers.0.input_layernorm.weight` was trained;
+    # the reference EAGLE-1 layer has no input norm: `models.loader.EAGLE1_INPUT_NORM`)
+    eagle1_input_norm: bool = False
 
     @classmethod
     def from_hf(cls, path: str | Path) -> ModelConfig:

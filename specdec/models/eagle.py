@@ -23,14 +23,19 @@ from specdec.models.layers import MLP, Attention, Linear, RMSNorm, RotaryEmbeddi
 
 
 class Eagle1Layer(nn.Module):
+    """The reference EAGLE-1 layer has no input norm; an export that trained one (`cfg.eagle1_input_norm`) gets it
+    before attention, as a Llama layer has it."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.eagle1_input_norm else None
         self.self_attn = Attention(cfg, 0)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x, rot, backend, batch):
-        normed, x = self.post_attention_layernorm.add(self.self_attn(x, rot, backend, batch), x)
+        attn_in = x if self.input_layernorm is None else self.input_layernorm(x)
+        normed, x = self.post_attention_layernorm.add(self.self_attn(attn_in, rot, backend, batch), x)
         return x + self.mlp(normed)
 
 

@@ -24,6 +24,10 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TARGET_EMBED = "model.embed_tokens.weight"
+# an EAGLE-1 export's input norm on its one layer, which the reference EAGLE-1 layer does not have: some training
+# code makes the module anyway (then its weight stays at its initial ones: never in the forward, so ignored), other
+# code applies it (trained values: applied here too, `ModelConfig.eagle1_input_norm`)
+EAGLE1_INPUT_NORM = "layers.0.input_layernorm.weight"
 TARGET_LM_HEAD = "lm_head.weight"
 ROPE_TABLE = "rotary_emb.inv_freq"
 
@@ -130,12 +134,15 @@ def load_draft(
     draft_files = _checkpoint_files(path) if not dummy else {}
     if cfg.kind == "eagle1" and not dummy and "fc.bias" not in draft_files:
         cfg = replace(cfg, eagle1_fc_bias=False)
+    own = {} if dummy else load_tensors(path, set(draft_files), dtype=dtype, device=device, on_file=_progress,
+                                        files=draft_files)
+    if cfg.kind == "eagle1" and EAGLE1_INPUT_NORM in own:
+        cfg = _eagle1_input_norm(cfg, own, path)
     model = _build(EagleDraft, cfg, device, dtype, max_positions)
     if dummy:
         _random_init(model, seed=1)  # d2t stays zero: draft id == target id
         fuse_projections(model)
         return model.eval()
-    own = load_tensors(path, set(draft_files), dtype=dtype, device=device, on_file=_progress, files=draft_files)
     own.pop("t2d", None)  # the draft->target map d2t is all we need
     # an EAGLE-3 head over the whole target vocabulary may ship no map: d2t stays zero (draft id == target id)
     skip = {"d2t"} if cfg.kind == "eagle3" and "d2t" not in own and cfg.draft_vocab_size == cfg.vocab_size else set()
@@ -143,6 +150,18 @@ def load_draft(
     _fill(model, {**shared, **own}, str(path), skip=skip)
     fuse_projections(model)
     return model.eval()
+
+
+def _eagle1_input_norm(cfg: ModelConfig, own: dict[str, torch.Tensor], path) -> ModelConfig:
+    """An EAGLE-1 export with an input norm on its layer: ignored (dropped from `own`) while its weight is all
+    ones, as made and never trained; applied when it holds trained values."""
+    if bool((own[EAGLE1_INPUT_NORM] == 1).all()):
+        del own[EAGLE1_INPUT_NORM]
+        log.info("%s: %s is all ones (never trained): ignored, as the EAGLE-1 layer has no input norm", path,
+                 EAGLE1_INPUT_NORM)
+        return cfg
+    log.info("%s: %s holds trained values: the head's layer normalizes its input", path, EAGLE1_INPUT_NORM)
+    return replace(cfg, eagle1_input_norm=True)
 
 
 def _ties(path, files: dict[str, Path]) -> tuple[bool, dict[str, torch.Tensor]]:
