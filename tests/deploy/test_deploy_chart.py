@@ -88,6 +88,25 @@ def test_values_schema_is_self_contained_and_enforced():
         assert proc.returncode != 0 and "specdec" in proc.stderr, bad
 
 
+@pytest.mark.parametrize(("overrides", "at"), [
+    # values that rendered, passed kubernetes-validate --strict, and then failed at the API server or the kubelet (QA)
+    (["--set", "gateway.livenessProbe.successThreshold=2"], "/gateway/livenessProbe/successThreshold"),
+    (["--set", "target.startupProbe.successThreshold=3"], "/target/startupProbe/successThreshold"),
+    (["--set", "imagePullSecrets[0]=regcred"], "/imagePullSecrets/0"),  # a LocalObjectReference: [{name: regcred}]
+    (["--set", "models.source=hostPath", "--set", "models.hostPath.path=mnt/models"], "/models/hostPath/path"),
+    (["--set", "tmpSizeLimit=lots"], "/tmpSizeLimit"),
+    (["--set", "pairs.shmSizeLimit=8GB"], "/pairs/shmSizeLimit"),
+    (["--set", "models.pvc.size=100 Gi"], "/models/pvc/size"),
+])
+def test_the_schema_refuses_values_the_api_server_would(overrides, at):
+    proc = run_helm(*template_args("default", *overrides), check=False)
+    assert proc.returncode != 0 and at in proc.stderr, proc.stderr
+    # and the well-formed spellings render
+    for good in (["--set", "draft.readinessProbe.successThreshold=2"], ["--set", "imagePullSecrets[0].name=regcred"],
+                 ["--set", "pairs.shmSizeLimit=8Gi", "--set", "tmpSizeLimit=500M", "--set", "models.pvc.size=100Gi"]):
+        assert run_helm(*template_args("default", *good), check=False).returncode == 0, good
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -325,6 +344,35 @@ def test_colocated_runs_one_container_that_serves_both_on_one_gpu():
     assert [r["ports"][0]["port"] for r in policy["spec"]["ingress"]][:1] == [50051]
     bad = run_helm(*template_args("colocated", "--set", "draft.featureWire=fp8"), check=False)
     assert bad.returncode != 0 and "draft.featureWire must be native" in bad.stderr
+
+
+@pytest.mark.parametrize("sets", [
+    ("target.resources.limits.memory=96Gi",),  # docs/deploy.md's GPU advice, then `--set pairing=colocated`
+    ("target.startupProbe.failureThreshold=720",),  # a longer load for a big target
+    ("target.livenessProbe.failureThreshold=12",),
+])
+def test_colocated_refuses_target_resources_and_probes_it_would_drop(sets):
+    """pairing=colocated's one container takes draft.resources and the draft's probes: a target memory limit or startup
+    budget set for the target model was dropped without a word (QA: `-f ci/gpu-pair-values.yaml --set
+    pairing=colocated` rendered a 32Gi limit where the target asked for 96Gi). Refused, naming the draft value."""
+    key = sets[0].split(".")[1]
+    bad = run_helm(*template_args("colocated", *[a for s in sets for a in ("--set", s)]), check=False)
+    assert bad.returncode != 0, f"{sets} rendered"
+    assert f"target.{key}" in bad.stderr and f"set draft.{key}" in bad.stderr, bad.stderr
+    gpu_pair = run_helm(*template_args("gpu-pair", "--set", "pairing=colocated"), check=False)
+    assert gpu_pair.returncode != 0 and "target.resources" in gpu_pair.stderr
+    # the same value on both renders, and so do the defaults (ci/colocated-values.yaml sets draft.resources only)
+    both = [a for s in sets for a in ("--set", s, "--set", s.replace("target.", "draft.", 1))]
+    assert run_helm(*template_args("default", "--set", "pairing=colocated", *both), check=False).returncode == 0
+
+
+def test_the_chart_knows_the_target_defaults_it_compares_with():
+    """`specdec.targetPodDefaults` (what pairing=colocated takes for "not set") must stay values.yaml's."""
+    text = (CHART / "templates" / "_helpers.tpl").read_text()
+    block = text.split('{{- define "specdec.targetPodDefaults" -}}', 1)[1].split("{{- end -}}", 1)[0]
+    defaults = yaml.safe_load(block)
+    values = yaml.safe_load((CHART / "values.yaml").read_text())["target"]
+    assert defaults == {key: values[key] for key in defaults}
 
 
 @pytest.mark.parametrize(("sets", "named"), [

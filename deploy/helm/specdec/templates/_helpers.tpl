@@ -498,6 +498,17 @@ volumes:
   {{- end }}
 {{- end -}}
 
+{{/* values.yaml's defaults of target.resources and target's probes (tests/deploy checks they agree): with
+     pairing=colocated a target value other than these, and other than the draft's, would be dropped. */}}
+{{- define "specdec.targetPodDefaults" -}}
+resources:
+  requests: {cpu: 500m, memory: 1Gi}
+  limits: {memory: 4Gi}
+startupProbe: {periodSeconds: 10, failureThreshold: 180, timeoutSeconds: 5}
+readinessProbe: {periodSeconds: 5, failureThreshold: 2, timeoutSeconds: 5}
+livenessProbe: {periodSeconds: 10, failureThreshold: 6, timeoutSeconds: 5}
+{{- end -}}
+
 {{/* ---------- checks that the schema cannot express ---------- */}}
 {{- define "specdec.validate" -}}
 {{- $v := .Values -}}
@@ -527,6 +538,17 @@ volumes:
 {{- range $key := list "extraArgs" "extraEnv" -}}
 {{- if get $v.target $key -}}
 {{- fail (printf "pairing=colocated has no target container: target.%s would be dropped; put them in draft.%s (the draft's process runs both models)" $key $key) -}}
+{{- end -}}
+{{- end -}}
+{{- /* the one container takes draft.resources and draft's probes: a target.resources (e.g. the GPU section's
+       `--set target.resources.limits.memory=96Gi`) or a longer target startup probe for a big model would be dropped,
+       the container OOM-killed or restarted while it loads the target (QA). The target's own default, or the draft's
+       value, renders. */ -}}
+{{- $defaults := include "specdec.targetPodDefaults" $ | fromYaml -}}
+{{- range $key := list "resources" "startupProbe" "readinessProbe" "livenessProbe" -}}
+{{- $set := toJson (get $v.target $key) -}}
+{{- if and (ne $set (toJson (get $defaults $key))) (ne $set (toJson (get $v.draft $key))) -}}
+{{- fail (printf "pairing=colocated has no target container: target.%s (%s) would be dropped; set draft.%s (the one container loads and runs both models)" $key $set $key) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
