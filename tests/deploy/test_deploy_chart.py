@@ -830,3 +830,20 @@ def test_a_drafts_startup_probe_covers_its_wait_for_the_target(sets, threshold, 
     colocated = container(one(render("default", "--set", "pairing=colocated", *args), "StatefulSet", f"{FULL}-pair"),
                           "draft")
     assert colocated["startupProbe"]["failureThreshold"] == configured
+
+
+@pytest.mark.parametrize(("sets", "wait"), [
+    ((), "1800"),  # the target's start-up budget: 10 s x 180
+    (("target.startupProbe.failureThreshold=360",), "3600"),
+    (("target.startupProbe.periodSeconds=5", "target.startupProbe.failureThreshold=100"), "500"),
+    (("target.startupProbe.failureThreshold=360", "draft.targetWaitSeconds=900"), "900"),  # set: as set
+])
+def test_a_draft_waits_for_its_target_as_long_as_the_target_may_take_to_start(sets, wait):
+    """QA: raising only the target's startup budget (a large model) left the draft's wait at 30 minutes: it gave
+    up, exited and came back with back-off. Unset, draft.targetWaitSeconds is the target's startup probe's
+    periodSeconds x failureThreshold."""
+    args = [a for s in sets for a in ("--set", s)]
+    draft = container(one(render("default", *args), "StatefulSet", f"{FULL}-pair"), "draft")
+    assert flag(draft, "target-wait-seconds") == wait
+    probe = draft["startupProbe"]  # and the draft's own startup probe allows that wait + 600 s
+    assert probe["periodSeconds"] * probe["failureThreshold"] >= int(wait) + 600

@@ -329,7 +329,7 @@ lifecycle:
     {{- /* the pair's batch: the draft's scheduler decides what each Verify carries (null: the target's value) */}}
     {{- with include "specdec.optionalFlag" (dict "flag" "max-batch-size" "value" (ternary $v.target.maxBatchSize $v.draft.maxBatchSize (kindIs "invalid" $v.draft.maxBatchSize))) | trim }}{{ . | nindent 4 }}{{- end }}
     {{- if not $colocated }}
-    - --target-wait-seconds={{ $v.draft.targetWaitSeconds }}
+    - --target-wait-seconds={{ include "specdec.targetWaitSeconds" .root }}
     {{- end }}
     {{- if and (eq $v.device "cuda") (not $v.draft.cudaGraph) }}
     - --disable-cuda-graph
@@ -378,7 +378,7 @@ lifecycle:
   {{- /* ready while its target answers and fits it; alive (startup, liveness) once loaded, whatever its target does */}}
   {{- /* a draft's start waits for its target up to draft.targetWaitSeconds, then loads, calibrates and captures its
          own graphs (600 s allowed): its startup probe allows both */}}
-  {{- $minStart := ternary 0 (add $v.draft.targetWaitSeconds 600) $colocated }}
+  {{- $minStart := ternary 0 (add (include "specdec.targetWaitSeconds" .root | atoi) 600) $colocated }}
   {{- with include "specdec.probes" (dict "root" .root "port" $v.draft.port "service" "specdec.v1.DraftService" "live" "liveness" "cfg" $v.draft "minStartupS" $minStart) | trim }}{{ . | nindent 2 }}{{- end }}
   {{- with include "specdec.lifecycle" .root | trim }}{{ . | nindent 2 }}{{- end }}
   resources: {{- include "specdec.modelResources" (dict "root" .root "cfg" $v.draft) | nindent 4 }}
@@ -496,6 +496,18 @@ volumes:
   - name: dshm
     emptyDir: {medium: Memory, sizeLimit: {{ $v.pairs.shmSizeLimit }}}
   {{- end }}
+{{- end -}}
+
+{{/* How long a draft waits for its target at start: draft.targetWaitSeconds, else the target's start-up budget
+     (its startup probe's periodSeconds * failureThreshold), so a target given longer to load is waited for
+     that long (QA: the draft gave up at 30 minutes and restarted with back-off). */}}
+{{- define "specdec.targetWaitSeconds" -}}
+{{- $v := .Values -}}
+{{- if kindIs "invalid" $v.draft.targetWaitSeconds -}}
+{{- mul $v.target.startupProbe.periodSeconds $v.target.startupProbe.failureThreshold -}}
+{{- else -}}
+{{- $v.draft.targetWaitSeconds -}}
+{{- end -}}
 {{- end -}}
 
 {{/* values.yaml's defaults of target.resources and target's probes (tests/deploy checks they agree): with
