@@ -108,11 +108,17 @@ class StackConfig:
     def _lane_flags(self) -> list[str]:
         """The target's verify lane on `verify_lane_port` (0: any free port; its draft learns which from
         GetModelInfo), unless the target's own flags choose its port or TLS (the lane is plaintext)."""
-        return ["--verify-lane-port", str(self.verify_lane_port)] if self._lane_ours() else []
+        return ["--verify-lane-port", str(self.verify_lane_port)] if self._lane_from_up() else []
 
-    def _lane_ours(self) -> bool:
-        """Whether the target process takes its lane port from `verify_lane_port`."""
-        return not any(a.split("=")[0] in ("--verify-lane-port", "--tls-cert") for a in self.target_args)
+    def _lane_from_up(self) -> bool:
+        """Whether the target process takes its lane port from `verify_lane_port` (not from its own flags). A port
+        named here that no target would take is a ConfigError, not a flag dropped without a word."""
+        own = [a for a in self.target_args if a.split("=")[0] in ("--verify-lane-port", "--tls-cert")]
+        if self.verify_lane_port and (own or self.colocated):
+            why = "with --colocated there is no target process" if self.colocated else \
+                f"--target-args sets {own[0].split('=')[0]}" + (" (the lane is plaintext)" if "tls" in own[0] else "")
+            raise ConfigError(f"--verify-lane-port {self.verify_lane_port} would not be used: {why}")
+        return not own
 
     def addr(self, service: str) -> str:
         return f"{self.host}:{getattr(self, f'{service}_port')}"
@@ -121,7 +127,7 @@ class StackConfig:
         """The port of each service it starts. ConfigError if two share one: the second failed to bind only
         after the models had loaded."""
         ports = {name: getattr(self, f"{name}_port") for name in self.commands()}
-        if "target" in ports and self.verify_lane_port and self._lane_ours():
+        if self.verify_lane_port and self._lane_from_up() and "target" in ports:
             ports["verify-lane"] = self.verify_lane_port
         first = {}
         for name, port in ports.items():

@@ -230,6 +230,8 @@ def _parse_rope_scaling(rs: dict, path: str) -> RopeScaling | None:
     original = rs.get("original_max_position_embeddings")
     if original is not None:
         original = int(_number(rs, "original_max_position_embeddings", path))
+        if original <= 0:
+            raise ConfigError(f"{path}: rope_scaling original_max_position_embeddings must be > 0, not {original}")
     elif rope_type in ("llama3", "yarn"):
         raise ConfigError(f"{path}: rope_scaling of type {rope_type} needs \"original_max_position_embeddings\" (or "
                           "a max_position_embeddings to take it from)")
@@ -258,8 +260,10 @@ def _parse_yarn(rs: dict, factor: float, original: int, path: str) -> RopeScalin
             attention = _yarn_mscale(factor, 1.0)
     if not attention > 0:
         raise ConfigError(f"{path}: rope_scaling attention_factor must be > 0, not {attention!r}")
-    return RopeScaling("yarn", factor, original, beta_fast=_number(rs, "beta_fast", path, 0.0) or 32.0,
-                       beta_slow=_number(rs, "beta_slow", path, 0.0) or 1.0, truncate=bool(truncate),
+    betas = _number(rs, "beta_fast", path, 0.0) or 32.0, _number(rs, "beta_slow", path, 0.0) or 1.0
+    if min(betas) < 0:
+        raise ConfigError(f"{path}: rope_scaling beta_fast and beta_slow must be > 0, not {betas[0]} / {betas[1]}")
+    return RopeScaling("yarn", factor, original, beta_fast=betas[0], beta_slow=betas[1], truncate=bool(truncate),
                        attention_factor=attention)
 
 

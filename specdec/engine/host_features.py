@@ -1,5 +1,7 @@
 """A verify's features read on the host without a copy after its verdict (`TargetEngine.verify(...,
-features_on_host=True)`: the target service, whose reply carries them in host memory anyway).
+features_on_host=True)`: the target service, whose reply carries them in host memory anyway). Off unless
+`SPECDEC_HOST_FEATURES=1`: its GPU path is tested and measured on a GPU before it becomes the default
+(docs/benchmarks.md, forty-fourth pass).
 
 The features a draft needs are the rows of the accepted paths, known only once the logits' argmax is on the host.
 Gathered then, they cost a gather kernel, a device-to-host copy and a wait after the verdict, while the GPU idles
@@ -8,7 +10,7 @@ copied to pinned host memory on a side stream as soon as the forward is queued, 
 and argmax; after the verdict the accepted rows are read on the host. Copying all rows instead of the accepted ones
 moves ~1.5-2x the bytes (a chain's), which the side stream hides behind the lm_head; a forward of more than
 `STAGE_MAX_BYTES` of features (large batches of wide trees: ~13x the accepted rows' bytes at 64-token trees) keeps
-the gather after the verdict. On a CPU the rows are the forward's own. `SPECDEC_HOST_FEATURES=0` turns it off.
+the gather after the verdict. On a CPU the rows are the forward's own.
 """
 
 from __future__ import annotations
@@ -25,28 +27,33 @@ log = logging.getLogger(__name__)
 STAGE_MAX_BYTES = 4 << 20
 
 
+def staging_on() -> bool:
+    """`SPECDEC_HOST_FEATURES=1` turns the staging on (read when an engine's stager is made)."""
+    return os.environ.get("SPECDEC_HOST_FEATURES", "0") == "1"
+
+
 class StagedRows:
     """Every row of one forward's features, on their way to host memory: `parts` joined by columns (the hidden
     state, or an EAGLE-3 feature's layers)."""
 
     def __init__(self, parts: list[torch.Tensor], stream: torch.cuda.Stream | None):
         self._parts = parts  # held until the copy has read them: no stream bookkeeping for the allocator
-        if stream is None or parts[0].device.type != "cuda":
-            self._host, self._done = _joined(parts), None
+        if stream is None:
+            self._host, self._done = _joined(parts), None  # [rows, feature_size], the forward's own memory
             return
         forward_done = torch.cuda.Event()
         forward_done.record()  # the forward, on the engine's stream
         with torch.cuda.stream(stream):
             stream.wait_event(forward_done)
-            rows = _joined(parts)
-            self._host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+            rows = _joined(parts)  # [rows, feature_size] (an EAGLE-3 feature's layers joined on the side stream)
+            self._host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)  # [rows, feature_size]
             self._host.copy_(rows, non_blocking=True)
             self._done = torch.cuda.Event()
             self._done.record()
             self._parts.append(rows)
 
     def host(self) -> torch.Tensor:
-        """The rows in host memory (waits for the copy: by the verdict's sync it has run)."""
+        """The rows in host memory (waits for the copy: by the verdict's sync it has run). # [rows, feature_size]"""
         if self._done is not None:
             self._done.synchronize()
             self._done, self._parts = None, []
@@ -57,24 +64,23 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
-def staging_on() -> bool:
-    """`SPECDEC_HOST_FEATURES=0` turns the staging off (features gathered on the device after the verdict)."""
-    return os.environ.get("SPECDEC_HOST_FEATURES", "1") != "0"
-
-
 class FeatureStager:
-    """One side stream per engine for `StagedRows` copies (none on a CPU). A staging that fails (a GPU or driver
-    that refuses the side stream or the pinned buffer) is logged once and turns the staging off for this engine:
-    the verify gathers its features on the device as before."""
+    """Stages a forward's features for the host (`stage`), on one side stream per engine (none on a CPU). A
+    staging that fails (a GPU or driver that refuses the side stream or the pinned buffer) is logged once and turns
+    the staging off for this engine: the verify gathers its features on the device as before."""
 
-    def __init__(self, device: torch.device):
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.on = staging_on()
+    def __init__(self, device: torch.device, on: bool | None = None):
+        self.device, self.on = device, staging_on() if on is None else on
+        self._stream: torch.cuda.Stream | None = None
 
     def stage(self, parts: list[torch.Tensor]) -> StagedRows | None:
-        if not self.on:
+        """`parts` ([rows, width] each, joined by columns) staged, or None: staging off, or more than
+        `STAGE_MAX_BYTES` of them."""
+        if not self.on or sum(p.numel() * p.element_size() for p in parts) > STAGE_MAX_BYTES:
             return None
         try:
+            if self.device.type == "cuda" and self._stream is None:
+                self._stream = torch.cuda.Stream(self.device)
             return StagedRows(parts, self._stream)
         except Exception as exc:  # noqa: BLE001 - any failure: the device path, which needs none of this
             self.on = False

@@ -125,7 +125,7 @@ class TwoBatchOverlap:
     def busy(self, sched: Scheduler) -> set[str]:
         """The running requests a call in flight names (not a new request under the id of one that a failed call
         ended while another of its calls was still out: that call names the old one)."""
-        return {rid for launch, _ in self.inflight for i, rid in enumerate(launch.rids) if sched.launched(launch, i)}
+        return {rid for launch, _ in self.inflight for i, rid in enumerate(launch.rids) if sched.is_current(launch, i)}
 
     def decode(self, sched: Scheduler) -> list[Event]:
         if self._plain and self.inflight:
@@ -198,7 +198,7 @@ class TwoBatchOverlap:
         pending: dict[str, int] = {}  # tokens the calls in flight commit at most, per request
         for launch, _ in self.inflight:
             for i, rid in enumerate(launch.rids):
-                if sched.launched(launch, i):  # (a stale call of a failed batch commits nothing for a new request)
+                if sched.is_current(launch, i):  # (a stale call of a failed batch commits nothing for a new request)
                     pending[rid] = pending.get(rid, 0) + launch.plain_steps
         rids = [rid for rid, state in sched.running.items() if rid not in sched.aborting and
                 pending.get(rid, 0) < state.room(sched.max_context)]
@@ -258,7 +258,7 @@ class TwoBatchOverlap:
         committed nothing (two unary calls in flight reach a gRPC server's handlers in no guaranteed order; once
         seen as a text whose 4-token chunks came back swapped). Every call before it has landed now: send it again,
         for the requests still running (None: none is). -> (the launch sent, its outputs or its error)"""
-        running = [i for i in range(len(launch.rids)) if sched.launched(launch, i)]
+        running = [i for i in range(len(launch.rids)) if sched.is_current(launch, i)]
         if not running:
             return None, None, None
         launch = launch.only(running)

@@ -303,7 +303,7 @@ class Scheduler(Admission):
         log.warning("verify of %d requests refused (%s): each verified alone", len(launch.rids), error)
         events: list[Event] = []
         for i in range(len(launch.rids)):
-            if not self.launched(launch, i):
+            if not self.is_current(launch, i):
                 continue
             one = launch.only([i])
             try:
@@ -313,7 +313,7 @@ class Scheduler(Admission):
             events += self.land(one, outputs, alone, since)
         return events
 
-    def launched(self, launch: Launch, i: int) -> bool:
+    def is_current(self, launch: Launch, i: int) -> bool:
         """Whether the request at `launch.rids[i]` is still running, as the request the launch was made for (not
         a new one under the same id)."""
         state = self.running.get(launch.rids[i])
@@ -328,7 +328,7 @@ class Scheduler(Admission):
         if error is not None:  # the whole batch failed (e.g. the target went away)
             # not those an earlier landing ended, nor a new request under such a one's id (a client's retry once the
             # target is back: a pipelined call of the failed batch lands only then, QA)
-            rids = [rid for i, rid in enumerate(rids) if self.launched(launch, i)]
+            rids = [rid for i, rid in enumerate(rids) if self.is_current(launch, i)]
             # a target away, or requests it no longer holds (the gateway moved them on while it was frozen) are the
             # fleet's weather, logged as such; anything else (a malformed reply) is an error
             level = logging.WARNING if isinstance(error, (NotReady, UnknownRequest)) else logging.ERROR
@@ -347,7 +347,7 @@ class Scheduler(Admission):
             state = self.running.get(out.request_id)
             # an earlier plain call of the pipeline finished it (`TwoBatchOverlap`), or an earlier landing failed it
             # and this is a new request under its id
-            if state is None or not self.launched(launch, i):
+            if state is None or not self.is_current(launch, i):
                 continue
             if self.policy is not None and out.finish_reason == RUNNING and self._near_limit(state, launch, tree):
                 bounded.add(out.request_id)

@@ -17,7 +17,7 @@ from specdec.attention import AttentionBatch, SeqAttention, make_backend, triton
 from specdec.attention.graph_backend import GraphCaptureError
 from specdec.engine.device import engine_call, resolve_device
 from specdec.engine.finish import cut_at_finish, length_room
-from specdec.engine.host_features import STAGE_MAX_BYTES, FeatureStager, StagedRows
+from specdec.engine.host_features import FeatureStager, StagedRows
 from specdec.engine.page_queue import PageQueue
 from specdec.engine.plain_steps import (
     MAX_PLAIN_STEPS,
@@ -277,12 +277,13 @@ class TargetEngine(PrefillParts):
         """One target forward over the trees of several requests; commits the accepted paths. With empty trees,
         `plain_steps` > 1 runs that many plain decode steps (`specdec.engine.plain_steps`). `feature_rows` > 0:
         each output carries the features of its last that many tokens only. `features_on_host`: a tree verify's
-        features come back in host memory, copied while the logits are computed (`engine.host_features`)."""
+        features may come back in host memory, copied while the logits are computed (`engine.host_features`:
+        when staging is on and takes the batch; else on the device as always)."""
         check_plain_steps(inputs, plain_steps, feature_rows)
         gone = {inp.request_id for inp in inputs if inp.request_id not in self.requests and
                 inp.request_id in self.finished}
         if gone:
-            return self._verify_past_finish(inputs, gone, plain_steps, feature_rows)
+            return self._verify_past_finish(inputs, gone, plain_steps, feature_rows, features_on_host)
         self._named(inputs)
         if plain_steps == 1:
             return last_feature_rows(self._verify_once(inputs, features_on_host), feature_rows)
@@ -318,13 +319,14 @@ class TargetEngine(PrefillParts):
                                  f"continues from {inp.num_generated} (sent ahead of the call before it?)")
 
     def _verify_past_finish(self, inputs: list[VerifyInput], gone: set[str], plain_steps: int,
-                            feature_rows: int) -> list[VerifyOutput]:
+                            feature_rows: int, features_on_host: bool = False) -> list[VerifyOutput]:
         """A plain call (empty trees) naming requests that an earlier call finished (`gone`): each of those gets an
         empty output with its finish reason, the others run. Trees for a finished request are still refused."""
         if any(inp.draft_tokens for inp in inputs):
             raise UnknownRequest(f"request {sorted(gone)[0]!r} has finished (only a plain call may still name it)")
         live = [inp for inp in inputs if inp.request_id not in gone]
-        ran = {out.request_id: out for out in self.verify(live, plain_steps, feature_rows)} if live else {}
+        ran = ({out.request_id: out for out in self.verify(live, plain_steps, feature_rows, features_on_host)}
+               if live else {})
         return [ran[inp.request_id] if inp.request_id in ran else
                 VerifyOutput(inp.request_id, [], 0, None, self.finished[inp.request_id]) for inp in inputs]
 
@@ -364,7 +366,7 @@ class TargetEngine(PrefillParts):
             hidden, aux = self._forward_causal(ids, positions, inputs, starts, n)
         else:
             hidden, aux, rows = self._forward_trees(inputs)
-        staged = self._staged(inputs, hidden, aux) if features_on_host else None
+        staged = self._stage_features(inputs, hidden, aux) if features_on_host else None
         logits = self.model.compute_logits(hidden)  # [num_tokens, vocab]
         # greedy (and simulated) acceptance reads the whole batch's argmax in one host sync
         greedy = self.simulate_accept_len or any(self.requests[i.request_id].sampling.greedy for i in inputs)
@@ -378,13 +380,11 @@ class TargetEngine(PrefillParts):
         feats = self._batch_features(inputs, rows, committed, hidden, aux, staged)
         return [self._accept(inp, v, c, f) for inp, v, c, f in zip(inputs, verdicts, committed, feats, strict=True)]
 
-    def _staged(self, inputs: list[VerifyInput], hidden, aux: dict) -> StagedRows | None:
+    def _stage_features(self, inputs: list[VerifyInput], hidden, aux: dict) -> StagedRows | None:
         """Every row's features on their way to the host, for a batch whose requests all read the same layers
-        and whose rows are at most `STAGE_MAX_BYTES` (else None: gathered on the device after the verdict)."""
+        (else None, as when the stager declines: gathered on the device after the verdict)."""
         reqs = [self.requests[inp.request_id] for inp in inputs]
         if not all(r.features for r in reqs) or len({r.feature_layers for r in reqs}) > 1:
-            return None
-        if hidden.numel() * hidden.element_size() * max(1, len(reqs[0].feature_layers)) > STAGE_MAX_BYTES:
             return None
         if self._stager is None:
             self._stager = FeatureStager(self.device)
@@ -428,7 +428,7 @@ class TargetEngine(PrefillParts):
         from `staged` rows when given."""
         reqs = [self.requests[inp.request_id] for inp in inputs]
         if staged is not None:
-            return self._rows_of(staged.host(), rows, committed)
+            return self._rows_of(rows, committed, staged.host().__getitem__)
         if not all(r.features for r in reqs):
             if not any(r.features for r in reqs):
                 return [None] * len(inputs)
@@ -438,23 +438,21 @@ class TargetEngine(PrefillParts):
 
     def _batch_features_of(self, reqs: list[TargetRequest], rows: list[int], committed: list[list[int]], hidden,
                            aux) -> list:
-        starts = [0, *itertools.accumulate(rows)][:-1]
         if len({r.feature_layers for r in reqs}) > 1:
+            starts = [0, *itertools.accumulate(rows)][:-1]
             return [self._features(r, hidden, aux, s + torch.tensor(c)) for r, s, c in zip(reqs, starts, committed,
                                                                                           strict=True)]
-        return self._rows_of(None, rows, committed, lambda at: self._features(reqs[0], hidden, aux, at))
+        return self._rows_of(rows, committed, lambda at: self._features(reqs[0], hidden, aux, at))
 
     @staticmethod
-    def _rows_of(source: torch.Tensor | None, rows: list[int], committed: list[list[int]], read=None) -> list:
-        """Each request's committed rows of the batch's features, one read for all: of `source` (every row's
-        features) or through `read(rows)`. The first row to the last with no gap (a chain at batch 1, a plain step)
-        is one slice, read without an index tensor."""
+    def _rows_of(rows: list[int], committed: list[list[int]], read) -> list:
+        """Each request's committed rows of the batch's features, one `read(rows)` for all. The first row to the
+        last with no gap (a chain at batch 1, a plain step) is one slice, read without an index tensor."""
         starts = [0, *itertools.accumulate(rows)][:-1]
         flat = [s + r for s, c in zip(starts, committed, strict=True) for r in c]
         whole = flat[-1] - flat[0] == len(flat) - 1 and flat == list(range(flat[0], flat[-1] + 1))
         at = slice(flat[0], flat[-1] + 1) if whole else host_tensor(flat)
-        picked = source[at] if source is not None else read(at)
-        return list(picked.split([len(c) for c in committed]))
+        return list(read(at).split([len(c) for c in committed]))
 
     def _accept(self, inp: VerifyInput, verdict, committed_rows: list[int], feats) -> VerifyOutput:
         rid, req = inp.request_id, self.requests[inp.request_id]

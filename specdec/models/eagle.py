@@ -1,6 +1,7 @@
 """EAGLE draft heads (EAGLE-1 and EAGLE-3). Both map (token ids, features) -> hidden; logits are separate.
 
-EAGLE-1 (`LlamaForCausalLMEagle`): x = fc(cat(embed(token), feature)); one decoder layer without input norm;
+EAGLE-1 (`LlamaForCausalLMEagle`): x = fc(cat(embed(token), feature)); one decoder layer without input norm (an
+export that trained one: with it, `Eagle1Layer`);
 no final norm; logits through the target's lm_head (or the rows of a token map: `restrict_vocab`). The feature is
 the target's final normed hidden state at the previous position, or at later draft steps the head's own output.
 
