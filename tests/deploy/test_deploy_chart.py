@@ -97,6 +97,7 @@ def test_values_schema_is_self_contained_and_enforced():
     (["--set", "tmpSizeLimit=lots"], "/tmpSizeLimit"),
     (["--set", "pairs.shmSizeLimit=8GB"], "/pairs/shmSizeLimit"),
     (["--set", "models.pvc.size=100 Gi"], "/models/pvc/size"),
+    (["--set", "tracing.sampler=sometimes"], "/tracing/sampler"),  # the SDK would ignore it with a warning (QA)
 ])
 def test_the_schema_refuses_values_the_api_server_would(overrides, at):
     proc = run_helm(*template_args("default", *overrides), check=False)
@@ -433,6 +434,8 @@ def test_models_from_an_image_are_copied_by_an_init_container():
         assert [c["name"] for c in init] == ["copy-models"]
         assert init[0]["image"] == "registry.example.com/specdec-weights:tiny-code"
         assert init[0]["command"] == ["cp", "-R", "/models/.", "/mnt/models/"]
+        # its own requests and limits: a namespace with a ResourceQuota refuses a container without them (QA)
+        assert init[0]["resources"] == {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}
         volume = next(v for v in pod_spec(doc)["volumes"] if v["name"] == "models")
         assert "emptyDir" in volume
 

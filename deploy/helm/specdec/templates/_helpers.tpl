@@ -147,6 +147,7 @@ initContainers:
     command: ["cp", "-R", "{{ $m.image.sourcePath }}/.", "/mnt/models/"]
     {{- end }}
     securityContext: {{- toYaml .Values.securityContext | nindent 6 }}
+    resources: {{- toYaml $m.image.resources | nindent 6 }}
     volumeMounts:
       - name: models
         mountPath: /mnt/models
