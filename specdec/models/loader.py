@@ -131,6 +131,13 @@ def load_draft(
         raise ConfigError(f"{path}: the head reads the target's hidden states at layer {bad[0]} (of "
                           f"{list(cfg.aux_layer_inputs)}), but {target_path} has {target_cfg.num_layers} layers: the "
                           "head was trained for another target")
+    if max_positions is None and target_cfg.max_position_embeddings > cfg.max_position_embeddings:
+        # the head's rope table covers every position the target serves: EAGLE heads often list a shorter
+        # `max_position_embeddings` than their target (EAGLE3-LLaMA3.1-Instruct-8B: 2048 against 131072; a yarn
+        # target's is the stretched one), and a position past the table failed the draft's step (QA: IndexError)
+        log.info("%s: max_position_embeddings %d < the target's %d: the head's rope covers the target's", path,
+                 cfg.max_position_embeddings, target_cfg.max_position_embeddings)
+        max_positions = target_cfg.max_position_embeddings
     draft_files = _checkpoint_files(path) if not dummy else {}
     if cfg.kind == "eagle1" and not dummy and "fc.bias" not in draft_files:
         cfg = replace(cfg, eagle1_fc_bias=False)
