@@ -60,6 +60,10 @@ class Launch:
     speculate: bool
     trace: tuple[bool, Any, list]
     started: float  # perf_counter at the start of the step
+    # [len(rids)] the requests' RunStates at the launch: a request that ended while this call was in flight (the
+    # target went away) may be followed by a new one under the same id, which this call's landing must not touch
+    # (`Scheduler.is_current`)
+    states: list
     plain_steps: int = 1  # plain decode steps the verify call runs (> 1: see specdec.engine.plain_steps)
     chosen_at: int | None = None  # the batch size the budget was chosen for, when not len(rids) (see overlap)
     feature_rows: int = 0  # > 0: the verify returns the features of each request's last that many tokens only
@@ -68,10 +72,6 @@ class Launch:
     # plus what the calls in flight ahead of it commit): sent with the call, which the target refuses if it runs
     # out of order (`VerifyInput.num_generated`)
     num_generated: list[int] = field(default_factory=list)
-    # [len(rids)] the requests' RunStates at the launch: a request that ended while this call was in flight (the
-    # target went away) may be followed by a new one under the same id, which this call's landing must not touch
-    # (`Scheduler.launched`)
-    states: list = field(default_factory=list)
 
     @property
     def num_draft_tokens(self) -> int:
@@ -83,4 +83,4 @@ class Launch:
             return self
         return replace(self, rids=[self.rids[i] for i in indices], trees=[self.trees[i] for i in indices],
                        num_generated=[self.num_generated[i] for i in indices] if self.num_generated else [],
-                       states=[self.states[i] for i in indices] if self.states else [])
+                       states=[self.states[i] for i in indices])

@@ -243,8 +243,8 @@ class Scheduler(Admission):
             ramp = not speculate and not micro and plain < self.plain_steps
             ahead = ahead or {}
             generated = [self.running[rid].num_generated + ahead.get(rid, 0) for rid in rids]
-            launch = Launch(rids, trees, budget, speculate, trace, started, plain, chosen_at, rows, ramp, generated,
-                            [self.running[rid] for rid in rids])
+            launch = Launch(rids, trees, budget, speculate, trace, started, [self.running[rid] for rid in rids],
+                            plain, chosen_at, rows, ramp, generated)
             if span is not None:
                 span.set_attribute("num_draft_tokens", launch.num_draft_tokens)
         return launch
@@ -317,7 +317,7 @@ class Scheduler(Admission):
         """Whether the request at `launch.rids[i]` is still running, as the request the launch was made for (not
         a new one under the same id)."""
         state = self.running.get(launch.rids[i])
-        return state is not None and (not launch.states or state is launch.states[i])
+        return state is launch.states[i]
 
     def land(self, launch: Launch, outputs: list | None, error: SpecdecError | None, since: float) -> list[Event]:
         """Commit a verify's outputs (or fail its requests on `error`), extend the draft over what was accepted.
