@@ -209,13 +209,15 @@ def _rope(raw: dict, path: str) -> tuple[float, RopeScaling | None]:
         rs["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
     elif rs.get("original_max_position_embeddings") is None:
         rs["original_max_position_embeddings"] = raw.get("max_position_embeddings")
-    return theta, _parse_rope_scaling(rs, path)
+    return theta, _parse_rope_scaling(rs, path, raw.get("max_position_embeddings"))
 
 
-def _parse_rope_scaling(rs: dict, path: str) -> RopeScaling | None:
+def _parse_rope_scaling(rs: dict, path: str, max_positions=None) -> RopeScaling | None:
     """The scaling a `rope_scaling` object asks for; None for the default rope. Refused by name: a type the model
     code does not compute (longrope, ...), a missing or non-positive `factor` (transformers refuses a missing one;
-    for one <= 0 it only warns and computes NaN or mirrored positions), a field that is not a number."""
+    for one <= 0 it only warns and computes NaN or mirrored positions), a field that is not a number. A yarn
+    `factor` given as null is `max_positions` over the pre-training context, as transformers derives it (DeepSeek-V3
+    style configs)."""
     rope_type = rs.get("rope_type") or rs.get("type")
     if rope_type in (None, "default"):
         return None
@@ -223,6 +225,9 @@ def _parse_rope_scaling(rs: dict, path: str) -> RopeScaling | None:
         raise ConfigError(f"{path}: rope_scaling type {rope_type!r} is not supported (supported: "
                           f"{', '.join(ROPE_TYPES)})")
     factor = _number(rs, "factor", path)
+    if factor is None and rope_type == "yarn" and "factor" in rs and rs.get("original_max_position_embeddings"):
+        factor = _number({"max_position_embeddings": max_positions}, "max_position_embeddings", path)
+        factor = factor / _number(rs, "original_max_position_embeddings", path) if factor is not None else None
     if factor is None:
         raise ConfigError(f"{path}: rope_scaling of type {rope_type} needs a \"factor\"")
     if not factor > 0:

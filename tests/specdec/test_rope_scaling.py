@@ -75,7 +75,9 @@ def _assert_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
     {**YARN, "beta_fast": 16, "beta_slow": 2, "truncate": False},
     {**YARN, "mscale": 0.9, "mscale_all_dim": 0.6},
     {**YARN, "attention_factor": 1.3},
-], ids=["linear", "linear-legacy-key", "yarn", "yarn-betas-untruncated", "yarn-mscale", "yarn-attention-factor"])
+    {**YARN, "factor": None},  # DeepSeek-V3 style: max_position_embeddings / the pre-training context, 8 here
+], ids=["linear", "linear-legacy-key", "yarn", "yarn-betas-untruncated", "yarn-mscale", "yarn-attention-factor",
+        "yarn-null-factor"])
 def test_prefill_logits_match_transformers_past_the_pretraining_context(tmp_path, scaling):
     path = _target(tmp_path, scaling)
     ids = _ids(120)
