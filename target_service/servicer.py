@@ -89,6 +89,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self._part_turn = asyncio.Lock()
 
     async def Prefill(self, request, context):
+        self.engine.check_prompt_length(len(request.prompt_ids))  # before the ids are read (QA: 10 s for 1e8)
         inp = prefill_from_proto(request)
         with bind_request_id(inp.request_id):
             t0 = time.perf_counter()
@@ -109,28 +110,38 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         (`specdec.engine.prefill_parts`). Each part's call joins the loop's queue behind the calls that came
         meanwhile, so the Verify calls of running streams run between two parts; several such prompts take turns, a
         part each (`_part_turn`). A caller that leaves (a draft cancelling the Prefill of a request whose client
-        left) stops it after the part under way: the request is released, its pages freed."""
-        await self.loop.call(self.engine.begin_prefill, inp)
+        left) stops it after the part under way: the request is released, its pages freed, also when that part was
+        its last (before, a caller that left during the last part left the request running until its idle time ran
+        out, its pages held: QA)."""
         packed = {inp.request_id} if inp.feature_wire == FP8_ROWS else set()
+        admitted = None
         try:
+            admitted = await self.loop.call(self.engine.begin_prefill, inp)
             out = None
             while out is None:
                 async with self._part_turn:
                     out = await self.loop.call(self._prefill_part, inp.request_id, packed)
             return out
         except BaseException:
-            await asyncio.shield(self.loop.call(self._drop_parts, inp.request_id))
+            await asyncio.shield(self.loop.call(self._drop_parts, inp, admitted))
             raise
 
     def _prefill_part(self, request_id: str, packed: set):
         out = self.engine.prefill_part(request_id)
         return None if out is None else features_to_host([out], packed)[0]
 
-    def _drop_parts(self, request_id: str) -> None:
-        if request_id in self.engine.prefilling:  # (a part that failed released it already)
-            self.engine.release(request_id)
+    def _drop_parts(self, inp, admitted) -> None:
+        """Release the request `_prefill_in_parts` admitted for `inp` (`admitted`, None when its caller left while
+        it was being admitted): still being prefilled, or prefilled by its last part. Not one refused at admission,
+        nor one a failed part released already, nor a later request under the id."""
+        rid = inp.request_id
+        part = self.engine.prefilling.get(rid)
+        running = self.engine.requests.get(rid)
+        if part.inp is inp if part is not None else admitted is not None and running is admitted:
+            self.engine.release(rid)
 
     async def Verify(self, request, context):
+        self.engine.check_verify_size(len(request.trees))  # before the trees are read, on this event loop
         inputs, plain_steps, feature_rows = verify_from_proto(request)
         if not inputs:
             return target_pb2.VerifyResponse()

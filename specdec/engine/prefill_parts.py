@@ -41,18 +41,20 @@ class PrefillParts:
         return 0 < self.prefill_chunk_tokens < len(inp.prompt_ids)
 
     @engine_call
-    def begin_prefill(self, inp: PrefillInput) -> None:
+    def begin_prefill(self, inp: PrefillInput):
         """Admit the request (its KV pages, in its turn: `prefill`'s rules for one request); `prefill_part` then
-        runs its prompt part by part. A verify naming it is refused until its last part has run."""
+        runs its prompt part by part. A verify naming it is refused until its last part has run. -> the admitted
+        TargetRequest (what a caller that leaves releases: not a later request under the same id)."""
         rid = inp.request_id
         try:
-            self._admit(inp)  # (refused, it holds nothing: a request running under the id is not this one's to end)
+            req = self._admit(inp)  # (refused, it holds nothing: a request running under the id is not its to end)
         except Exception as exc:
             if not isinstance(exc, OutOfPages):
                 self.page_queue.leave([rid])
             raise
         self.page_queue.leave([rid])
         self.prefilling[rid] = PromptInParts(inp)
+        return req
 
     @engine_call
     def prefill_part(self, request_id: str) -> PrefillOutput | None:

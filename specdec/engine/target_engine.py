@@ -121,14 +121,24 @@ class TargetEngine(PrefillParts):
     def validate_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
             raise InvalidInput("prompt is empty")
-        if len(prompt_ids) >= self.max_context:
-            raise InvalidInput(
-                f"prompt has {len(prompt_ids)} tokens; the context length is {self.max_context} "
-                f"(at most {self.max_context - 1} prompt tokens)"
-            )
+        self.check_prompt_length(len(prompt_ids))
         bad = next((t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size), None)
         if bad is not None:
             raise InvalidInput(f"prompt token id {bad} outside the vocabulary [0, {self.cfg.vocab_size})")
+
+    def check_prompt_length(self, n: int) -> None:
+        """A prompt of `n` tokens fits the context (checked on a message's length before its ids are read)."""
+        if n >= self.max_context:
+            raise InvalidInput(f"prompt has {n} tokens; the context length is {self.max_context} "
+                               f"(at most {self.max_context - 1} prompt tokens)")
+
+    def check_verify_size(self, num_trees: int) -> None:
+        """A Verify of `num_trees` requests could name running ones: each holds a KV page at least (checked on the
+        message before its trees are read: two million empty trees took ~15 s to read on the service's event loop,
+        holding every other call: QA)."""
+        if num_trees > self.kv.num_total_pages:
+            raise InvalidInput(f"Verify names {num_trees} requests; this target holds at most "
+                               f"{self.kv.num_total_pages} at once (a KV page each)")
 
     @property
     def _tree_slots(self) -> int:
@@ -384,7 +394,7 @@ class TargetEngine(PrefillParts):
         """Every row's features on their way to the host, for a batch whose requests all read the same layers
         (else None, as when the stager declines: gathered on the device after the verdict)."""
         reqs = [self.requests[inp.request_id] for inp in inputs]
-        if not all(r.features for r in reqs) or len({r.feature_layers for r in reqs}) > 1:
+        if not _one_layer_set(reqs):
             return None
         if self._stager is None:
             self._stager = FeatureStager(self.device)
@@ -509,7 +519,7 @@ class TargetEngine(PrefillParts):
         ids: list[int] | torch.Tensor = [req.root for req in reqs]
         picked, feats, taken, chunk = [], [], None, None
         wanted = any(r.features for r in reqs)  # plain Generate: none, and no per-step feature work at all
-        uniform = wanted and all(r.features for r in reqs) and len({r.feature_layers for r in reqs}) == 1
+        uniform = _one_layer_set(reqs)
         first = k - kept_feature_rows(k, feature_rows)  # the first step whose features a running request gets
         for i in range(k):
             positions = starts + i
@@ -636,6 +646,11 @@ class TargetEngine(PrefillParts):
             return logits.argmax(-1).tolist()
         probs = _host_probs(logits, req.sampling)
         return [sample(p, req.generator) for p in probs]
+
+
+def _one_layer_set(reqs: list[TargetRequest]) -> bool:
+    """Whether every request wants features and all read the same layers: the batch's features are one copy."""
+    return all(r.features for r in reqs) and len({r.feature_layers for r in reqs}) == 1
 
 
 def _host_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
