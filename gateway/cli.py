@@ -102,7 +102,7 @@ def _register_up(subparsers: argparse._SubParsersAction) -> None:
                        help=f"{service} port (default {default})")
     p.add_argument("--verify-lane-port", type=port(), default=0,
                    help="the target's verify lane, a fourth port: Verify over plain TCP (docs/protocol.md); default 0, "
-                        "any free port (the draft asks the target which). Off with --target-args '--tls-cert ...'")
+                        "any free port (the draft asks the target which); none with --draft none")
     p.set_defaults(handler=_up)
 
 

@@ -15,6 +15,7 @@ once it answers SERVING again). One that keeps dying within `QUICK_S` of each st
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import importlib.util
 import os
@@ -32,6 +33,7 @@ from typing import IO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.stack_flags import read_flags, refuse_passed
 from specdec.errors import ConfigError, NotReady
 from specdec.rpc.parent_watch import child_env
 
@@ -58,6 +60,7 @@ HEALTH_NAMES = {
     "gateway": "specdec.v1.GatewayService",
 }
 STOP_ORDER = ("gateway", "draft", "target")
+PASSED_IN = {"target": "--target-args", "draft": "--draft-args", "gateway": "--gateway-args"}  # `up`'s options
 RESTARTS = 5  # deaths in a row, each within QUICK_S of its start, after which `supervise` gives up
 QUICK_S = 60.0
 MAX_BACKOFF_S = 16.0
@@ -107,18 +110,33 @@ class StackConfig:
 
     def _lane_flags(self) -> list[str]:
         """The target's verify lane on `verify_lane_port` (0: any free port; its draft learns which from
-        GetModelInfo), unless the target's own flags choose its port or TLS (the lane is plaintext)."""
+        GetModelInfo), unless the target's own flags choose its port, or there is no draft to use it."""
         return ["--verify-lane-port", str(self.verify_lane_port)] if self._lane_from_up() else []
 
     def _lane_from_up(self) -> bool:
-        """Whether the target process takes its lane port from `verify_lane_port` (not from its own flags). A port
-        named here that no target would take is a ConfigError, not a flag dropped without a word."""
-        own = [a for a in self.target_args if a.split("=")[0] in ("--verify-lane-port", "--tls-cert")]
-        if self.verify_lane_port and (own or self.colocated):
-            why = "with --colocated there is no target process" if self.colocated else \
-                f"--target-args sets {own[0].split('=')[0]}" + (" (the lane is plaintext)" if "tls" in own[0] else "")
+        """Whether the target process takes its lane port from `verify_lane_port`. A port named here that no target
+        would take, or no draft use, is a ConfigError, not a flag dropped without a word."""
+        if self.colocated:
+            why = "with --colocated there is no target process"
+        elif self._service_flags("target").verify_lane_port is not None:  # as the target reads it: `--verify-lane=7`
+            why = "--target-args sets --verify-lane-port"
+        elif self.draft_dir is None:
+            why = ("with --draft none no draft would use it (to serve one for a draft started on its own: "
+                   "--target-args '--verify-lane-port N')")
+        else:
+            return True
+        if self.verify_lane_port:
             raise ConfigError(f"--verify-lane-port {self.verify_lane_port} would not be used: {why}")
-        return not own
+        return False
+
+    def _service_flags(self, service: str) -> argparse.Namespace:
+        """The flags of `service`'s command as the service will read them; ConfigError for flags passed on in
+        `--*-args` that `up` cannot start it with (`refuse_passed`)."""
+        own, passed = self._argv()[service]
+        given = PASSED_IN[service] if not (self.colocated and service == "draft") else "--target-args/--draft-args"
+        flags = read_flags(own[0], [*own[1:], *passed], given)
+        refuse_passed(service, own[0], flags, given, getattr(self, f"{service}_port"))
+        return flags
 
     def addr(self, service: str) -> str:
         return f"{self.host}:{getattr(self, f'{service}_port')}"
@@ -138,33 +156,42 @@ class StackConfig:
         return ports
 
     def commands(self) -> dict[str, list[str]]:
-        """The `specdec serve-*` command line of each service, in start order."""
-        specdec = [sys.executable, "-m", "specdec"]
+        """The `specdec serve-*` command line of each service, in start order. ConfigError for flags passed on
+        (`--*-args`) that `up` cannot start a service with (`_service_flags`)."""
+        commands = {}
+        for service, (own, passed) in self._argv().items():
+            self._service_flags(service)
+            lane = self._lane_flags() if service == "target" else []
+            commands[service] = [sys.executable, "-m", "specdec", *own, *lane, *passed]
+        return commands
+
+    def _argv(self) -> dict[str, tuple[list[str], list[str]]]:
+        """Each service's `serve-*` command with the flags `up` sets itself, and the flags passed on to it
+        (`--*-args`), in start order."""
         target_addr, draft_addr = self.addr("target"), self.addr("draft")
         device = ["--device", self.device, *self.attention_flags()]
-        commands = {}
+        argv = {}
         if self.colocated:  # the draft's server answers for the target too
             if self.draft_dir is None:
                 raise ConfigError("--colocated runs the target inside the draft's process: it needs a draft")
             target_addr = draft_addr
         else:
-            commands["target"] = [
-                *specdec, "serve-target", "--model", self.target_dir, *device,
-                "--host", self.host, "--port", str(self.target_port), *self._lane_flags(), *self.target_args,
-            ]  # fmt: skip
+            argv["target"] = ([
+                "serve-target", "--model", self.target_dir, *device, "--host", self.host,
+                "--port", str(self.target_port),
+            ], list(self.target_args))  # fmt: skip
         if self.draft_dir is not None:
-            commands["draft"] = [
-                *specdec, "serve-draft", "--model", self.draft_dir, "--target-model", self.target_dir,
+            argv["draft"] = ([
+                "serve-draft", "--model", self.draft_dir, "--target-model", self.target_dir,
                 "--target", "in-process" if self.colocated else target_addr, *device, "--host", self.host,
                 "--port", str(self.draft_port), "--speculation", self.speculation,
-                *(self.target_args if self.colocated else ()), *self.draft_args,
-            ]  # fmt: skip
+            ], [*(self.target_args if self.colocated else ()), *self.draft_args])  # fmt: skip
         pair = f"{draft_addr if self.draft_dir is not None else ''}={target_addr}"
-        commands["gateway"] = [
-            *specdec, "serve-gateway", "--model", self.target_dir, "--pair", pair,
-            "--host", self.host, "--port", str(self.gateway_port), *self.gateway_args,
-        ]  # fmt: skip
-        return commands
+        argv["gateway"] = ([
+            "serve-gateway", "--model", self.target_dir, "--pair", pair,
+            "--host", self.host, "--port", str(self.gateway_port),
+        ], list(self.gateway_args))  # fmt: skip
+        return argv
 
 
 class LocalStack:
