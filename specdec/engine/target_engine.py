@@ -5,7 +5,6 @@ Engines are synchronous and single-threaded; the service runs them on a worker t
 
 from __future__ import annotations
 
-import itertools
 import random
 import time
 from collections import OrderedDict
@@ -17,7 +16,7 @@ from specdec.attention import AttentionBatch, SeqAttention, make_backend, triton
 from specdec.attention.graph_backend import GraphCaptureError
 from specdec.engine.device import engine_call, resolve_device
 from specdec.engine.finish import cut_at_finish, length_room
-from specdec.engine.host_features import FeatureStager, StagedRows
+from specdec.engine.host_features import FeatureStager
 from specdec.engine.page_queue import PageQueue
 from specdec.engine.plain_steps import (
     MAX_PLAIN_STEPS,
@@ -36,8 +35,9 @@ from specdec.engine.requests import (
     VerifyOutput,
     kept_feature_rows,
 )
+from specdec.engine.verify_features import VerifyFeatures, one_layer_set
 from specdec.errors import DuplicateRequest, InvalidInput, OutOfOrder, OutOfPages, UnknownRequest
-from specdec.host_copy import host_tensor, to_device
+from specdec.host_copy import to_device
 from specdec.kv_cache import PagedKVCache
 from specdec.models.llama import LlamaForCausalLM
 from specdec.sampling import make_generator, sample, target_probs
@@ -69,7 +69,7 @@ class TargetRequest:
 MAX_FEATURE_LAYERS = 8  # layers a request's features may concatenate (EAGLE-3 reads 3)
 
 
-class TargetEngine(PrefillParts):
+class TargetEngine(PrefillParts, VerifyFeatures):
     batches_prefill = True  # prefill() runs many requests in one forward (the scheduler groups admissions)
 
     def __init__(
@@ -390,17 +390,6 @@ class TargetEngine(PrefillParts):
         feats = self._batch_features(inputs, rows, committed, hidden, aux, staged)
         return [self._accept(inp, v, c, f) for inp, v, c, f in zip(inputs, verdicts, committed, feats, strict=True)]
 
-    def _stage_features(self, inputs: list[VerifyInput], hidden, aux: dict) -> StagedRows | None:
-        """Every row's features on their way to the host, for a batch whose requests all read the same layers
-        (else None, as when the stager declines: gathered on the device after the verdict)."""
-        reqs = [self.requests[inp.request_id] for inp in inputs]
-        if not _one_layer_set(reqs):
-            return None
-        if self._stager is None:
-            self._stager = FeatureStager(self.device)
-        layers = reqs[0].feature_layers
-        return self._stager.stage([aux[i] for i in layers] if layers else [hidden])
-
     def _forward_trees(self, inputs: list[VerifyInput]):
         """The forward of a verify whose trees differ in shape or are not chains: a tree mask per request.
         (hidden, aux, tree rows per request)"""
@@ -430,39 +419,6 @@ class TargetEngine(PrefillParts):
         if req.sampling.greedy:
             return verify_greedy(tokens, parents, top1)
         return verify_stochastic(tokens, parents, _host_probs(logits, req.sampling), req.generator)
-
-    def _batch_features(self, inputs, rows: list[int], committed: list[list[int]], hidden, aux,
-                        staged: StagedRows | None = None) -> list:
-        """Each request's features at its committed rows: one gather when the batch shares its feature layers
-        (None for requests admitted without features: no gather at all when none wants them); read on the host
-        from `staged` rows when given."""
-        reqs = [self.requests[inp.request_id] for inp in inputs]
-        if staged is not None:
-            return self._rows_of(rows, committed, staged.host().__getitem__)
-        if not all(r.features for r in reqs):
-            if not any(r.features for r in reqs):
-                return [None] * len(inputs)
-            feats = self._batch_features_of(reqs, rows, committed, hidden, aux)
-            return [f if r.features else None for r, f in zip(reqs, feats, strict=True)]
-        return self._batch_features_of(reqs, rows, committed, hidden, aux)
-
-    def _batch_features_of(self, reqs: list[TargetRequest], rows: list[int], committed: list[list[int]], hidden,
-                           aux) -> list:
-        if len({r.feature_layers for r in reqs}) > 1:
-            starts = [0, *itertools.accumulate(rows)][:-1]
-            return [self._features(r, hidden, aux, s + torch.tensor(c)) for r, s, c in zip(reqs, starts, committed,
-                                                                                          strict=True)]
-        return self._rows_of(rows, committed, lambda at: self._features(reqs[0], hidden, aux, at))
-
-    @staticmethod
-    def _rows_of(rows: list[int], committed: list[list[int]], read) -> list:
-        """Each request's committed rows of the batch's features, one `read(rows)` for all. The first row to the
-        last with no gap (a chain at batch 1, a plain step) is one slice, read without an index tensor."""
-        starts = [0, *itertools.accumulate(rows)][:-1]
-        flat = [s + r for s, c in zip(starts, committed, strict=True) for r in c]
-        whole = flat[-1] - flat[0] == len(flat) - 1 and flat == list(range(flat[0], flat[-1] + 1))
-        at = slice(flat[0], flat[-1] + 1) if whole else host_tensor(flat)
-        return list(read(at).split([len(c) for c in committed]))
 
     def _accept(self, inp: VerifyInput, verdict, committed_rows: list[int], feats) -> VerifyOutput:
         rid, req = inp.request_id, self.requests[inp.request_id]
@@ -519,7 +475,7 @@ class TargetEngine(PrefillParts):
         ids: list[int] | torch.Tensor = [req.root for req in reqs]
         picked, feats, taken, chunk = [], [], None, None
         wanted = any(r.features for r in reqs)  # plain Generate: none, and no per-step feature work at all
-        uniform = _one_layer_set(reqs)
+        uniform = one_layer_set(reqs)
         first = k - kept_feature_rows(k, feature_rows)  # the first step whose features a running request gets
         for i in range(k):
             positions = starts + i
@@ -622,35 +578,11 @@ class TargetEngine(PrefillParts):
             hidden, aux_cat = out.hidden, out.aux
         return hidden, self._split_aux(aux_cat, layers)
 
-    def _aux_layers(self, inputs) -> tuple[int, ...]:
-        """The layers whose outputs the batch's features read, sorted (the forward returns them concatenated)."""
-        return tuple(sorted({i for inp in inputs for i in self.requests[inp.request_id].feature_layers}))
-
-    def _split_aux(self, aux_cat, layers: tuple[int, ...]) -> dict:
-        h = self.cfg.hidden_size
-        return {layer: aux_cat[:, j * h : (j + 1) * h] for j, layer in enumerate(layers)} if layers else {}
-
-    @staticmethod
-    def _features(req: TargetRequest, hidden, aux: dict, rows: torch.Tensor | slice) -> torch.Tensor:
-        """The feature the request's draft consumes, at `rows` of the batch (indices, or a slice: copied, never a
-        view, since `hidden` may be a captured graph's output, which the next replay overwrites).
-        # [len(rows), feature_size]"""
-        copied = not isinstance(rows, slice)  # an index reads into new memory; a slice is a view
-        if copied:
-            rows = to_device(rows, hidden.device)
-        parts = [hidden[rows]] if not req.feature_layers else [aux[i][rows] for i in req.feature_layers]
-        return parts[0] if copied and len(parts) == 1 else torch.cat(parts, dim=-1)
-
     def _pick(self, req: TargetRequest, logits: torch.Tensor) -> list[int]:
         if req.sampling.greedy:
             return logits.argmax(-1).tolist()
         probs = _host_probs(logits, req.sampling)
         return [sample(p, req.generator) for p in probs]
-
-
-def _one_layer_set(reqs: list[TargetRequest]) -> bool:
-    """Whether every request wants features and all read the same layers: the batch's features are one copy."""
-    return all(r.features for r in reqs) and len({r.feature_layers for r in reqs}) == 1
 
 
 def _host_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
