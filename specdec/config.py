@@ -120,10 +120,24 @@ class ModelConfig:
             num_layers = int(raw["num_hidden_layers"])
             vocab = int(raw["vocab_size"])
             intermediate = int(raw["intermediate_size"])
+            num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
+            head_dim = int(raw.get("head_dim") or (hidden // num_heads if num_heads > 0 else 0))
+            draft_vocab = int(raw.get("draft_vocab_size") or vocab)
         except KeyError as exc:
             raise ConfigError(f"{path}/config.json: missing field {exc.args[0]!r}") from exc
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{path}/config.json: a size field is not a whole number ({exc})") from exc
+        sizes = {"hidden_size": hidden, "num_attention_heads": num_heads, "num_hidden_layers": num_layers,
+                 "vocab_size": vocab, "intermediate_size": intermediate, "num_key_value_heads": num_kv_heads,
+                 "head_dim": head_dim, "draft_vocab_size": draft_vocab}
+        bad = next((k for k, v in sizes.items() if v <= 0), None)
+        if bad is not None:  # (0 heads divided by zero; a negative context failed in torch: QA)
+            raise ConfigError(f"{path}/config.json: {bad} must be a positive whole number, not {sizes[bad]}")
+        try:
+            eps = float(raw.get("rms_norm_eps", 1e-6))
+        except (TypeError, ValueError):
+            raise ConfigError(f"{path}/config.json: rms_norm_eps {raw.get('rms_norm_eps')!r} is not a number") \
+                from None
         _check_computable(raw, path)
         rope_theta, rope_scaling = _rope(raw, path)
         eos_ids = eos_token_ids({}, raw, path)
@@ -135,17 +149,17 @@ class ModelConfig:
             intermediate_size=intermediate,
             num_layers=num_layers,
             num_heads=num_heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-            head_dim=int(raw.get("head_dim") or hidden // num_heads),
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
             vocab_size=vocab,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=eps,
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=_max_positions(raw, path),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)) and kind != "eagle3",
             eos_token_ids=eos_ids,
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
-            draft_vocab_size=int(raw.get("draft_vocab_size") or vocab),
+            draft_vocab_size=draft_vocab,
             aux_layer_inputs=_aux_layer_inputs(raw, kind),
         )
 
@@ -174,19 +188,40 @@ def _check_computable(raw: dict, path: str) -> None:
             raise ConfigError(f"{path}: {flag}=true is not supported (projections without biases only)")
 
 
+def _declared_positions(raw: dict, path: str) -> int:
+    """`max_position_embeddings` as transformers reads it: the key's value, else its default (2048 for Llama, 131072
+    for Mistral)."""
+    most = raw.get("max_position_embeddings")
+    if most is None:
+        return 131072 if (raw.get("architectures") or [""])[0] == "MistralForCausalLM" else 2048
+    try:
+        most = int(most)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{path}/config.json: max_position_embeddings {most!r} is not a whole number") from None
+    if most <= 0:
+        raise ConfigError(f"{path}/config.json: max_position_embeddings must be a positive whole number, not {most}")
+    return most
+
+
 def _max_positions(raw: dict, path: str) -> int:
-    """`max_position_embeddings`, capped at a Mistral `sliding_window` below it: attention over a window is not
-    implemented, and within the window full attention is the same thing (past it, it is not: QA)."""
-    most = int(raw.get("max_position_embeddings", 4096))
-    window = raw.get("sliding_window")
-    if window and raw.get("use_sliding_window", True) and int(window) < most:
+    """`max_position_embeddings` (`_declared_positions`), capped at a Mistral `sliding_window` below it: attention
+    over a window is not implemented, and within the window full attention is the same thing (past it, it is not:
+    QA). A Mistral config without the key has transformers' window of 4096; one whose key is null has none."""
+    most = _declared_positions(raw, path)
+    mistral = (raw.get("architectures") or [""])[0] == "MistralForCausalLM"
+    window = raw.get("sliding_window", 4096 if mistral else None)
+    try:
+        window = int(window) if window else None
+    except (TypeError, ValueError):
+        raise ConfigError(f"{path}/config.json: sliding_window {window!r} is not a whole number") from None
+    if window and raw.get("use_sliding_window", True) and window < most:
         if path in _WINDOW_SAID:  # (a draft reads its target's config several times at start)
-            return int(window)
+            return window
         _WINDOW_SAID.add(path)
         log.warning("%s: sliding_window %d < max_position_embeddings %d: the context is capped at %d (attention "
-                    "over a sliding window is not implemented; within it, it is full attention)", path, int(window),
-                    most, int(window))
-        return int(window)
+                    "over a sliding window is not implemented; within it, it is full attention)", path, window,
+                    most, window)
+        return window
     return most
 
 
@@ -208,8 +243,8 @@ def _rope(raw: dict, path: str) -> tuple[float, RopeScaling | None]:
     if raw.get("original_max_position_embeddings") is not None:
         rs["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
     elif rs.get("original_max_position_embeddings") is None:
-        rs["original_max_position_embeddings"] = raw.get("max_position_embeddings")
-    return theta, _parse_rope_scaling(rs, path, raw.get("max_position_embeddings"))
+        rs["original_max_position_embeddings"] = _declared_positions(raw, path)
+    return theta, _parse_rope_scaling(rs, path, _declared_positions(raw, path))
 
 
 def _parse_rope_scaling(rs: dict, path: str, max_positions=None) -> RopeScaling | None:

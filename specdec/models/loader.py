@@ -151,12 +151,25 @@ def load_draft(
         fuse_projections(model)
         return model.eval()
     own.pop("t2d", None)  # the draft->target map d2t is all we need
+    if "d2t" in own:
+        _check_d2t(own["d2t"], cfg.vocab_size, path)
     # an EAGLE-3 head over the whole target vocabulary may ship no map: d2t stays zero (draft id == target id)
     skip = {"d2t"} if cfg.kind == "eagle3" and "d2t" not in own and cfg.draft_vocab_size == cfg.vocab_size else set()
     shared = _shared_from_target(cfg, target_cfg, target_path, dtype, device, have=own)
     _fill(model, {**shared, **own}, str(path), skip=skip)
     fuse_projections(model)
     return model.eval()
+
+
+def _check_d2t(d2t: torch.Tensor, vocab_size: int, path) -> None:
+    """A head's draft->target map (target id = draft id + d2t[draft id]) names target ids only: one outside the
+    vocabulary failed every request's first draft step (IndexError on a CPU, a device assert on a GPU: QA)."""
+    ids = torch.arange(d2t.numel(), device=d2t.device) + d2t.reshape(-1).long()
+    bad = ((ids < 0) | (ids >= vocab_size)).nonzero()
+    if bad.numel():
+        i = int(bad[0, 0])
+        raise ConfigError(f"{path}: d2t maps draft id {i} to {int(ids[i])}, outside the target's vocabulary "
+                          f"[0, {vocab_size}) ({bad.numel()} such ids): the map belongs to another target")
 
 
 def _eagle1_input_norm(cfg: ModelConfig, own: dict[str, torch.Tensor], path) -> ModelConfig:

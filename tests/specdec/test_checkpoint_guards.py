@@ -39,9 +39,17 @@ def single(tmp_path_factory):
     ({"rope_scaling": {"rope_type": "llama3"}}, 'llama3 needs a "factor"'),
     ({"rope_scaling": "llama3"}, "rope_scaling must be an object"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": "eight"}}, "not a number"),
-    # no pre-training context anywhere (transformers would take its class's default max_position_embeddings)
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, 'needs "original_max_position_embeddings"'),
     ({"hidden_size": "big"}, "not a whole number"),
+    # each field named, not a traceback (QA: ValueError, ZeroDivisionError, a torch RuntimeError, a context of 0)
+    ({"num_key_value_heads": "two"}, "a size field is not a whole number"),
+    ({"head_dim": "48?"}, "a size field is not a whole number"),
+    ({"rms_norm_eps": "tiny"}, "rms_norm_eps 'tiny' is not a number"),
+    ({"max_position_embeddings": "512k"}, "max_position_embeddings '512k' is not a whole number"),
+    ({"num_attention_heads": 0}, "num_attention_heads must be a positive whole number, not 0"),
+    ({"num_key_value_heads": -2}, "num_key_value_heads must be a positive whole number, not -2"),
+    ({"max_position_embeddings": -5}, "max_position_embeddings must be a positive whole number, not -5"),
+    ({"max_position_embeddings": 0}, "max_position_embeddings must be a positive whole number, not 0"),
+    ({"architectures": ["MistralForCausalLM"], "sliding_window": "wide"}, "sliding_window 'wide' is not a whole"),
 ])
 def test_configs_the_model_code_does_not_compute_are_refused_by_name(tmp_path, changes, message):
     raw = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
@@ -50,6 +58,25 @@ def test_configs_the_model_code_does_not_compute_are_refused_by_name(tmp_path, c
         ModelConfig.from_dict(raw, "m")
     with pytest.raises(ConfigError, match="not a JSON object"):
         ModelConfig.from_dict([raw], "m")
+
+
+def test_absent_context_fields_take_transformers_defaults():
+    """Llama without `max_position_embeddings`: 2048 (was 4096); Mistral without it: 131072, and without a
+    `sliding_window` key transformers' window of 4096 (was full attention: other tokens than transformers' past
+    4096, QA); a null window is none. A llama3 scaling without a pre-training context takes the default too."""
+    from transformers import LlamaConfig, MistralConfig
+
+    base = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 96,
+            "intermediate_size": 128}
+    llama = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], **base}, "m")
+    assert llama.max_position_embeddings == LlamaConfig(**base).max_position_embeddings == 2048
+    mistral = ModelConfig.from_dict({"architectures": ["MistralForCausalLM"], **base}, "m-default")
+    assert mistral.max_position_embeddings == MistralConfig(**base).sliding_window == 4096
+    unwindowed = ModelConfig.from_dict({"architectures": ["MistralForCausalLM"], **base, "sliding_window": None}, "m")
+    assert unwindowed.max_position_embeddings == MistralConfig(**base).max_position_embeddings == 131072
+    scaled = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], **base,
+                                    "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "m")
+    assert scaled.rope_scaling.original_max_position_embeddings == 2048
 
 
 def test_a_mistral_sliding_window_caps_the_context(caplog):
@@ -139,3 +166,17 @@ def test_an_eagle3_head_over_the_whole_vocabulary_may_ship_no_map(single, tmp_pa
     save_file({k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}, str(reduced / "model.safetensors"))
     with pytest.raises(ConfigError, match="'d2t' not found"):
         load_draft(reduced, single, torch.float32)
+
+
+@pytest.mark.parametrize(("shift", "message"), [(1000, "d2t maps draft id 0 to 1000, outside"),
+                                                 (-100, "d2t maps draft id 0 to -100, outside")])
+def test_an_eagle3_map_to_ids_outside_the_target_vocabulary_is_refused_at_load(single, tmp_path, shift, message):
+    """A head whose d2t names target ids the target does not have started, and then every request failed at its
+    first draft step (IndexError in the embedding on a CPU; a device assert on a GPU: QA)."""
+    cfg = json.loads((single / "config.json").read_text())
+    head = make_eagle(tmp_path / "eagle3", cfg, "eagle3", draft_vocab=48)
+    tensors = load_file(str(head / "model.safetensors"))
+    tensors["d2t"][0] = shift
+    save_file(tensors, str(head / "model.safetensors"))
+    with pytest.raises(ConfigError, match=f"{message} the target's vocabulary \\[0, 96\\)"):
+        load_draft(head, single, torch.float32)

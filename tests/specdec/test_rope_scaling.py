@@ -136,7 +136,6 @@ _RAW = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention
     ({"rope_type": "dynamic", "factor": -2.0}, "factor must be > 0, not -2.0"),
     ({**YARN, "attention_factor": 0.0}, "attention_factor must be > 0"),
     ({**YARN, "truncate": "no"}, "truncate must be true or false, not 'no'"),
-    ({"rope_type": "yarn", "factor": 4.0}, 'yarn needs "original_max_position_embeddings"'),  # nor a max_positions
     ({"rope_type": "longrope", "factor": 4.0}, "'longrope' is not supported \\(supported: default, linear, dynamic"),
     ({**YARN, "original_max_position_embeddings": 0}, "original_max_position_embeddings must be > 0, not 0"),
     ({**YARN, "beta_slow": -1}, "beta_fast and beta_slow must be > 0, not 32.0 / -1.0"),
