@@ -1,7 +1,7 @@
 """A verify's features read on the host without a copy after its verdict (`TargetEngine.verify(...,
 features_on_host=True)`: the target service, whose reply carries them in host memory anyway). Off unless
-`SPECDEC_HOST_FEATURES=1`: its GPU path is tested and measured on a GPU before it becomes the default
-(docs/benchmarks.md, forty-fourth pass).
+`SPECDEC_HOST_FEATURES=1` until its GPU test (`tests/gpu/test_host_features_gpu.py`) passes; its gain, measured on an
+H100, is the verify phase 0.2-0.3 ms shorter at batch 1 (docs/benchmarks.md, forty-fifth pass).
 
 The features a draft needs are the rows of the accepted paths, known only once the logits' argmax is on the host.
 Gathered then, they cost a gather kernel, a device-to-host copy and a wait after the verdict, while the GPU idles
