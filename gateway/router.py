@@ -25,6 +25,7 @@ import grpc.aio
 
 from gateway.config import PairAddress
 from gateway.downstream import DraftClient, Health, HealthCheck, TargetClient
+from gateway.model_shape import ModelShape
 from specdec.errors import NotReady
 from specdec.rpc.tls import TlsConfig
 from specdec.spec_params import TREE_CAP_FIELDS
@@ -95,13 +96,16 @@ class Lease:
 
 
 class Router:
-    def __init__(self, pairs: Sequence[Pair], health_interval_s: float = 2.0, vocab_size: int = 0) -> None:
-        """`vocab_size`: the vocabulary of the model the gateway tokenizes for (its `--model`'s config.json; 0:
-        unknown): a target whose model has another one is kept down, its ids would not be this tokenizer's."""
+    def __init__(self, pairs: Sequence[Pair], health_interval_s: float = 2.0,
+                 shape: ModelShape = ModelShape()) -> None:
+        """`shape`: the model the gateway tokenizes for (its `--model`'s config.json; fields 0: unknown): a target
+        whose model has another vocabulary, width or depth is kept down (`ModelShape.misfit`)."""
         self.pairs = list(pairs)
         self._health_interval_s = health_interval_s
-        self._vocab_size = vocab_size
-        self._turn = itertools.count()
+        self._shape = shape
+        # a round-robin turn per kind of request: one counter for both sent alternating speculative and plain
+        # requests of 2 pairs all to one pair each (QA: drafts served [0, 6] of 6)
+        self._turns = {True: itertools.count(), False: itertools.count()}
         self._health_tasks: list[asyncio.Task] = []
         self._missed: dict[tuple[int, Part], int] = {}  # (pair index, part) -> unanswered health checks in a row
         # (pair index, part) -> the states logged since it last went up or down ("up", or the `Health` values it
@@ -113,12 +117,12 @@ class Router:
 
     @classmethod
     def connect(cls, addresses: Sequence[PairAddress], tls: TlsConfig | None, health_interval_s: float,
-                vocab_size: int = 0) -> Router:
+                shape: ModelShape = ModelShape()) -> Router:
         pairs = [
             Pair(i, addr, TargetClient(addr.target, tls), DraftClient(addr.draft, tls) if addr.draft else None)
             for i, addr in enumerate(addresses)
         ]
-        return cls(pairs, health_interval_s, vocab_size)
+        return cls(pairs, health_interval_s, shape)
 
     # -- leases ---------------------------------------------------------------------------------------------
     def acquire(self, speculative: bool, exclude: Sequence[Pair] = (),
@@ -128,7 +132,7 @@ class Router:
         candidates = [p for p in self.pairs if p.usable and p not in exclude]
         if not candidates:
             raise self._none_available()
-        turn = next(self._turn)
+        turn = next(self._turns[speculative])
         n = len(self.pairs)
 
         def rank(pair: Pair) -> tuple[bool, int, int]:
@@ -281,9 +285,8 @@ class Router:
         then nothing of it is kept (the model card and the context checks read what is)."""
         with contextlib.suppress(grpc.aio.AioRpcError):
             info = await pair.target.model_info()
-            if self._vocab_size and info.vocab_size and info.vocab_size != self._vocab_size:
-                return (f"it serves {info.model or 'a model'} of vocabulary {info.vocab_size}, the gateway's "
-                        f"--model has {self._vocab_size}: not the model this gateway tokenizes for")
+            if misfit := self._shape.misfit(info):
+                return misfit
             pair.target_model, pair.max_context_len = info.model, info.max_context_len
         return ""
 

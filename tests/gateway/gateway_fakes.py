@@ -101,6 +101,7 @@ class _Behaviour:
 class FakeTarget(target_pb2_grpc.TargetServiceServicer, _Behaviour):
     max_context_len = 512
     vocab_size = 0  # GetModelInfo's (0: not said)
+    num_layers = 0  # GetModelInfo's (0: not said)
     release_delay_s = 0.0  # a Release answers this late
 
     async def Generate(self, request, context):
@@ -114,7 +115,8 @@ class FakeTarget(target_pb2_grpc.TargetServiceServicer, _Behaviour):
 
     async def GetModelInfo(self, request, context):
         return target_pb2.TargetServiceGetModelInfoResponse(
-            model="fake-target", max_context_len=self.max_context_len, eos_token_ids=[EOS], vocab_size=self.vocab_size
+            model="fake-target", max_context_len=self.max_context_len, eos_token_ids=[EOS], vocab_size=self.vocab_size,
+            num_layers=self.num_layers
         )
 
 

@@ -223,6 +223,35 @@ def test_a_target_of_another_vocabulary_is_kept_down_until_it_serves_the_gateway
                     f"{2 * vocab}, the gateway's --model has {vocab}: not the model this gateway tokenizes for"]
 
 
+def test_a_target_of_the_same_vocabulary_but_another_depth_is_kept_down(fake_model, model_dir, caplog):
+    """Same vocabulary, another model (QA: a 4-layer copy of the tiny target was taken up, and every plain request
+    routed there came back as its text with OK): the width and depth of the gateway's --model are checked too."""
+    import json
+    from pathlib import Path
+
+    from gateway.model_shape import ModelShape
+
+    caplog.set_level(logging.INFO, logger=ROUTER_LOG)
+    layers = json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"]
+    assert ModelShape.from_dir(model_dir).num_layers == layers
+
+    async def body():
+        async with fake_stack(fake_model, model_dir, num_pairs=2) as (pairs, gateway, stub):
+            wrong = gateway.router.pairs[1]
+            pairs[1].target.num_layers = layers // 2
+            wrong.target_up = False  # as after its restart: learnt again at its next check
+            await check_until(gateway.router, lambda: any("layers" in m for _, m in router_lines(caplog)))
+            assert not wrong.usable and gateway.router.pairs_up == 1
+            pairs[1].target.num_layers = layers
+            await check_until(gateway.router, lambda: wrong.usable)
+            return wrong, router_lines(caplog)
+
+    wrong, lines = run(body())
+    said = [m for level, m in lines if level == "WARNING" and "layers" in m]
+    assert said == [f"{wrong}: target {wrong.address.target} is down: it serves fake-target of {layers // 2} "
+                    f"layers, the gateway's --model has {layers}: not the model this gateway tokenizes for"]
+
+
 def test_each_change_is_logged_once_and_each_reason_once_while_down(monkeypatch, caplog):
     """Scripted checks of one draft: up; unanswered until marked down (a WARNING: its streams move on); refused
     (a new reason: INFO, once) and unanswered again (said already: nothing) while down; up again; taken out by a
