@@ -63,7 +63,8 @@ def _drive(sched: Scheduler, results: dict[str, GenerationResult]) -> None:
             if ev.from_verify:  # tokens committed per target step (several plain steps: one each)
                 res.accept_lengths += [len(ev.tokens)] if ev.num_steps == 1 else [1] * ev.num_steps
             res.finish_reason = ev.finish_reason
-            state = states.get(ev.request_id) or sched.running.get(ev.request_id)
+            rid = ev.request_id
+            state = states.get(rid) or sched.running.get(rid) or sched.ended.get(rid)
             if state is not None:
                 res.num_verify_steps = state.num_verify_steps
                 res.accepted_per_position = list(state.accepted_per_position)

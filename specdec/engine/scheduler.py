@@ -92,6 +92,9 @@ class Scheduler(Admission):
         self.admitting: list[RunState] = []  # taken off `waiting`, their prefill under way (`Admission._admit`)
         self.flights = Flights()  # long prompts prefilled in parts meanwhile (`Admission._send_long`)
         self.running: dict[str, RunState] = {}
+        # the requests the last `step` ended, with their counters: one admitted and finished within a step is in
+        # `running` neither before it nor after (accept-eval read 0 target steps for them: QA)
+        self.ended: dict[str, RunState] = {}
         self._aborts: set[str] = set()
         # ids whose clients have left, as the engine loop hears of it (any thread adds, before the abort call that
         # follows reaches this thread): an admission of several groups takes none of them (`Admission._drop_left`)
@@ -145,6 +148,7 @@ class Scheduler(Admission):
 
     # ---- one step -------------------------------------------------------------------------------------------
     def step(self) -> list[Event]:
+        self.ended = {}
         events = self._apply_aborts()
         events += self._expire_blocked()
         t0, queued = time.perf_counter(), len(self.waiting)
@@ -493,7 +497,9 @@ class Scheduler(Admission):
             state.accepted_per_position[i] += 1
 
     def _finish(self, rid: str, release_target: bool) -> None:
-        self.running.pop(rid, None)
+        state = self.running.pop(rid, None)
+        if state is not None:
+            self.ended[rid] = state
         if self.draft is not None and rid in self.draft.requests:
             self.draft.release(rid)
         if release_target:

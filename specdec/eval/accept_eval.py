@@ -33,10 +33,11 @@ class EvalSettings:
 
 
 def read_prompts(path: str, limit: int | None) -> list[str]:
-    """The "prompt" of each JSONL line (ConfigError naming the file and line when it cannot be read)."""
+    """The "prompt" of each JSONL line (ConfigError naming the file and line when it cannot be read, or when it holds
+    none: an empty file divided by zero after the models loaded, QA)."""
     prompts = []
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             for number, line in enumerate(f, 1):
                 if line.strip():
                     try:
@@ -48,6 +49,10 @@ def read_prompts(path: str, limit: int | None) -> list[str]:
                     break
     except OSError as exc:
         raise ConfigError(f"--prompts {path}: cannot read it ({exc.strerror or exc})") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"--prompts {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+    if not prompts:
+        raise ConfigError(f"--prompts {path}: no prompts in it")
     return prompts
 
 

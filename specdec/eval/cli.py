@@ -28,9 +28,11 @@ def register(subparsers) -> None:
     p.add_argument("--limit", type=ranged(int, 1, what="prompts"), default=None,
                    help="use the first N prompts (N >= 1)")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--max-prompt-tokens", type=int, default=256, help="keep the last N prompt tokens, default 256")
+    p.add_argument("--max-prompt-tokens", type=ranged(int, 1, what="tokens"), default=256,
+                   help="keep the last N prompt tokens (N >= 1), default 256")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (checked token for token)")
-    p.add_argument("--batch-size", type=int, default=1, help="requests decoded together, default 1")
+    p.add_argument("--batch-size", type=ranged(int, 1, what="requests"), default=1,
+                   help="requests decoded together (N >= 1), default 1")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto", help="auto = float32 on CPU, bfloat16 on GPU")
     p.add_argument("--attention-backend", default="torch")

@@ -57,12 +57,19 @@ def run(args: argparse.Namespace) -> int:
                 return 2
             texts = (f.read_text(encoding="utf-8", errors="replace") for f in files)
             counts = count_tokens(tokenizer.encode_ordinary, texts)
+            if not counts:  # (an empty map was written, and refused by every reader of it: QA)
+                print(f"error: --corpus: no tokens in its {len(files)} files", file=sys.stderr)
+                return 2
             ids = most_frequent(counts, args.size)
             total = sum(counts.values())
             covered = sum(counts[i] for i in ids)
             print(f"{len(ids)} tokens of {len(counts)} seen cover {100 * covered / max(total, 1):.1f}% of the "
                   f"{total} tokens in {len(files)} files", file=sys.stderr)
-        write_token_map(ids, args.out)
+        try:
+            write_token_map(ids, args.out)
+        except OSError as exc:
+            print(f"error: --out {args.out}: cannot write it ({exc.strerror or exc})", file=sys.stderr)
+            return 2
     except (SpecdecError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

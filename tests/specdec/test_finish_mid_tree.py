@@ -100,3 +100,13 @@ def test_abort_mid_generation_frees_everything(prompts):
     while sched.has_work:
         sched.step()
     _assert_pools_whole(target, draft)
+
+
+def test_a_request_that_ends_in_its_first_step_keeps_its_counters(prompts):
+    """Admitted and finished within one scheduler step, a request is in `running` neither before the step nor after
+    it: its verify steps and accepted positions were lost (accept-eval read tau 0.0 and 0 target steps at
+    --max-new-tokens 3, while its histogram held the step: QA). The scheduler's `ended` keeps them for the step."""
+    out = generate(tiny_target(), tiny_draft(), prompts[:1], SamplingParams(max_new_tokens=3), max_batch_size=4)[0]
+    assert out.finish_reason == LENGTH and len(out.tokens) == 3
+    assert out.num_verify_steps == len(out.accept_lengths) >= 1
+    assert out.num_draft_tokens > 0  # its step verified drafts, counted

@@ -142,6 +142,11 @@ def test_token_map_command_from_a_corpus_and_from_an_eagle3_head(tmp_path, capsy
     assert cli_main(["token-map", "--from-eagle3", str(TINY / "draft-eagle3"), "--out", str(out)]) == 0
     assert read_token_map(out, VOCAB) == eagle3_draft_vocab(TINY / "draft-eagle3")
     assert cli_main(["token-map", "--corpus", str(corpus), "--out", str(out)]) == 2  # no tokenizer
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")  # an empty map was written before, and refused by every reader (QA)
+    assert cli_main(["token-map", "--corpus", str(empty), "--tokenizer", str(TINY / "target"), "--out",
+                     str(out)]) == 2
+    assert cli_main(["token-map", "--from-eagle3", str(TINY / "draft-eagle3"), "--out", str(tmp_path)]) == 2
     assert cli_main(["token-map", "--from-eagle3", str(TINY / "draft"), "--out", str(out)]) == 2  # an EAGLE-1 head
     assert "no d2t" in capsys.readouterr().err
 
