@@ -21,16 +21,17 @@ class ModelShape:
     num_layers: int = 0
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path | None) -> ModelShape:
-        """The shape config.json states; the fields it lacks (or a directory without one) are unknown. A config
-        that does not parse is the tokenizer's to refuse (it reads the same file)."""
+    def from_dir(cls, model_dir: str | Path | None, vocab_size: int) -> ModelShape:
+        """`vocab_size` (the tokenizer's reading of config.json, `Tokenizer.model_vocab_size`) and the width and
+        depth config.json states; the fields it lacks (or a directory without one) are unknown. A config that does
+        not parse is the tokenizer's to refuse (it reads the same file)."""
         path = Path(model_dir) / "config.json" if model_dir else None
         try:
             raw = json.loads(path.read_bytes()) if path is not None and path.is_file() else {}
         except (OSError, ValueError):
             raw = {}
         raw = raw if isinstance(raw, dict) else {}
-        return cls(*(_whole(raw.get(key)) for key, _, _ in FIELDS))
+        return cls(vocab_size, *(_whole(raw.get(key)) for key, _, _ in FIELDS[1:]))
 
     def misfit(self, info) -> str:
         """Why a target whose GetModelInfo is `info` serves another model ("" when it fits, or is not known)."""

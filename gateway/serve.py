@@ -90,9 +90,7 @@ async def start_gateway(
 ) -> RunningGateway:
     """Start serving (call inside the event loop); `await gateway.stop()` when done."""
     tokenizer = load_tokenizer(config.model_dir)
-    shape = ModelShape.from_dir(config.model_dir)
-    if not shape.vocab_size:  # (a tokenizer directory whose config.json the shape could not read)
-        shape = replace(shape, vocab_size=tokenizer.model_vocab_size)
+    shape = ModelShape.from_dir(config.model_dir, tokenizer.model_vocab_size)
     router = Router.connect(config.pairs, pair_tls(tls), config.health_interval_s, shape)
     servicer = GatewayServicer(tokenizer, router, config.limits, config.model_dir, clients_by_key=bool(api_keys),
                                served_model_name=config.served_model_name, pair_wait_s=config.pair_wait_s)

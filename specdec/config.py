@@ -188,12 +188,16 @@ def _check_computable(raw: dict, path: str) -> None:
             raise ConfigError(f"{path}: {flag}=true is not supported (projections without biases only)")
 
 
+def _is_mistral(raw: dict) -> bool:
+    return (raw.get("architectures") or [""])[0] == "MistralForCausalLM"
+
+
 def _declared_positions(raw: dict, path: str) -> int:
     """`max_position_embeddings` as transformers reads it: the key's value, else its default (2048 for Llama, 131072
     for Mistral)."""
     most = raw.get("max_position_embeddings")
     if most is None:
-        return 131072 if (raw.get("architectures") or [""])[0] == "MistralForCausalLM" else 2048
+        return 131072 if _is_mistral(raw) else 2048
     try:
         most = int(most)
     except (TypeError, ValueError):
@@ -208,8 +212,7 @@ def _max_positions(raw: dict, path: str) -> int:
     over a window is not implemented, and within the window full attention is the same thing (past it, it is not:
     QA). A Mistral config without the key has transformers' window of 4096; one whose key is null has none."""
     most = _declared_positions(raw, path)
-    mistral = (raw.get("architectures") or [""])[0] == "MistralForCausalLM"
-    window = raw.get("sliding_window", 4096 if mistral else None)
+    window = raw.get("sliding_window", 4096 if _is_mistral(raw) else None)
     try:
         window = int(window) if window else None
     except (TypeError, ValueError):
@@ -239,15 +242,15 @@ def _rope(raw: dict, path: str) -> tuple[float, RopeScaling | None]:
         theta = float(rs.get("rope_theta") or raw.get("rope_theta") or 10000.0)
     except (TypeError, ValueError):
         raise ConfigError(f"{path}: rope_theta is not a number") from None
-    rs = dict(rs)
+    rs, declared = dict(rs), _declared_positions(raw, path)
     if raw.get("original_max_position_embeddings") is not None:
         rs["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
     elif rs.get("original_max_position_embeddings") is None:
-        rs["original_max_position_embeddings"] = _declared_positions(raw, path)
-    return theta, _parse_rope_scaling(rs, path, _declared_positions(raw, path))
+        rs["original_max_position_embeddings"] = declared
+    return theta, _parse_rope_scaling(rs, path, declared)
 
 
-def _parse_rope_scaling(rs: dict, path: str, max_positions=None) -> RopeScaling | None:
+def _parse_rope_scaling(rs: dict, path: str, max_positions: int) -> RopeScaling | None:
     """The scaling a `rope_scaling` object asks for; None for the default rope. Refused by name: a type the model
     code does not compute (longrope, ...), a missing or non-positive `factor` (transformers refuses a missing one;
     for one <= 0 it only warns and computes NaN or mirrored positions), a field that is not a number. A yarn
@@ -261,8 +264,7 @@ def _parse_rope_scaling(rs: dict, path: str, max_positions=None) -> RopeScaling 
                           f"{', '.join(ROPE_TYPES)})")
     factor = _number(rs, "factor", path)
     if factor is None and rope_type == "yarn" and "factor" in rs and rs.get("original_max_position_embeddings"):
-        factor = _number({"max_position_embeddings": max_positions}, "max_position_embeddings", path)
-        factor = factor / _number(rs, "original_max_position_embeddings", path) if factor is not None else None
+        factor = max_positions / _number(rs, "original_max_position_embeddings", path)
     if factor is None:
         raise ConfigError(f"{path}: rope_scaling of type {rope_type} needs a \"factor\"")
     if not factor > 0:

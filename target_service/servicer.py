@@ -136,8 +136,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         nor one a failed part released already, nor a later request under the id."""
         rid = inp.request_id
         part = self.engine.prefilling.get(rid)
-        running = self.engine.requests.get(rid)
-        if part.inp is inp if part is not None else admitted is not None and running is admitted:
+        if admitted is None and part is not None and part.inp is inp:  # it left while its admission ran
+            admitted = self.engine.requests.get(rid)
+        if admitted is not None and self.engine.requests.get(rid) is admitted:
             self.engine.release(rid)
 
     async def Verify(self, request, context):

@@ -23,6 +23,11 @@ def one_layer_set(reqs: list) -> bool:
     return all(r.features for r in reqs) and len({r.feature_layers for r in reqs}) == 1
 
 
+def _starts(rows: list[int]) -> list[int]:
+    """The first row of each request's part of a batch whose requests have `rows` rows each."""
+    return [0, *itertools.accumulate(rows)][:-1]
+
+
 class VerifyFeatures:
     def _stage_features(self, inputs: list[VerifyInput], hidden, aux: dict) -> StagedRows | None:
         """Every row's features on their way to the host, for a batch whose requests all read the same layers
@@ -53,17 +58,15 @@ class VerifyFeatures:
     def _batch_features_of(self, reqs: list[TargetRequest], rows: list[int], committed: list[list[int]], hidden,
                            aux) -> list:
         if len({r.feature_layers for r in reqs}) > 1:
-            starts = [0, *itertools.accumulate(rows)][:-1]
-            return [self._features(r, hidden, aux, s + torch.tensor(c)) for r, s, c in zip(reqs, starts, committed,
-                                                                                          strict=True)]
+            return [self._features(r, hidden, aux, s + torch.tensor(c))
+                    for r, s, c in zip(reqs, _starts(rows), committed, strict=True)]
         return self._rows_of(rows, committed, lambda at: self._features(reqs[0], hidden, aux, at))
 
     @staticmethod
     def _rows_of(rows: list[int], committed: list[list[int]], read) -> list:
         """Each request's committed rows of the batch's features, one `read(rows)` for all. The first row to the
         last with no gap (a chain at batch 1, a plain step) is one slice, read without an index tensor."""
-        starts = [0, *itertools.accumulate(rows)][:-1]
-        flat = [s + r for s, c in zip(starts, committed, strict=True) for r in c]
+        flat = [s + r for s, c in zip(_starts(rows), committed, strict=True) for r in c]
         whole = flat[-1] - flat[0] == len(flat) - 1 and flat == list(range(flat[0], flat[-1] + 1))
         at = slice(flat[0], flat[-1] + 1) if whole else host_tensor(flat)
         return list(read(at).split([len(c) for c in committed]))

@@ -233,7 +233,7 @@ def test_a_target_of_the_same_vocabulary_but_another_depth_is_kept_down(fake_mod
 
     caplog.set_level(logging.INFO, logger=ROUTER_LOG)
     layers = json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"]
-    assert ModelShape.from_dir(model_dir).num_layers == layers
+    assert ModelShape.from_dir(model_dir, 0).num_layers == layers
 
     async def body():
         async with fake_stack(fake_model, model_dir, num_pairs=2) as (pairs, gateway, stub):
